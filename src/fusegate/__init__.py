@@ -1,0 +1,43 @@
+"""fusegate: fused tensor-parallel collectives, chosen by capability and measurement.
+
+Importing the package does nothing heavy: no torch import, no probing, no compiling. The public
+names below are resolved on first use (PEP 562), so `fusegate audit` runs without torch.
+"""
+
+from fusegate._version import __version__
+
+_LAZY = {
+    "Communicator": "fusegate.api",
+    "probe": "fusegate.probe",
+    "Capabilities": "fusegate.probe.capabilities",
+    "Op": "fusegate.spec",
+    "Problem": "fusegate.spec",
+    "GroupInfo": "fusegate.spec",
+    "Verdict": "fusegate.spec",
+    "Needs": "fusegate.spec",
+    "Strategy": "fusegate.backends.base",
+    "register": "fusegate.backends",
+    "strategy_names": "fusegate.backends",
+    "get_strategy": "fusegate.backends",
+    "admission": "fusegate.backends",
+    "all_reduce_ref": "fusegate.reference",
+    "residual_rmsnorm_ref": "fusegate.reference",
+    "all_reduce_residual_rmsnorm_ref": "fusegate.reference",
+    "TOLERANCE": "fusegate.reference",
+}
+
+__all__ = ["__version__", *_LAZY]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'fusegate' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(__all__)

@@ -1,0 +1,180 @@
+"""The public entry point: `Communicator`, bound to a torch.distributed process group.
+
+    comm = fusegate.Communicator()                       # world group, strategy="auto"
+    y = comm.all_reduce(x)                               # sum over ranks, out of place
+    normed, residual = comm.all_reduce_residual_rmsnorm(x, residual, weight, eps=1e-6)
+
+Every method is a collective: all ranks of the group call it in the same order with the same
+shapes and dtypes. Construction is a collective too (ranks agree on the group's facts once).
+Calls run on the caller's current CUDA stream. The ops' exact meaning and rounding points are in
+`fusegate.reference`; every strategy matches it and returns identical bits on every rank.
+
+Strategy choice: `strategy="auto"` consults the dispatch table written by `fusegate tune` (see
+`fusegate.dispatch`); an explicit name (or FUSEGATE_STRATEGY) is honoured, and a call it cannot
+serve raises ValueError with the admission reason. `debug=True` (or FUSEGATE_DEBUG=1) checks before
+each collective that all ranks agree on shape and dtype, turning a would-be hang into an error.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from fusegate import env
+from fusegate.backends import admission, get_strategy, strategy_names
+from fusegate.backends.base import Strategy, StrategyContext
+from fusegate.dispatch import Choice, default_choice
+from fusegate.group import agree_group_info
+from fusegate.spec import Op, Problem, dtype_name
+from fusegate.validation import as_rows, check_all_reduce, check_residual_rmsnorm
+
+
+class Communicator:
+    def __init__(self, group=None, *, strategy: str = "auto", debug: bool | None = None, **options) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "Communicator: torch.distributed is not initialized; call "
+                "torch.distributed.init_process_group('gloo' on CPU or 'nccl' on GPUs) first"
+            )
+        from fusegate.probe import probe
+
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+        requested = env.strategy_override() or strategy
+        if requested != "auto" and requested not in strategy_names():
+            raise ValueError(
+                f"Communicator: unknown strategy {requested!r}; use 'auto' or one of: {', '.join(strategy_names())}"
+            )
+        self.requested = requested
+        self.debug = env.debug_enabled() if debug is None else bool(debug)
+        self.options = options
+        self.caps = probe()
+        self.info = agree_group_info(self.group, self.caps)
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.info.device_type == "cuda" else torch.device("cpu")
+        self._instances: dict[str, Strategy] = {}
+        self._choices: dict[tuple, Choice] = {}
+        self._closed = False
+
+    # ---- public ops -------------------------------------------------------------------------
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum of `x` over the group's ranks: out of place, same shape and dtype (fp32 accumulation)."""
+        check_all_reduce(x, device=self.device)
+        rows = as_rows(x)
+        problem = self._problem(Op.ALL_REDUCE, rows, has_residual=False)
+        if rows.shape[0] == 0 or rows.numel() == 0:
+            return torch.empty_like(x, memory_format=torch.contiguous_format)
+        return self._strategy(problem).all_reduce(rows).view(x.shape)
+
+    def all_reduce_residual_rmsnorm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float = 1e-6
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(normed, new_residual): new_residual = residual + allreduce(x); normed = rmsnorm(new_residual) * weight.
+
+        `residual=None` means no residual (the first layer): new_residual is allreduce(x). Shapes
+        (..., hidden); weight (hidden,); all in one floating dtype. Rounding points: see
+        fusegate.reference. Zero tokens returns empty outputs without communicating.
+        """
+        check_residual_rmsnorm(x, residual, weight, eps, device=self.device)
+        rows = as_rows(x)
+        res_rows = as_rows(residual) if residual is not None else None
+        problem = self._problem(Op.ALL_REDUCE_RESIDUAL_RMSNORM, rows, has_residual=residual is not None)
+        if rows.shape[0] == 0:
+            empty = torch.empty_like(x, memory_format=torch.contiguous_format)
+            return empty, empty.clone()
+        normed, new_residual = self._strategy(problem).all_reduce_residual_rmsnorm(
+            rows, res_rows, weight.contiguous(), float(eps)
+        )
+        return normed.view(x.shape), new_residual.view(x.shape)
+
+    def prepare(self, *, hidden: int, dtype: torch.dtype, max_tokens: int) -> None:
+        """Set up every strategy that calls up to `max_tokens x hidden` may use; call before graph capture."""
+        for tokens in _token_buckets(max_tokens):
+            for op in Op:
+                problem = Problem(op, tokens, hidden, dtype_name(dtype), self.info)
+                self._strategy(problem)
+        for instance in self._instances.values():
+            instance.prepare(hidden=hidden, dtype=dtype, max_tokens=max_tokens)
+
+    def strategy_for(self, op: Op, num_tokens: int, hidden: int, dtype: torch.dtype, *, has_residual: bool = True) -> Choice:
+        """Which strategy a call of this shape would use, and why."""
+        return self._choose(Problem(Op(op), num_tokens, hidden, dtype_name(dtype), self.info, has_residual))
+
+    # ---- lifecycle --------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Release every strategy's resources (collective for strategies with peer buffers)."""
+        if self._closed:
+            return
+        for instance in self._instances.values():
+            instance.close()
+        self._instances.clear()
+        self._closed = True
+
+    def __enter__(self) -> "Communicator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- internals --------------------------------------------------------------------------
+
+    def _problem(self, op: Op, rows: torch.Tensor, *, has_residual: bool) -> Problem:
+        if self._closed:
+            raise RuntimeError("Communicator: used after close(); create a new Communicator")
+        if self.debug:
+            self._check_ranks_agree(op, rows)
+        return Problem(op, rows.shape[0], rows.shape[1], dtype_name(rows.dtype), self.info, has_residual)
+
+    def _choose(self, problem: Problem) -> Choice:
+        key = (problem.op, problem.num_tokens, problem.hidden, problem.dtype, problem.has_residual)
+        choice = self._choices.get(key)
+        if choice is not None:
+            return choice
+        if self.requested != "auto":
+            verdict = get_strategy(self.requested).admits(problem, self.caps)
+            if not verdict.ok:
+                raise ValueError(
+                    f"{problem.op.value}: strategy {self.requested!r} cannot run "
+                    f"{problem.num_tokens}x{problem.hidden} {problem.dtype} here: {verdict.reason}; "
+                    "use strategy='auto' to fall back"
+                )
+            choice = Choice(self.requested, "explicit", "requested by the caller")
+        else:
+            choice = default_choice(admission(problem, self.caps))
+        self._choices[key] = choice
+        return choice
+
+    def _strategy(self, problem: Problem) -> Strategy:
+        name = self._choose(problem).name
+        instance = self._instances.get(name)
+        if instance is None:
+            ctx = StrategyContext(
+                group=self.group,
+                rank=self.rank,
+                world_size=self.world_size,
+                problem_group=self.info,
+                caps=self.caps,
+                device=self.device,
+                options=dict(self.options),
+            )
+            instance = self._instances[name] = get_strategy(name)(ctx)
+        return instance
+
+    def _check_ranks_agree(self, op: Op, rows: torch.Tensor) -> None:
+        mine = (op.value, tuple(rows.shape), str(rows.dtype))
+        everyone: list = [None] * self.world_size
+        dist.all_gather_object(everyone, mine, group=self.group)
+        if any(e != everyone[0] for e in everyone):
+            table = "; ".join(f"rank {r}: {e[0]} {e[1]} {e[2]}" for r, e in enumerate(everyone))
+            raise ValueError(f"{op.value}: ranks disagree on the call ({table}); every rank must pass the same shape and dtype")
+
+
+def _token_buckets(max_tokens: int) -> list[int]:
+    buckets, tokens = [], 1
+    while tokens < max_tokens:
+        buckets.append(tokens)
+        tokens *= 2
+    buckets.append(max_tokens)
+    return buckets

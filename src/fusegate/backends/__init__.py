@@ -1,0 +1,54 @@
+"""Strategy registry: name -> lazily imported Strategy class, and admission over all of them.
+
+Strategy modules import torch, Triton or optional packages; they are imported only when a strategy
+is asked for, never at package import. A module that fails to import makes its strategy
+not-admitted with the import error as the reason, instead of breaking every other strategy.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+from fusegate.spec import Problem, Verdict
+
+if TYPE_CHECKING:
+    from fusegate.backends.base import Strategy
+    from fusegate.probe.capabilities import Capabilities
+
+# name -> "module:Class". Order is the order doctor lists them in.
+_REGISTRY: dict[str, str] = {
+    "reference": "fusegate.backends.reference:ReferenceStrategy",
+}
+
+
+def register(name: str, target: str) -> None:
+    """Register a strategy class by import path ("package.module:Class"); later names win."""
+    if ":" not in target:
+        raise ValueError(f"register: target {target!r} must look like 'package.module:Class'")
+    _REGISTRY[name] = target
+
+
+def strategy_names() -> list[str]:
+    return list(_REGISTRY)
+
+
+def get_strategy(name: str) -> type["Strategy"]:
+    """The Strategy class registered as `name` (ValueError listing the valid names if unknown)."""
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown strategy {name!r}; registered strategies: {', '.join(_REGISTRY)}")
+    module_name, _, class_name = _REGISTRY[name].partition(":")
+    return getattr(importlib.import_module(module_name), class_name)
+
+
+def admission(problem: Problem, caps: "Capabilities", names: list[str] | None = None) -> dict[str, Verdict]:
+    """Verdict of every registered (or every named) strategy for `problem` on `caps`."""
+    verdicts: dict[str, Verdict] = {}
+    for name in names or strategy_names():
+        try:
+            cls = get_strategy(name)
+        except ImportError as exc:
+            verdicts[name] = Verdict.no(f"cannot import {_REGISTRY[name]}: {exc}")
+            continue
+        verdicts[name] = cls.admits(problem, caps)
+    return verdicts

@@ -1,0 +1,37 @@
+"""The `reference` strategy: torch.distributed all_reduce, then add and RMSNorm in plain torch.
+
+Runs wherever torch.distributed runs (gloo on CPU, NCCL on GPUs, across nodes). 16-bit inputs are
+reduced in fp32 (twice the bytes of a bf16 allreduce) so that the sum is accumulated in fp32 as
+the op's contract says; the epilogue is `fusegate.reference.residual_rmsnorm_ref` itself, so this
+strategy matches the reference bit for bit whenever the fp32 sum is exact. Every rank receives the
+same reduced buffer from the collective, so every rank returns identical bits.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from fusegate.backends.base import Strategy
+from fusegate.reference import accumulation_dtype, residual_rmsnorm_ref
+from fusegate.spec import Needs
+
+
+class ReferenceStrategy(Strategy):
+    name = "reference"
+    description = "torch.distributed all_reduce (fp32 accumulation), then torch add + RMSNorm"
+    fused = False
+    needs = Needs()
+
+    def _reduced(self, x: torch.Tensor) -> torch.Tensor:
+        acc = x.to(accumulation_dtype(x.dtype), copy=True)
+        if self.ctx.world_size > 1:
+            dist.all_reduce(acc, group=self.ctx.group)
+        return acc
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return self._reduced(x).to(x.dtype)
+
+    def all_reduce_residual_rmsnorm(self, x, residual, weight, eps):
+        s = self._reduced(x).to(x.dtype)
+        return residual_rmsnorm_ref(s, residual, weight, eps)

@@ -1,0 +1,1 @@
+"""The `fusegate` command line: one console script, one module per subcommand."""

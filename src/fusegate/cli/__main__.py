@@ -1,0 +1,3 @@
+from fusegate.cli.main import main
+
+raise SystemExit(main())

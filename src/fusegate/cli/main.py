@@ -1,0 +1,55 @@
+"""`fusegate` entry point: builds the argument parser from one module per subcommand.
+
+Each subcommand module defines `add_parser(subparsers)` (cheap: no torch import) and
+`run(args) -> int`. Exit codes: 0 ok, 1 negative verdict (REVERT, gates found with
+--fail-on-gates, a failed check), 2 usage or environment error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from fusegate._version import __version__
+
+# subcommand module names under fusegate.cli, in the order `fusegate --help` lists them.
+COMMANDS = ("doctor", "selftest")
+
+EXIT_OK, EXIT_NEGATIVE, EXIT_USAGE = 0, 1, 2
+
+
+class UsageError(Exception):
+    """Raised by a subcommand for bad arguments or an unusable environment (exit code 2)."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fusegate", description="Fused tensor-parallel collectives: probe, choose, verify, audit.")
+    parser.add_argument("--version", action="version", version=f"fusegate {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages to stderr")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMANDS:
+        module = importlib.import_module(f"fusegate.cli.{name}")
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse exits 2 on usage errors, 0 on --help
+        return int(exc.code or 0)
+    if args.command is None:
+        parser.print_help()
+        return EXIT_USAGE
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.run(args))
+    except UsageError as exc:
+        print(f"fusegate {args.command}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(f"fusegate {args.command}: interrupted", file=sys.stderr)
+        return 130

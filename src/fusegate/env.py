@@ -1,0 +1,43 @@
+"""Every FUSEGATE_* environment variable, declared once, parsed strictly (a bad value raises).
+
+FUSEGATE_STRATEGY   force one strategy for every Communicator (same as strategy=...; all ranks
+                    must set the same value).
+FUSEGATE_DEBUG      "1": check before each collective that all ranks agree on shape and dtype.
+FUSEGATE_CACHE_DIR  where dispatch tables live (default: $XDG_CACHE_HOME/fusegate or ~/.cache/fusegate).
+FUSEGATE_TIMEOUT_S  bound on every device-side spin-wait, seconds (default 5).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def strategy_override() -> str | None:
+    value = os.environ.get("FUSEGATE_STRATEGY", "").strip()
+    return value or None
+
+
+def debug_enabled() -> bool:
+    value = os.environ.get("FUSEGATE_DEBUG", "0").strip().lower()
+    if value not in ("0", "1", "false", "true", ""):
+        raise ValueError(f"FUSEGATE_DEBUG={value!r}: use 1 (on) or 0 (off)")
+    return value in ("1", "true")
+
+
+def cache_dir() -> Path:
+    if os.environ.get("FUSEGATE_CACHE_DIR"):
+        return Path(os.environ["FUSEGATE_CACHE_DIR"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "fusegate"
+
+
+def spin_timeout_s() -> float:
+    raw = os.environ.get("FUSEGATE_TIMEOUT_S", "5")
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"FUSEGATE_TIMEOUT_S={raw!r}: give a number of seconds, e.g. 5") from None
+    if value <= 0:
+        raise ValueError(f"FUSEGATE_TIMEOUT_S={raw!r}: must be > 0 seconds")
+    return value

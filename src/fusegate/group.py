@@ -1,0 +1,88 @@
+"""Agreeing on a process group's facts once, so that every rank admits and chooses alike.
+
+`agree_group_info` runs one all_gather_object at Communicator construction (a collective: every
+rank of the group must call it). Each rank reports its host, its device and which of the other
+ranks' GPUs it can map; the result is identical on every rank.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import torch
+import torch.distributed as dist
+
+from fusegate.spec import GroupInfo
+
+
+def _local_uuid(index: int) -> str:
+    props = torch.cuda.get_device_properties(index)
+    uuid = getattr(props, "uuid", None)
+    return str(uuid) if uuid is not None else f"{socket.gethostname()}:cuda{index}"
+
+
+def _peer_row(my_index: int, uuids: list[str]) -> list[bool]:
+    """For every rank's GPU UUID: can this process's GPU map its memory?"""
+    visible = {_local_uuid(i): i for i in range(torch.cuda.device_count())}
+    row = []
+    for uuid in uuids:
+        other = visible.get(uuid)
+        if other is None:
+            row.append(False)  # not visible from this process: no mapping possible
+        elif other == my_index:
+            row.append(True)  # the same GPU: its own memory
+        else:
+            row.append(bool(torch.cuda.can_device_access_peer(my_index, other)))
+    return row
+
+
+def device_type_of(group) -> str:
+    backend = str(dist.get_backend(group)).lower()
+    return "cuda" if "nccl" in backend else "cpu"
+
+
+def agree_group_info(group, caps=None) -> GroupInfo:
+    """Collective: the GroupInfo of `group`, identical on every rank."""
+    world_size = dist.get_world_size(group)
+    backend = str(dist.get_backend(group)).lower()
+    device_type = device_type_of(group)
+    host = socket.gethostname()
+    if device_type == "cuda":
+        index = torch.cuda.current_device()
+        me = {"host": host, "device": _local_uuid(index), "index": index}
+    else:
+        me = {"host": host, "device": "cpu", "index": -1}
+    everyone: list = [None] * world_size
+    dist.all_gather_object(everyone, me, group=group)
+    hosts = {e["host"] for e in everyone}
+    devices = tuple(e["device"] for e in everyone)
+    peer_access = False
+    native_atomics = False
+    if device_type == "cuda" and len(hosts) == 1:
+        rows: list = [None] * world_size
+        dist.all_gather_object(rows, _peer_row(me["index"], list(devices)), group=group)
+        peer_access = all(all(row) for row in rows)
+        native_atomics = peer_access and _all_native_atomics(caps, [e["index"] for e in everyone])
+    return GroupInfo(
+        world_size=world_size,
+        backend=backend,
+        device_type=device_type,
+        num_hosts=len(hosts),
+        devices=devices,
+        peer_access=peer_access,
+        native_atomics=native_atomics,
+        shares_device=device_type == "cuda" and len(set(devices)) < world_size,
+    )
+
+
+def _all_native_atomics(caps, indices: list[int]) -> bool:
+    if caps is None:
+        return False
+    for a in set(indices):
+        for b in set(indices):
+            if a == b:
+                continue
+            link = caps.link(a, b)
+            if link is None or not link.native_atomics:
+                return False
+    return True

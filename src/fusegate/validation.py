@@ -1,0 +1,61 @@
+"""Input checks for the public ops: every error names the argument, what was wrong, and the fix.
+
+Contract on layout: inputs of shape (..., hidden) are accepted and viewed as (tokens, hidden);
+non-contiguous inputs are copied to a contiguous tensor first (one extra copy; pass contiguous
+tensors on hot paths). Outputs are always contiguous and have the input's shape.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _fail(op: str, message: str, exc=ValueError):
+    raise exc(f"{op}: {message}")
+
+
+def check_tensor(op: str, arg: str, t, *, device: torch.device) -> None:
+    if not isinstance(t, torch.Tensor):
+        _fail(op, f"{arg} must be a torch.Tensor, got {type(t).__name__}", TypeError)
+    if t.dim() == 0:
+        _fail(op, f"{arg} is a 0-dim tensor; pass at least (hidden,) or (tokens, hidden), e.g. {arg}.reshape(1, -1)")
+    if t.dtype not in SUPPORTED_DTYPES:
+        names = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
+        _fail(op, f"{arg} has dtype {t.dtype}; supported floating dtypes are {names}; cast with {arg}.to(torch.bfloat16)", TypeError)
+    if t.device.type != device.type or (device.type == "cuda" and device.index is not None and t.device.index != device.index):
+        _fail(op, f"{arg} is on {t.device} but this communicator works on {device}; move it with {arg}.to({str(device)!r})")
+
+
+def check_all_reduce(x, *, device: torch.device) -> None:
+    check_tensor("all_reduce", "x", x, device=device)
+
+
+def check_residual_rmsnorm(x, residual, weight, eps, *, device: torch.device) -> None:
+    op = "all_reduce_residual_rmsnorm"
+    check_tensor(op, "x", x, device=device)
+    hidden = x.shape[-1]
+    if residual is not None:
+        check_tensor(op, "residual", residual, device=device)
+        if residual.shape != x.shape:
+            _fail(op, f"residual has shape {tuple(residual.shape)} but x has {tuple(x.shape)}; they must match (pass residual=None for the first layer)")
+        if residual.dtype != x.dtype:
+            _fail(op, f"residual has dtype {residual.dtype} but x has {x.dtype}; cast with residual.to(x.dtype)", TypeError)
+    check_tensor(op, "weight", weight, device=device)
+    if weight.shape != (hidden,):
+        _fail(op, f"weight has shape {tuple(weight.shape)} but the hidden size of x is {hidden}; weight must have shape ({hidden},)")
+    if weight.dtype != x.dtype:
+        _fail(op, f"weight has dtype {weight.dtype} but x has {x.dtype}; cast with weight.to(x.dtype)", TypeError)
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
+        _fail(op, f"eps must be a float, got {type(eps).__name__}", TypeError)
+    if not math.isfinite(eps) or eps < 0:
+        _fail(op, f"eps is {eps}; it must be a finite number >= 0 (typically 1e-6 or 1e-5)")
+
+
+def as_rows(t: torch.Tensor) -> torch.Tensor:
+    """(..., hidden) -> contiguous (tokens, hidden) view (a copy only when `t` is not contiguous)."""
+    return t.contiguous().view(-1, t.shape[-1])
