@@ -24,13 +24,18 @@ from fusegate import env
 from fusegate.backends import admission, get_strategy, strategy_names
 from fusegate.backends.base import Strategy, StrategyContext
 from fusegate.dispatch import Choice, default_choice
-from fusegate.group import agree_group_info
+from fusegate.group import agree_group_info, device_type_of
 from fusegate.spec import Op, Problem, dtype_name
 from fusegate.validation import as_rows, check_all_reduce, check_residual_rmsnorm
 
 
 class Communicator:
-    def __init__(self, group=None, *, strategy: str = "auto", debug: bool | None = None, **options) -> None:
+    def __init__(
+        self, group=None, *, strategy: str = "auto", device=None, debug: bool | None = None, **options
+    ) -> None:
+        """`device`: where the tensors live; default CUDA (current device) for NCCL groups, else CPU.
+        Pass device="cuda" with a gloo group to run CUDA tensors over gloo, e.g. several ranks
+        sharing one GPU (NCCL refuses that). `options` reach every strategy (see each strategy)."""
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "Communicator: torch.distributed is not initialized; call "
@@ -50,8 +55,13 @@ class Communicator:
         self.debug = env.debug_enabled() if debug is None else bool(debug)
         self.options = options
         self.caps = probe()
-        self.info = agree_group_info(self.group, self.caps)
-        self.device = torch.device("cuda", torch.cuda.current_device()) if self.info.device_type == "cuda" else torch.device("cpu")
+        device_type = torch.device(device).type if device is not None else device_type_of(self.group)
+        if device_type not in ("cpu", "cuda"):
+            raise ValueError(f"Communicator: device {device!r} is not supported; use 'cpu' or 'cuda'")
+        if device_type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError("Communicator: device='cuda' but torch sees no CUDA GPU; use a gloo group with device='cpu'")
+        self.info = agree_group_info(self.group, self.caps, device_type=device_type)
+        self.device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
         self._instances: dict[str, Strategy] = {}
         self._choices: dict[tuple, Choice] = {}
         self._closed = False

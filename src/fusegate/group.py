@@ -41,11 +41,14 @@ def device_type_of(group) -> str:
     return "cuda" if "nccl" in backend else "cpu"
 
 
-def agree_group_info(group, caps=None) -> GroupInfo:
-    """Collective: the GroupInfo of `group`, identical on every rank."""
+def agree_group_info(group, caps=None, *, device_type: str | None = None) -> GroupInfo:
+    """Collective: the GroupInfo of `group`, identical on every rank.
+
+    `device_type` defaults to "cuda" for NCCL groups and "cpu" otherwise; "cuda" with a gloo
+    group describes ranks that hold CUDA tensors but talk over gloo (e.g. sharing one GPU)."""
     world_size = dist.get_world_size(group)
     backend = str(dist.get_backend(group)).lower()
-    device_type = device_type_of(group)
+    device_type = device_type or device_type_of(group)
     host = socket.gethostname()
     if device_type == "cuda":
         index = torch.cuda.current_device()
