@@ -5,6 +5,8 @@ FUSEGATE_STRATEGY   force one strategy for every Communicator (same as strategy=
 FUSEGATE_DEBUG      "1": check before each collective that all ranks agree on shape and dtype.
 FUSEGATE_CACHE_DIR  where dispatch tables live (default: $XDG_CACHE_HOME/fusegate or ~/.cache/fusegate).
 FUSEGATE_TIMEOUT_S  bound on every device-side spin-wait, seconds (default 5).
+FUSEGATE_STRATEGIES extra strategies to register, "name=package.module:Class,..." (plugins; spawned
+                    ranks inherit the environment, so they see the same registry as the parent).
 """
 
 from __future__ import annotations
@@ -41,3 +43,16 @@ def spin_timeout_s() -> float:
     if value <= 0:
         raise ValueError(f"FUSEGATE_TIMEOUT_S={raw!r}: must be > 0 seconds")
     return value
+
+
+def extra_strategies() -> dict[str, str]:
+    raw = os.environ.get("FUSEGATE_STRATEGIES", "").strip()
+    entries: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in raw.split(","))):
+        name, sep, target = item.partition("=")
+        if not sep or ":" not in target or not name.strip():
+            raise ValueError(
+                f"FUSEGATE_STRATEGIES: entry {item!r} must look like name=package.module:Class"
+            )
+        entries[name.strip()] = target.strip()
+    return entries

@@ -22,22 +22,32 @@ _REGISTRY: dict[str, str] = {
 }
 
 
+def _registry() -> dict[str, str]:
+    """Built-in strategies plus FUSEGATE_STRATEGIES plugins (read on every call: cheap, and a
+    test or a launcher may set it after import)."""
+    from fusegate.env import extra_strategies
+
+    return {**_REGISTRY, **extra_strategies()}
+
+
 def register(name: str, target: str) -> None:
-    """Register a strategy class by import path ("package.module:Class"); later names win."""
+    """Register a strategy class by import path ("package.module:Class") in this process; later
+    names win. Ranks spawned later do not see it: use FUSEGATE_STRATEGIES for those."""
     if ":" not in target:
         raise ValueError(f"register: target {target!r} must look like 'package.module:Class'")
     _REGISTRY[name] = target
 
 
 def strategy_names() -> list[str]:
-    return list(_REGISTRY)
+    return list(_registry())
 
 
 def get_strategy(name: str) -> type["Strategy"]:
     """The Strategy class registered as `name` (ValueError listing the valid names if unknown)."""
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown strategy {name!r}; registered strategies: {', '.join(_REGISTRY)}")
-    module_name, _, class_name = _REGISTRY[name].partition(":")
+    registry = _registry()
+    if name not in registry:
+        raise ValueError(f"unknown strategy {name!r}; registered strategies: {', '.join(registry)}")
+    module_name, _, class_name = registry[name].partition(":")
     return getattr(importlib.import_module(module_name), class_name)
 
 
@@ -48,7 +58,7 @@ def admission(problem: Problem, caps: "Capabilities", names: list[str] | None = 
         try:
             cls = get_strategy(name)
         except ImportError as exc:
-            verdicts[name] = Verdict.no(f"cannot import {_REGISTRY[name]}: {exc}")
+            verdicts[name] = Verdict.no(f"cannot import {_registry()[name]}: {exc}")
             continue
         verdicts[name] = cls.admits(problem, caps)
     return verdicts

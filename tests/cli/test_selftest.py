@@ -1,0 +1,42 @@
+"""`fusegate selftest`: real ranks, the table's content, and a failing strategy caught."""
+
+import json
+import os
+from pathlib import Path
+
+from fusegate.cli.main import main
+
+TESTS_DIR = str(Path(__file__).resolve().parents[1])
+
+
+def test_selftest_two_ranks_passes_and_prints_the_table(capsys):
+    code = main(["selftest", "--world-size", "2", "--strategy", "reference", "--repeats", "2"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "fusegate selftest: world size 2, gloo" in out
+    for text in ("reference", "ar+add+norm", "exact", "random", "4x6144", "4x8192", "bf16", "fp16", "fp32", "PASS"):
+        assert text in out
+    assert "21 passed, 0 failed" in out
+
+
+def test_selftest_json_and_a_wrong_strategy_fails_with_exit_1(capsys, monkeypatch):
+    monkeypatch.setenv("FUSEGATE_STRATEGIES", "drops_last_rank=plugins.broken:DropsLastRankStrategy")
+    monkeypatch.setenv("PYTHONPATH", TESTS_DIR + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    code = main(["selftest", "--world-size", "2", "--strategy", "drops_last_rank", "--strategy", "reference",
+                 "--repeats", "1", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 1 and report["passed"] is False and report["world_size"] == 2
+    by_strategy = {}
+    for row in report["results"]:
+        by_strategy.setdefault(row["strategy"], []).append(row)
+    assert all(row["passed"] for row in by_strategy["reference"])
+    broken = by_strategy["drops_last_rank"]
+    assert broken and not any(row["passed"] for row in broken)
+    assert all(row["error"] > 0 for row in broken)
+
+
+def test_selftest_usage_errors_exit_2(capsys):
+    assert main(["selftest", "--world-size", "0"]) == 2
+    assert "--world-size must be >= 1" in capsys.readouterr().err
+    assert main(["selftest", "--strategy", "nope"]) == 2
+    assert "unknown strategy 'nope'" in capsys.readouterr().err
