@@ -23,7 +23,7 @@ import torch.distributed as dist
 from fusegate import env
 from fusegate.backends import admission, get_strategy, strategy_names
 from fusegate.backends.base import Strategy, StrategyContext
-from fusegate.dispatch import Choice, default_choice
+from fusegate.dispatch import CONSERVATIVE_DEFAULT, Choice, choose, warn_once
 from fusegate.group import agree_group_info, device_type_of
 from fusegate.spec import Op, Problem, dtype_name
 from fusegate.validation import as_rows, check_all_reduce, check_residual_rmsnorm
@@ -65,6 +65,12 @@ class Communicator:
         self._instances: dict[str, Strategy] = {}
         self._choices: dict[tuple, Choice] = {}
         self._closed = False
+        # Collective: every rank loads its dispatch table and all agree on its digest, or all
+        # use none (fusegate.tune.agree). Loaded once; `fusegate tune` output applies to new
+        # Communicators.
+        from fusegate.tune.agree import agreed_table
+
+        self.table, self.table_note = agreed_table(self.group, self.info, self.caps)
 
     # ---- public ops -------------------------------------------------------------------------
 
@@ -142,17 +148,24 @@ class Communicator:
         choice = self._choices.get(key)
         if choice is not None:
             return choice
-        if self.requested != "auto":
-            verdict = get_strategy(self.requested).admits(problem, self.caps)
-            if not verdict.ok:
-                raise ValueError(
-                    f"{problem.op.value}: strategy {self.requested!r} cannot run "
-                    f"{problem.num_tokens}x{problem.hidden} {problem.dtype} here: {verdict.reason}; "
-                    "use strategy='auto' to fall back"
-                )
-            choice = Choice(self.requested, "explicit", "requested by the caller")
-        else:
-            choice = default_choice(admission(problem, self.caps))
+        if self.requested == "auto" and self.table is None:
+            warn_once(
+                f"no-table:{self.table_note}",
+                f"Communicator: {self.table_note}; using the conservative default "
+                f"({' then '.join(CONSERVATIVE_DEFAULT)}, first admitted). Measure this machine with "
+                f"`fusegate tune --world-size {self.world_size} --preset <model>` (or --hidden H).",
+            )
+        names = [self.requested] if self.requested != "auto" else None
+        choice = choose(
+            problem,
+            admission(problem, self.caps, names),
+            requested=self.requested,
+            table=self.table,
+            is_fused=_is_fused,
+            requested_by="FUSEGATE_STRATEGY" if env.strategy_override() else "strategy=",
+        )
+        if choice.warning:
+            warn_once(f"override:{choice.name}:{key}", f"Communicator: {choice.warning}")
         self._choices[key] = choice
         return choice
 
@@ -179,6 +192,13 @@ class Communicator:
         if any(e != everyone[0] for e in everyone):
             table = "; ".join(f"rank {r}: {e[0]} {e[1]} {e[2]}" for r, e in enumerate(everyone))
             raise ValueError(f"{op.value}: ranks disagree on the call ({table}); every rank must pass the same shape and dtype")
+
+
+def _is_fused(name: str) -> bool:
+    try:
+        return bool(get_strategy(name).fused)
+    except (ImportError, ValueError):  # not importable or not registered: never admitted anyway
+        return False
 
 
 def _token_buckets(max_tokens: int) -> list[int]:

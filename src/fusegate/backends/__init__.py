@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 # name -> "module:Class". Order is the order doctor lists them in.
 _REGISTRY: dict[str, str] = {
     "reference": "fusegate.backends.reference:ReferenceStrategy",
+    "ring": "fusegate.backends.ring:RingStrategy",
 }
 
 

@@ -1,0 +1,66 @@
+"""Candidates for one problem: the admitted strategies, their instances, and their timed calls.
+
+`CandidatePool` creates each strategy instance once for a whole tune or verify run (bound to the
+caller's group), prepares it for every hidden size before any timing, and closes them all in
+registry order at the end (close may be collective for strategies holding peer buffers, so every
+rank closes the same instances in the same order).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from fusegate.backends import admission, get_strategy
+from fusegate.backends.base import Strategy, StrategyContext
+from fusegate.reference import random_inputs
+from fusegate.spec import Op, Problem, Verdict
+
+
+def is_fused(name: str) -> bool:
+    """True when the strategy runs collective and epilogue in one kernel (the guard's subject)."""
+    try:
+        return bool(get_strategy(name).fused)
+    except (ImportError, ValueError):
+        return False
+
+
+def admitted(problem: Problem, caps, names: list[str] | None = None) -> tuple[list[str], dict[str, Verdict]]:
+    """(admitted names in registry order, every verdict) for `problem`."""
+    verdicts = admission(problem, caps, names)
+    return [n for n, v in verdicts.items() if v.ok], verdicts
+
+
+class CandidatePool:
+    def __init__(self, *, group, rank: int, world_size: int, info, caps, device: torch.device, options: dict | None = None) -> None:
+        self._ctx = StrategyContext(group=group, rank=rank, world_size=world_size, problem_group=info,
+                                    caps=caps, device=device, options=dict(options or {}))
+        self._instances: dict[str, Strategy] = {}
+        self._prepared: set[tuple] = set()
+
+    def get(self, name: str, *, hidden: int, dtype: torch.dtype, max_tokens: int) -> Strategy:
+        instance = self._instances.get(name)
+        if instance is None:
+            instance = self._instances[name] = get_strategy(name)(self._ctx)
+        key = (name, hidden, dtype, max_tokens)
+        if key not in self._prepared:
+            instance.prepare(hidden=hidden, dtype=dtype, max_tokens=max_tokens)
+            self._prepared.add(key)
+        return instance
+
+    def close(self) -> None:
+        for instance in self._instances.values():
+            instance.close()
+        self._instances.clear()
+
+
+def timed_call(instance: Strategy, op: Op, *, rank: int, tokens: int, hidden: int, dtype: torch.dtype,
+               device: torch.device) -> Callable[[], object]:
+    """A no-argument call of `op` on fixed random inputs (never zeros) of this rank."""
+    x = random_inputs(rank, tokens, hidden, dtype, seed=21, device=device)
+    if op == Op.ALL_REDUCE:
+        return lambda: instance.all_reduce(x)
+    residual = random_inputs(10_000, tokens, hidden, dtype, seed=22, device=device)
+    weight = (1 + 0.1 * torch.randn(hidden, generator=torch.Generator().manual_seed(23))).to(dtype).to(device)
+    return lambda: instance.all_reduce_residual_rmsnorm(x, residual, weight, 1e-6)
