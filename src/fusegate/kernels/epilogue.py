@@ -1,0 +1,145 @@
+"""Fused residual-add + RMSNorm: one pass over x, residual and weight; writes normed and new_residual.
+
+    new_residual = round_dt(f32(s) + f32(residual))          # s itself when residual is None
+    normed       = round_dt(h * (1 / sqrt(sum(h^2) / H + eps)) * f32(weight)),  h = f32(new_residual)
+
+the rounding points of `fusegate.reference.residual_rmsnorm_ref`. new_residual matches the
+reference bit for bit. normed differs from it only through the order of the H-term sum of squares
+(a tree here, sequential in torch), so it matches within `TOLERANCE`, and exactly whenever that
+sum is exact (small-integer inputs). 1/sqrt is computed correctly rounded (sqrt_rn, div_rn), not
+with the approximate rsqrt, for the same reason.
+
+Shapes: s, residual, normed, new_residual (M, H) contiguous; weight (H,). Any H up to 16384 (one
+program holds a whole row in registers: BLOCK_H = next power of two >= H, masked); bf16, fp16 and
+fp32. `residual_rmsnorm` is the validated launcher; `epilogue_row` is the per-row helper the fused
+collectives call. CUDA-graph safe: no host sync, no allocation except the outputs.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_HIDDEN = 16384  # one row in registers; BLOCK_H 16384 x fp32 over 16 warps = 32 floats a thread
+SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def interpreting() -> bool:
+    """True when kernels run in the Triton interpreter (no inline assembly there)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def round_like(y, like, SOFT_BF16: tl.constexpr):
+    """fp32 `y` rounded to nearest-even in `like`'s dtype.
+
+    The Triton 3.6 interpreter truncates fp32 -> bf16 casts (and its "rtne" mode does not carry
+    into the exponent), so with SOFT_BF16 the rounding is done on the bits, as torch does it on
+    CPU. GPUs use the native conversion (cvt.rn), which gives the same bits.
+    """
+    if SOFT_BF16 and like.dtype == tl.bfloat16:
+        u = y.to(tl.uint32, bitcast=True)
+        u = u + 0x7FFF + ((u >> 16) & 1)
+        r = (u >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        r = y.to(like.dtype)
+    return r
+
+
+@triton.jit
+def epilogue_row(
+    s, row, cols, mask, res_ptr, w_ptr, out_ptr, newres_ptr, H, eps,
+    HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr, SOFT_BF16: tl.constexpr,
+):
+    """Finish one row from its allreduce output `s` (already rounded to the data dtype).
+
+    HAS_NORM=False stores s to `out_ptr` (the plain allreduce). Offsets are int64 so that
+    M x H may exceed 2^31 elements.
+    """
+    offs = row.to(tl.int64) * H + cols
+    if HAS_NORM:
+        if HAS_RES:
+            r = tl.load(res_ptr + offs, mask=mask, other=0.0)
+            nr = round_like(s.to(tl.float32) + r.to(tl.float32), s, SOFT_BF16)
+        else:
+            nr = s
+        tl.store(newres_ptr + offs, nr, mask=mask)
+        h = nr.to(tl.float32)
+        ms = tl.math.div_rn(tl.sum(h * h, axis=0), H.to(tl.float32))
+        inv = tl.math.div_rn(1.0, tl.math.sqrt_rn(ms + eps))
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        y = h * inv * w
+        tl.store(out_ptr + offs, round_like(y, s, SOFT_BF16), mask=mask)
+    else:
+        tl.store(out_ptr + offs, s, mask=mask)
+
+
+@triton.jit(do_not_specialize=["M"])  # H stays specialised: its divisibility by 16 enables 128-bit accesses
+def residual_rmsnorm_kernel(
+    s_ptr, res_ptr, w_ptr, out_ptr, newres_ptr, M, H, eps,
+    BLOCK_H: tl.constexpr, ROWS: tl.constexpr, HAS_RES: tl.constexpr, SOFT_BF16: tl.constexpr,
+):
+    """Program p handles rows p*ROWS .. p*ROWS+ROWS-1 (the last program masks its tail)."""
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_H)
+    cmask = cols < H
+    for i in tl.static_range(ROWS):
+        row = pid * ROWS + i
+        mask = cmask & (row < M)
+        s = tl.load(s_ptr + row.to(tl.int64) * H + cols, mask=mask, other=0.0)
+        epilogue_row(s, row, cols, mask, res_ptr, w_ptr, out_ptr, newres_ptr, H, eps, HAS_RES, True, SOFT_BF16)
+
+
+def launch_config(hidden: int, itemsize: int, num_tokens: int) -> tuple[int, int, int]:
+    """(BLOCK_H, num_warps, rows per program), a pure function of the shape.
+
+    Warps are chosen so that each thread holds about 16 bytes per tensor per row (one 128-bit
+    access); 2 rows per program for short rows at prefill sizes, to keep programs from being
+    too small to hide latency. Measured by benchmarks/bench_epilogue.py (configs sweep).
+    """
+    block = triton.next_power_of_2(hidden)
+    bytes_per_row = block * itemsize
+    num_warps = max(1, min(16, bytes_per_row // (16 * 32 * 2)))
+    rows = 2 if (hidden <= 2048 and num_tokens >= 1024) else 1
+    return block, num_warps, rows
+
+
+def residual_rmsnorm(
+    s: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float = 1e-6,
+    *,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    config: tuple[int, int, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(normed, new_residual) of `s` (M, H); see the module docstring. `out` reuses buffers."""
+    _check(s, residual, weight)
+    m, h = s.shape
+    normed, new_res = out if out is not None else (torch.empty_like(s), torch.empty_like(s))
+    if m == 0:
+        return normed, new_res
+    block, warps, rows = config or launch_config(h, s.element_size(), m)
+    grid = (triton.cdiv(m, rows),)
+    residual_rmsnorm_kernel[grid](
+        s, residual if residual is not None else s, weight, normed, new_res, m, h, float(eps),
+        BLOCK_H=block, ROWS=rows, HAS_RES=residual is not None, SOFT_BF16=interpreting(), num_warps=warps,
+    )
+    return normed, new_res
+
+
+def _check(s: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor) -> None:
+    op = "residual_rmsnorm"
+    if s.dim() != 2 or not s.is_contiguous():
+        raise ValueError(f"{op}: s must be a contiguous (tokens, hidden) tensor, got shape {tuple(s.shape)}; use s.contiguous().view(-1, hidden)")
+    if s.dtype not in SUPPORTED:
+        raise TypeError(f"{op}: dtype {s.dtype} is not supported; use bfloat16, float16 or float32")
+    if s.shape[1] > MAX_HIDDEN:
+        raise ValueError(f"{op}: hidden size {s.shape[1]} exceeds {MAX_HIDDEN}; use the reference strategy")
+    if residual is not None and (residual.shape != s.shape or residual.dtype != s.dtype or not residual.is_contiguous()):
+        raise ValueError(f"{op}: residual must be contiguous with the shape and dtype of s {tuple(s.shape)} {s.dtype}")
+    if weight.shape != (s.shape[1],) or weight.dtype != s.dtype or not weight.is_contiguous():
+        raise ValueError(f"{op}: weight must be contiguous, shape ({s.shape[1]},) and dtype {s.dtype}")
