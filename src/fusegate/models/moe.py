@@ -1,0 +1,139 @@
+"""Feed-forward blocks: the dense SwiGLU MLP and the top-k routed MoE, both tensor-parallel.
+
+Each returns this rank's partial sum of the block output (accumulated in fp32, or float64 for a
+float64 model, and rounded once to the model dtype); the decoder reduces it with the Communicator.
+
+MoE sharding: the router is replicated (every rank routes identically: same weights, same input
+bits after the allreduce); routed experts are split across ranks by index (rank r owns experts
+r*E/W .. (r+1)*E/W-1, whole); shared experts are width-sharded like the dense MLP. Routing is
+sigmoid scores, top-k, weights renormalised to sum to 1 (GLM-5 / DeepSeek-V3 score with a sigmoid;
+their bias correction and routed scaling factor are left out).
+
+`RunnerSelector` picks the MoE runner per token count by measurement (see moe_runners), once,
+identically on every rank, and before any CUDA-graph capture (`prepare`).
+
+Shape legend: T tokens, H hidden, K top-k, E experts (local: this rank's).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from fusegate.models import moe_runners
+from fusegate.models.config import ModelConfig
+from fusegate.reference import accumulation_dtype
+from fusegate.models.layers import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, random_tensor
+
+
+class DenseMLP(nn.Module):
+    """SwiGLU MLP, gate/up column-parallel, down row-parallel (partial sums)."""
+
+    def __init__(self, hidden: int, inter: int, *, prefix: str, rank: int, world_size: int, seed: int, layer: int,
+                 dtype, device) -> None:
+        super().__init__()
+        self.gate_up = ColumnParallelLinear(hidden, {f"{prefix}.gate": inter, f"{prefix}.up": inter}, rank=rank,
+                                            world_size=world_size, seed=seed, layer=layer, dtype=dtype, device=device)
+        self.down = RowParallelLinear(inter, hidden, rank=rank, world_size=world_size, seed=seed, layer=layer,
+                                      name=f"{prefix}.down", dtype=dtype, device=device)
+
+    def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x_TH).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class RunnerSelector:
+    """Admission + measured choice of the MoE runner, per token count, shared by all MoE layers."""
+
+    def __init__(self, problem: moe_runners.RunnerProblem, *, group, caps=None, device=None, only: str | None = None):
+        self.problem, self.group, self.caps, self.device = problem, group, caps, device
+        self.verdicts = moe_runners.admission(problem, caps, device=device)
+        if only is not None:
+            if only not in self.verdicts:
+                raise ValueError(f"RunnerSelector: unknown MoE runner {only!r}; choose one of {', '.join(self.verdicts)}")
+            if not self.verdicts[only].ok:
+                raise ValueError(f"RunnerSelector: MoE runner {only!r} is not admitted here: {self.verdicts[only].reason}")
+        self.only = only
+        self.choices: dict[int, moe_runners.RunnerChoice] = {}
+
+    def prepare(self, tokens: int, block: "MoE") -> moe_runners.RunnerChoice:
+        """Choose for `tokens` by timing every admitted runner on `block`'s weights (a collective)."""
+        if tokens in self.choices:
+            return self.choices[tokens]
+        names = [self.only] if self.only else [n for n, v in self.verdicts.items() if v.ok]
+        x = torch.randn(tokens, block.hidden, generator=torch.Generator().manual_seed(tokens)).to(block.w13)
+        ids, weights = block.route(x)
+        args = (x, ids, weights, block.w13, block.w2, block.first_expert)
+        mine = [moe_runners.time_runner(moe_runners.RUNNERS[n], args) if n in names else float("inf")
+                for n in self.verdicts]
+        slowest = torch.tensor(mine, dtype=torch.float64)
+        if dist.get_world_size(self.group) > 1:
+            # Every rank must pick the same runner: take each runner's slowest rank, then the minimum.
+            on_gpu = "nccl" in str(dist.get_backend(self.group)).lower()
+            slowest = slowest.to(self.device) if on_gpu else slowest
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=self.group)
+        timings = {n: float(t) for n, t in zip(self.verdicts, slowest.cpu().tolist()) if n in names}
+        choice = moe_runners.choose({n: self.verdicts[n] for n in names}, timings)
+        if self.only:
+            choice = moe_runners.RunnerChoice(choice.name, f"requested (--moe-runner); {choice.why}", choice.timings_us)
+        self.choices[tokens] = choice
+        return choice
+
+    def runner_for(self, tokens: int, block: "MoE") -> moe_runners.MoERunner:
+        choice = self.choices.get(tokens)
+        if choice is None:
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"RunnerSelector: no MoE runner chosen for {tokens} tokens before graph capture; "
+                                   "call model.prepare(batch) first")
+            choice = self.prepare(tokens, block)
+        return moe_runners.RUNNERS[choice.name]
+
+    def report(self) -> list[dict]:
+        return [{"name": n, "admitted": v.ok, "reason": v.reason} for n, v in self.verdicts.items()]
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, *, selector: RunnerSelector, rank: int, world_size: int,
+                 seed: int, dtype, device) -> None:
+        super().__init__()
+        self.hidden, self.top_k, self.selector = cfg.hidden, cfg.top_k, selector
+        num_local = cfg.num_experts // world_size
+        self.first_expert = rank * num_local
+        self.router = ReplicatedLinear(cfg.hidden, cfg.num_experts, seed=seed, layer=layer, name="router",
+                                       dtype=dtype, device=device)
+        w13, w2 = [], []
+        for e in range(self.first_expert, self.first_expert + num_local):
+            # One generator call per expert matrix, so each rank draws only the experts it owns.
+            draw = lambda name, shape, fan_in: random_tensor(shape, seed=seed, layer=layer, name=f"experts.{e}.{name}",  # noqa: E731
+                                                             std=fan_in**-0.5, dtype=dtype, device=device)
+            w13.append(torch.cat([draw("gate", (cfg.expert_inter, cfg.hidden), cfg.hidden),
+                                  draw("up", (cfg.expert_inter, cfg.hidden), cfg.hidden)]))
+            w2.append(draw("down", (cfg.hidden, cfg.expert_inter), cfg.expert_inter))
+        self.w13 = nn.Parameter(torch.stack(w13), requires_grad=False)  # (E_local, 2I, H)
+        self.w2 = nn.Parameter(torch.stack(w2), requires_grad=False)  # (E_local, H, I)
+        del w13, w2
+        self.shared = None
+        if cfg.num_shared_experts:
+            self.shared = DenseMLP(cfg.hidden, cfg.expert_inter * cfg.num_shared_experts, prefix="shared", rank=rank,
+                                   world_size=world_size, seed=seed, layer=layer, dtype=dtype, device=device)
+
+    def route(self, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(expert ids (T, K), weights (T, K) in the accumulation dtype, summing to 1 per token)."""
+        acc = accumulation_dtype(x_TH.dtype)
+        scores = torch.sigmoid(F.linear(x_TH.to(acc), self.router.weight.to(acc)))
+        weights, ids = scores.topk(self.top_k, dim=-1)
+        return ids, weights / weights.sum(dim=-1, keepdim=True)
+
+    def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
+        ids, weights = self.route(x_TH)
+        runner = self.selector.runner_for(x_TH.shape[0], self)
+        with torch.profiler.record_function("fusegate::moe_experts"):
+            out = runner(x_TH, ids, weights, self.w13, self.w2, self.first_expert)
+        if self.shared is not None:
+            out = out + self.shared(x_TH).to(out.dtype)
+        return out.to(x_TH.dtype)
+
+
+__all__ = ["DenseMLP", "MoE", "RunnerSelector"]
