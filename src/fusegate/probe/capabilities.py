@@ -25,6 +25,9 @@ class GpuInfo:
     pcie_generation: int | None  # current link generation, from NVML
     pcie_width: int | None  # current link width (lanes), from NVML
     pci_bus_id: str | None
+    # Fields below were added after the first release of this class; they default to "not read".
+    pcie_max_generation: int | None = None  # highest generation the link supports, from NVML
+    pcie_max_width: int | None = None  # widest the link supports (lanes), from NVML
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,7 @@ class LinkInfo:
     nvlink_count: int | None = None  # active NVLink links between the two, from NVML
     pcie_level: str | None = None  # common ancestor: "internal", "single", "multiple", "hostbridge", "node", "system"
     native_atomics: bool | None = None  # cudaDevP2PAttrNativeAtomicSupported
+    nvlink_via: str | None = None  # "direct" (GPU to GPU links) or "switch" (NVSwitch fabric)
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,7 @@ class Versions:
     driver: str | None = None
     nccl: str | None = None
     triton: str | None = None
+    cuda_driver: str | None = None  # newest CUDA version the driver supports, e.g. "13.0"
 
 
 @dataclass(frozen=True)
@@ -64,8 +69,10 @@ class OptionalBackend:
 @dataclass(frozen=True)
 class CpuInfo:
     model: str
-    num_cores: int
+    num_cores: int  # logical CPUs in the machine
     memory_bytes: int | None
+    arch: str = ""  # platform.machine(): "x86_64", "aarch64"
+    num_usable_cores: int | None = None  # logical CPUs this process may run on (affinity)
 
 
 @dataclass(frozen=True)

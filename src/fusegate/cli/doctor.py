@@ -1,0 +1,218 @@
+"""`fusegate doctor`: what this machine can do, and which strategies may run here and why not.
+
+Prints the capability probe as tables (machine, GPUs, GPU pairs, versions, optional packages),
+then the admission verdict of every registered strategy for one representative problem (built
+from --op/--tokens/--hidden/--dtype/--world-size), the MoE runner report when that part is
+installed, and with --measure the measured peer fabric. `--json` prints the same content as one
+JSON object on stdout and nothing else there (progress goes to stderr). Exit 0 when the probe
+ran (a strategy that is not admitted is information, not a failure), 2 on usage errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+from fusegate.cli.main import EXIT_OK, UsageError
+
+# GLM-5's hidden size, the model of DESIGN.md's story; 8 tokens is a decode batch where
+# allreduce latency dominates (research/perf-anchors.md). Both are labelled defaults, not measurements.
+DEFAULT_HIDDEN = 6144
+DEFAULT_TOKENS = 8
+DEFAULT_DTYPE = "bfloat16"
+DEFAULT_OP = "all_reduce_residual_rmsnorm"
+CPU_DEFAULT_WORLD_SIZE = 2  # the smallest group with a real collective
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "doctor", help="probe this machine and say which strategies are admitted here, and why not",
+        description=__doc__.split("\n\n")[0],
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.add_argument("--world-size", type=int, default=None, help="ranks of the problem (default: the number of GPUs, or 2 on CPU)")
+    p.add_argument("--hidden", type=int, default=DEFAULT_HIDDEN, help=f"hidden size (default {DEFAULT_HIDDEN}, GLM-5)")
+    p.add_argument("--tokens", type=int, default=DEFAULT_TOKENS, help=f"tokens per call (default {DEFAULT_TOKENS})")
+    p.add_argument("--dtype", default=DEFAULT_DTYPE, help=f"activation dtype (default {DEFAULT_DTYPE})")
+    p.add_argument("--op", default=DEFAULT_OP, help=f"collective op (default {DEFAULT_OP})")
+    p.add_argument("--shared-gpu", action="store_true",
+                   help="model ranks that share one GPU (gloo with CUDA tensors); allows --world-size above the GPU count")
+    p.add_argument("--measure", action="store_true", help="also measure peer read/write bandwidth and latency between GPUs")
+    p.set_defaults(run=run)
+
+
+def _check_args(args) -> "object":
+    """Validates the problem flags before anything is probed; returns the Op."""
+    from fusegate.spec import DTYPE_BYTES, Op
+
+    ops = [op.value for op in Op]
+    if args.op not in ops:
+        raise UsageError(f"--op {args.op!r} is not an op; use one of: {', '.join(ops)}")
+    if args.dtype not in DTYPE_BYTES:
+        raise UsageError(f"--dtype {args.dtype!r} is not supported; use one of: {', '.join(DTYPE_BYTES)}")
+    for flag, value in (("--hidden", args.hidden), ("--tokens", args.tokens), ("--world-size", args.world_size)):
+        if value is not None and value < 1:
+            raise UsageError(f"{flag} {value} must be at least 1; pass a positive integer")
+    return Op(args.op)
+
+
+def representative_problem(args, caps, op):
+    """The Problem admission is asked about, with the GroupInfo such a group would agree on here
+    (the same rules as fusegate.group.agree_group_info, computed from the probe instead of ranks)."""
+    from fusegate.spec import GroupInfo, Op, Problem
+
+    num_gpus = len(caps.gpus)
+    if not caps.has_gpu:
+        if args.shared_gpu:
+            raise UsageError("--shared-gpu needs a CUDA GPU and the probe found none; drop --shared-gpu")
+        world = args.world_size or CPU_DEFAULT_WORLD_SIZE
+        group = GroupInfo(world_size=world, backend="gloo", device_type="cpu", devices=("cpu",) * world)
+    elif args.shared_gpu:
+        world = args.world_size or num_gpus
+        gpu = caps.gpus[0]
+        group = GroupInfo(world_size=world, backend="gloo", device_type="cuda", devices=(gpu.uuid or "cuda0",) * world,
+                          peer_access=True, native_atomics=True, shares_device=world > 1)
+    else:
+        world = args.world_size or num_gpus
+        if world > num_gpus:
+            raise UsageError(
+                f"--world-size {world} exceeds the {num_gpus} GPU(s) found; use --world-size {num_gpus} or less, "
+                "or --shared-gpu to model ranks sharing one GPU"
+            )
+        gpus = caps.gpus[:world]
+        pairs = [caps.link(a.index, b.index) for a in gpus for b in gpus if a.index != b.index]
+        peer = all(link is not None and link.peer_access for link in pairs)
+        atomics = peer and all(link.native_atomics for link in pairs)
+        group = GroupInfo(world_size=world, backend="nccl", device_type="cuda",
+                          devices=tuple(g.uuid or f"cuda{g.index}" for g in gpus), peer_access=peer, native_atomics=atomics)
+    return Problem(op, args.tokens, args.hidden, args.dtype, group, has_residual=op is Op.ALL_REDUCE_RESIDUAL_RMSNORM)
+
+
+def moe_runner_section(caps) -> dict:
+    """The MoE runner report of fusegate.models.moe_runners, or why there is none."""
+    try:
+        from fusegate.models.moe_runners import runner_report
+    except ImportError as exc:
+        return {"available": False, "reason": f"not available: {exc}", "runners": []}
+    try:
+        runners = [dict(row) for row in runner_report(caps)]
+    except Exception as exc:  # a failing optional section must not hide the rest of the report
+        return {"available": False, "reason": f"runner_report failed: {type(exc).__name__}: {exc}", "runners": []}
+    return {"available": True, "reason": "", "runners": runners}
+
+
+def _progress_adapter(progress, task):
+    """progress(description, completed, total) for measure_fabric; also accepts (completed, total),
+    a fraction in [0, 1], or the same as keywords, so the callback tolerates either calling style."""
+
+    def update(*args, **kwargs):
+        text = [a for a in args if isinstance(a, str)]
+        numbers = [a for a in args if isinstance(a, (int, float)) and not isinstance(a, bool)]
+        fields = {}
+        if text or "description" in kwargs:
+            fields["description"] = kwargs.get("description", text[0] if text else "")
+        if len(numbers) >= 2:
+            fields["completed"], fields["total"] = numbers[0], numbers[1]
+        elif len(numbers) == 1:
+            fields["completed"], fields["total"] = numbers[0], 1.0
+        for key in ("completed", "total", "advance"):
+            if key in kwargs:
+                fields[key] = kwargs[key]
+        progress.update(task, **fields)
+
+    return update
+
+
+def measure_section(caps):
+    """(caps with fabric, section dict); failures become the reason, never an exit code."""
+    from rich.console import Console
+    from rich.progress import Progress
+
+    try:
+        from fusegate.probe.fabric import measure_fabric
+    except ImportError as exc:
+        return caps, {"measured": False, "reason": f"fabric measurement not available: {exc}"}
+    try:
+        with Progress(console=Console(stderr=True), transient=True) as progress:
+            task = progress.add_task("measuring peer traffic", total=None)
+            fabric = measure_fabric(caps, progress=_progress_adapter(progress, task))
+    except Exception as exc:  # RuntimeError with a reason (e.g. fewer than 2 GPUs), or a failure
+        reason = str(exc) if isinstance(exc, RuntimeError) else f"{type(exc).__name__}: {exc}"
+        return caps, {"measured": False, "reason": reason}
+    return dataclasses.replace(caps, fabric=fabric), {"measured": True, "reason": ""}
+
+
+def build_report(args) -> dict:
+    from fusegate.backends import admission, strategy_names
+    from fusegate.probe import probe
+
+    op = _check_args(args)
+    caps = probe()
+    problem = representative_problem(args, caps, op)
+    verdicts = admission(problem, caps, strategy_names())
+    fabric = None
+    if args.measure:
+        caps, fabric = measure_section(caps)
+    return {
+        "probe": caps.to_dict(),
+        "problem": {
+            "op": problem.op.value, "num_tokens": problem.num_tokens, "hidden": problem.hidden,
+            "dtype": problem.dtype, "group": dataclasses.asdict(problem.group),
+        },
+        "admission": {name: {"admitted": v.ok, "reason": v.reason} for name, v in verdicts.items()},
+        "moe_runners": moe_runner_section(caps),
+        "fabric": fabric,
+        "_caps": caps,
+    }
+
+
+def render(report: dict, console) -> None:
+    from rich.table import Table
+
+    from fusegate.probe.tables import capability_tables
+
+    caps = report["_caps"]
+    for table in capability_tables(caps):
+        console.print(table)
+    for note in caps.notes:
+        console.print(f"note: {note}", soft_wrap=True)
+    p, g = report["problem"], report["problem"]["group"]
+    console.print(
+        f"Strategy admission for {p['op']}, {p['num_tokens']} tokens x {p['hidden']} hidden, {p['dtype']}, world size "
+        f"{g['world_size']} ({g['backend']}, {g['device_type']}, peer access {'yes' if g['peer_access'] else 'no'}"
+        f"{', one shared GPU' if g['shares_device'] else ''}):", soft_wrap=True,
+    )
+    table = Table(title="Strategy admission")
+    for column in ("strategy", "verdict", "reason"):
+        table.add_column(column)
+    for name, v in report["admission"].items():
+        table.add_row(name, "[green]admitted[/]" if v["admitted"] else "[red]not admitted[/]", v["reason"])
+    console.print(table)
+    moe = report["moe_runners"]
+    if not moe["available"]:
+        console.print(f"MoE runners: {moe['reason']}", soft_wrap=True)
+    else:
+        table = Table(title="MoE runners")
+        for column in ("runner", "verdict", "reason", "chosen", "why"):
+            table.add_column(column)
+        for row in moe["runners"]:
+            table.add_row(str(row.get("name")), "admitted" if row.get("admitted") else "not admitted",
+                          str(row.get("reason", "")), "yes" if row.get("chosen") else "no", str(row.get("why", "")))
+        console.print(table)
+    fabric = report["fabric"]
+    if fabric is not None and not fabric["measured"]:
+        console.print(f"Fabric not measured: {fabric['reason']}", soft_wrap=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    report = build_report(args)
+    if args.json:
+        report.pop("_caps")
+        sys.stdout.write(json.dumps(report, indent=2) + "\n")
+        return EXIT_OK
+    from rich.console import Console
+
+    render(report, Console())
+    return EXIT_OK

@@ -1,0 +1,115 @@
+"""A fake pynvml module: the NVML calls the probe makes, answering from a table of devices.
+
+Models four GPUs in NVML (PCI) order; two NVLink-bridged directly (4 links), two on an NVSwitch
+(18 and 12 active links), cross pairs over PCIe. Functions raise FakeNVMLError like pynvml's
+NVMLError subclasses do ("Not Supported", "Insufficient Permissions").
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+NVML_NVLINK_MAX_LINKS = 18
+
+
+class FakeNVMLError(Exception):
+    pass
+
+
+def pci(domain, bus, device=0):
+    return SimpleNamespace(domain=domain, bus=bus, device=device, busId=f"{domain:08X}:{bus:02X}:{device:02X}.0".encode())
+
+
+SWITCH_PCI = pci(0, 0xE0)
+# nvml index -> device facts. UUIDs carry NVML's "GPU-" prefix; torch reports them without it.
+DEVICES = [
+    dict(uuid=b"GPU-aaaa0000-0000-0000-0000-000000000000", pci=pci(0, 0x19), power_mw=700000, gen=5, width=16,
+         links=[(1, "gpu")] * 4),
+    dict(uuid=b"GPU-bbbb0000-0000-0000-0000-000000000000", pci=pci(0, 0x3B), power_mw=600500, gen=4, width=8,
+         links=[(0, "gpu")] * 4),
+    dict(uuid=b"GPU-cccc0000-0000-0000-0000-000000000000", pci=pci(0, 0x4C), power_mw=None, gen=5, width=16,
+         links=[(None, "switch")] * 18),
+    dict(uuid=b"GPU-dddd0000-0000-0000-0000-000000000000", pci=pci(0, 0x5D), power_mw=450000, gen=5, width=16,
+         links=[(None, "switch")] * 12 + [(None, "inactive")] * 6),
+]
+# nvmlDeviceGetTopologyCommonAncestor answers by unordered pair; values are nvml.h levels.
+TOPOLOGY = {frozenset((0, 1)): 10, frozenset((2, 3)): 20, frozenset((0, 2)): 40, frozenset((0, 3)): 40,
+            frozenset((1, 2)): 50, frozenset((1, 3)): 50}
+
+
+class FakeNvml:
+    NVML_NVLINK_MAX_LINKS = NVML_NVLINK_MAX_LINKS
+
+    def __init__(self, *, fail_init: str | None = None, missing: tuple[str, ...] = ()):
+        self.fail_init = fail_init
+        self.init_calls = self.shutdown_calls = 0
+        for name in missing:
+            setattr(self, name, None)
+
+    def nvmlInit(self):
+        self.init_calls += 1
+        if self.fail_init:
+            raise FakeNVMLError(self.fail_init)
+
+    def nvmlShutdown(self):
+        self.shutdown_calls += 1
+
+    def nvmlSystemGetDriverVersion(self):
+        return "580.95.05"
+
+    def nvmlSystemGetCudaDriverVersion(self):
+        return 13000
+
+    def nvmlDeviceGetCount(self):
+        return len(DEVICES)
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        return ("handle", i)
+
+    def nvmlDeviceGetUUID(self, h):
+        return DEVICES[h[1]]["uuid"]
+
+    def nvmlDeviceGetPciInfo(self, h):
+        return DEVICES[h[1]]["pci"]
+
+    def nvmlDeviceGetEnforcedPowerLimit(self, h):
+        mw = DEVICES[h[1]]["power_mw"]
+        if mw is None:
+            raise FakeNVMLError("Insufficient Permissions")
+        return mw
+
+    def nvmlDeviceGetCurrPcieLinkGeneration(self, h):
+        return DEVICES[h[1]]["gen"]
+
+    def nvmlDeviceGetCurrPcieLinkWidth(self, h):
+        return DEVICES[h[1]]["width"]
+
+    def nvmlDeviceGetMaxPcieLinkGeneration(self, h):
+        return 5
+
+    def nvmlDeviceGetMaxPcieLinkWidth(self, h):
+        return 16
+
+    def nvmlDeviceGetTopologyCommonAncestor(self, h1, h2):
+        return TOPOLOGY[frozenset((h1[1], h2[1]))]
+
+    def _link(self, h, link):
+        links = DEVICES[h[1]]["links"]
+        if link >= len(links):
+            raise FakeNVMLError("Invalid Argument" if links else "Not Supported")
+        return links[link]
+
+    def nvmlDeviceGetNvLinkState(self, h, link):
+        return 0 if self._link(h, link)[1] == "inactive" else 1
+
+    def nvmlDeviceGetNvLinkRemotePciInfo(self, h, link):
+        peer, kind = self._link(h, link)
+        return DEVICES[peer]["pci"] if kind == "gpu" else SWITCH_PCI
+
+    def nvmlDeviceGetNvLinkRemoteDeviceType(self, h, link):
+        return {"gpu": 0, "switch": 2}.get(self._link(h, link)[1], 0xFF)
+
+    def nvmlDeviceGetP2PStatus(self, h1, h2, index):
+        assert index == 2, "the probe asks for NVML_P2P_CAPS_INDEX_NVLINK only"
+        on_switch = {2, 3}
+        return 0 if {h1[1], h2[1]} <= on_switch or {h1[1], h2[1]} == {0, 1} else 5
