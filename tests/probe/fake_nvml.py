@@ -1,7 +1,7 @@
 """A fake pynvml module: the NVML calls the probe makes, answering from a table of devices.
 
 Models four GPUs in NVML (PCI) order; two NVLink-bridged directly (4 links), two on an NVSwitch
-(18 and 12 active links), cross pairs over PCIe. Functions raise FakeNVMLError like pynvml's
+(18 and 12 active links; the latter with an unreadable and five inactive links in between), cross pairs over PCIe. Functions raise FakeNVMLError like pynvml's
 NVMLError subclasses do ("Not Supported", "Insufficient Permissions").
 """
 
@@ -30,7 +30,7 @@ DEVICES = [
     dict(uuid=b"GPU-cccc0000-0000-0000-0000-000000000000", pci=pci(0, 0x4C), power_mw=None, gen=5, width=16,
          links=[(None, "switch")] * 18),
     dict(uuid=b"GPU-dddd0000-0000-0000-0000-000000000000", pci=pci(0, 0x5D), power_mw=450000, gen=5, width=16,
-         links=[(None, "switch")] * 12 + [(None, "inactive")] * 6),
+         links=[(None, "switch")] * 6 + [(None, "error")] + [(None, "inactive")] * 5 + [(None, "switch")] * 6),
 ]
 # nvmlDeviceGetTopologyCommonAncestor answers by unordered pair; values are nvml.h levels.
 TOPOLOGY = {frozenset((0, 1)): 10, frozenset((2, 3)): 20, frozenset((0, 2)): 40, frozenset((0, 3)): 40,
@@ -100,7 +100,10 @@ class FakeNvml:
         return links[link]
 
     def nvmlDeviceGetNvLinkState(self, h, link):
-        return 0 if self._link(h, link)[1] == "inactive" else 1
+        kind = self._link(h, link)[1]
+        if kind == "error":  # a link the driver will not report on, between active ones
+            raise FakeNVMLError("Not Supported")
+        return 0 if kind == "inactive" else 1
 
     def nvmlDeviceGetNvLinkRemotePciInfo(self, h, link):
         peer, kind = self._link(h, link)

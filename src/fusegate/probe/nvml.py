@@ -27,7 +27,8 @@ P2P_STATUS_OK = 0
 NVLINK_DEVICE_GPU, NVLINK_DEVICE_SWITCH = 0, 2
 FEATURE_ENABLED = 1
 # NVML_NVLINK_MAX_LINKS was 18 (Hopper: 18 links) before pynvml 13 raised it to 36; links past a
-# GPU's real count answer INVALID_ARGUMENT, so reading up to the module's constant is safe.
+# GPU's real count answer INVALID_ARGUMENT, so reading up to the module's constant is safe; the
+# default is for pynvml-like modules that lack the constant.
 DEFAULT_MAX_LINKS = 18
 MILLIWATTS_PER_WATT = 1000  # nvmlDeviceGetEnforcedPowerLimit answers in mW
 
@@ -160,13 +161,14 @@ def _gpu_facts(g: _Guarded, handle, where: str) -> NvmlGpu:
 
 
 def _active_links(g: _Guarded, handle) -> list[_Link]:
-    """The GPU's active NVLink links; empty for GPUs without NVLink (their calls fail quietly)."""
+    """The GPU's active NVLink links; empty for GPUs without NVLink (their calls fail quietly).
+
+    Every link index is asked (a few dozen cheap calls): a failing index means NOT_SUPPORTED (no
+    NVLink) or INVALID_ARGUMENT (past this GPU's last link), and stopping at the first failure
+    could miss active links after a disabled one."""
     links = []
     for link in range(int(getattr(g.nvml, "NVML_NVLINK_MAX_LINKS", DEFAULT_MAX_LINKS))):
-        state = g.quiet("nvmlDeviceGetNvLinkState", handle, link)
-        if state is None:
-            break  # NOT_SUPPORTED (no NVLink) or INVALID_ARGUMENT (past the last link)
-        if state != FEATURE_ENABLED:
+        if g.quiet("nvmlDeviceGetNvLinkState", handle, link) != FEATURE_ENABLED:
             continue
         remote = _pci_of(g.quiet("nvmlDeviceGetNvLinkRemotePciInfo", handle, link))
         links.append(_Link(remote, g.quiet("nvmlDeviceGetNvLinkRemoteDeviceType", handle, link)))
