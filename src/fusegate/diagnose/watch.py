@@ -83,7 +83,8 @@ def watch(nvml: Nvml, *, command: list[str] | None = None, pid: int | None = Non
                 break
             if status is not None:
                 status(status_text(sampler.elapsed_s(), sampler.num_samples(), sampler.latest()))
-            time.sleep(POLL_S)
+            left = POLL_S if duration_s is None else duration_s - sampler.elapsed_s()
+            time.sleep(min(POLL_S, max(0.0, left)))  # end within a tick of the requested duration
     except KeyboardInterrupt:
         interrupted = True
     finally:
