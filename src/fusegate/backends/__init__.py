@@ -20,6 +20,9 @@ if TYPE_CHECKING:
 _REGISTRY: dict[str, str] = {
     "reference": "fusegate.backends.reference:ReferenceStrategy",
     "ring": "fusegate.backends.ring:RingStrategy",
+    "nccl_fused": "fusegate.backends.nccl_fused:NcclFusedStrategy",
+    "oneshot": "fusegate.backends.oneshot:OneShotStrategy",
+    "twoshot": "fusegate.backends.twoshot:TwoShotStrategy",
 }
 
 

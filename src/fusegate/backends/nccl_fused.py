@@ -1,0 +1,62 @@
+"""The `nccl_fused` strategy: NCCL all_reduce, then the fused residual-add + RMSNorm kernel.
+
+What serving engines do without a fused collective, with the add and the norm in one Triton pass
+(`fusegate.kernels.epilogue`) instead of several torch kernels. Not fused in the strategy sense
+(`fused = False`): the collective and the epilogue are two kernels, so this is the unfused
+baseline that a fused strategy must beat.
+
+Numerics: NCCL reduces in the input dtype (as engines call it), rounding partial sums at every
+hop in an order NCCL chooses, not once in fp32 in rank order 0..W-1. Sums of small integers are
+exact either way, so it matches the reference bit for bit on them; on other inputs it is held to
+`fusegate.reference.TOLERANCE` instead. Every rank receives the same reduced buffer, so every
+rank still returns identical bits. Runs on the caller's stream; CUDA-graph capturable as far as
+NCCL is (it is, with NCCL groups).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+import torch.distributed as dist
+
+from fusegate.backends.base import Strategy
+from fusegate.spec import Needs, Problem, Verdict
+
+MAX_HIDDEN = 16384  # fusegate.kernels.epilogue.MAX_HIDDEN (not imported: admission needs no Triton)
+
+
+class NcclFusedStrategy(Strategy):
+    name = "nccl_fused"
+    description = "NCCL all_reduce (input dtype), then one fused residual-add + RMSNorm Triton kernel"
+    fused = False
+    needs = Needs(cuda=True, nccl=True, dtypes=("float16", "bfloat16", "float32"))
+
+    @classmethod
+    def extra_admits(cls, problem: Problem, caps) -> Verdict:
+        if importlib.util.find_spec("triton") is None:
+            return Verdict.no("needs the 'triton' package for the epilogue kernel (pip install 'fusegate[triton]')")
+        if problem.hidden > MAX_HIDDEN:
+            return Verdict.no(f"hidden size {problem.hidden} exceeds {MAX_HIDDEN} (one row per program in registers)")
+        return Verdict.yes("NCCL group with CUDA tensors")
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.clone()
+        if self.ctx.world_size > 1:
+            dist.all_reduce(y, group=self.ctx.group)
+        return y
+
+    def all_reduce_residual_rmsnorm(self, x, residual, weight, eps):
+        from fusegate.kernels.epilogue import residual_rmsnorm
+
+        s = self.all_reduce(x)
+        return residual_rmsnorm(s, residual, weight, eps)
+
+    def prepare(self, *, hidden: int, dtype: torch.dtype, max_tokens: int) -> None:
+        """Compile the epilogue kernel for this shape family before any graph capture."""
+        from fusegate.kernels.epilogue import residual_rmsnorm
+
+        for tokens in sorted({1, min(max_tokens, 1024)}):  # the launch config changes at 1024 tokens
+            x = torch.ones(tokens, hidden, dtype=dtype, device=self.ctx.device)
+            residual_rmsnorm(x, x, x[0], 1e-6)
+            residual_rmsnorm(x, None, x[0], 1e-6)

@@ -1,0 +1,186 @@
+"""The real Triton kernels on CPU through TRITON_INTERPRET=1, one spawned process per rank.
+
+TRITON_INTERPRET must be set before a kernel module is imported, so every kernel import happens
+inside the spawned workers (launch.run_ranks sets the environment first) and this module imports
+none. Peer buffers are shared-memory files mapped by every rank's process, the CPU stand-in for
+CUDA IPC (fusegate.backends.workspace). x86 ordering is stronger than a GPU's: these tests check
+the protocol's logic (slots, re-arming, extents, fixed order, timeouts), not memory ordering.
+Shapes are tiny (H <= 96, M <= 9) because the interpreter runs every program in Python.
+"""
+
+import pytest
+import torch
+
+from fusegate.launch import RankFailure, run_ranks
+from fusegate.reference import (
+    TOLERANCE,
+    all_reduce_ref,
+    all_reduce_residual_rmsnorm_ref,
+    random_inputs,
+    relative_error,
+    residual_rmsnorm_ref,
+    small_integer_inputs,
+)
+
+INTERP = {"TRITON_INTERPRET": "1"}
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _nan_pair(like):
+    return torch.full_like(like, float("nan")), torch.full_like(like, float("nan"))
+
+
+# ---- epilogue ----------------------------------------------------------------------------------
+
+def _epilogue_rank(rank, world_size, cases):
+    from fusegate.kernels.custom_ops import residual_rmsnorm_op
+    from fusegate.kernels.epilogue import residual_rmsnorm
+
+    results = []
+    for kind, dtype, m, h, with_res in cases:
+        make = small_integer_inputs if kind == "int" else random_inputs
+        s = make(0, m, h, dtype, seed=h)
+        res = make(1, m, h, dtype, seed=h) if with_res else None
+        w = (1 + 0.1 * random_inputs(2, 1, h, torch.float32, seed=h)[0]).to(dtype) if kind != "int" else make(2, 1, h, dtype)[0]
+        out = residual_rmsnorm(s, res, w, 1e-6, out=_nan_pair(s))
+        op_out = residual_rmsnorm_op(s, res, w, 1e-6)
+        results.append((s, res, w, out, op_out))
+    return results
+
+
+def test_epilogue_matches_reference_in_interpreter():
+    cases = [(kind, dtype, m, h, with_res)
+             for kind in ("int", "rand") for dtype in DTYPES for (m, h) in ((3, 64), (2, 40)) for with_res in (True, False)]
+    (results,) = run_ranks(_epilogue_rank, 1, args=(cases,), env=INTERP, timeout_s=120)
+    for (kind, dtype, m, h, with_res), (s, res, w, (normed, new_res), op_out) in zip(cases, results):
+        ref_normed, ref_new_res = residual_rmsnorm_ref(s, res, w, 1e-6)
+        assert torch.equal(new_res, ref_new_res), (kind, dtype, h)  # the residual add is exact
+        assert torch.equal(op_out[0], normed) and torch.equal(op_out[1], new_res)  # the custom op
+        if kind == "int":
+            assert torch.equal(normed, ref_normed), (dtype, h)  # exact sum of squares
+        else:
+            ref64 = residual_rmsnorm_ref(s, res, w, 1e-6, acc_dtype=torch.float64)[0]
+            assert relative_error(normed, ref64) <= TOLERANCE[dtype], (dtype, h)
+
+
+# ---- one-shot and two-shot ---------------------------------------------------------------------
+
+def _strategy(name, rank, world_size, **options):
+    import torch.distributed as dist
+
+    from fusegate.backends import get_strategy
+    from fusegate.backends.base import StrategyContext
+    from fusegate.spec import GroupInfo
+
+    info = GroupInfo(world_size=world_size, backend="gloo", device_type="cpu", devices=("cpu",) * world_size)
+    ctx = StrategyContext(dist.group.WORLD, rank, world_size, info, None, torch.device("cpu"), dict(options))
+    return get_strategy(name)(ctx)
+
+
+def _calls_rank(rank, world_size, name, dtype, h, calls):
+    from fusegate.kernels.oneshot import oneshot_launch
+    from fusegate.kernels.twoshot import twoshot_launch
+
+    launch = oneshot_launch if name == "oneshot" else twoshot_launch
+    strategy = _strategy(name, rank, world_size, timeout_s=5.0)
+    strategy.prepare(hidden=h, dtype=dtype, max_tokens=max(m for m, _, _ in calls))
+    (ws,) = strategy._workspaces.values()
+    out = []
+    for i, (m, kind, mode) in enumerate(calls):
+        make = small_integer_inputs if kind == "int" else random_inputs
+        x = make(rank, m, h, dtype, seed=i)
+        res = make(100, m, h, dtype, seed=i) if mode == "res" else None
+        w = make(101, 1, h, dtype, seed=i)[0]
+        ws.before_call()
+        got = launch(x, res, w, 1e-6, ws, timeout_s=5.0, max_programs=2, has_norm=mode != "ar", out=_nan_pair(x))
+        out.append(got)
+    strategy.check()
+    strategy.close()
+    return out
+
+
+def _expected(world_size, dtype, h, i, m, kind, mode):
+    make = small_integer_inputs if kind == "int" else random_inputs
+    xs = [make(r, m, h, dtype, seed=i) for r in range(world_size)]
+    res = make(100, m, h, dtype, seed=i) if mode == "res" else None
+    w = make(101, 1, h, dtype, seed=i)[0]
+    if mode == "ar":
+        return (all_reduce_ref(xs),), (all_reduce_ref(xs, acc_dtype=torch.float64),)
+    return all_reduce_residual_rmsnorm_ref(xs, res, w), all_reduce_residual_rmsnorm_ref(xs, res, w, acc_dtype=torch.float64)
+
+
+def _check_calls(name, world_size, dtype, h, calls):
+    results = run_ranks(_calls_rank, world_size, args=(name, dtype, h, calls), env=INTERP, timeout_s=300)
+    for i, (m, kind, mode) in enumerate(calls):
+        ref, ref64 = _expected(world_size, dtype, h, i, m, kind, mode)
+        for rank in range(world_size):
+            got = results[rank][i][: len(ref)]
+            for g, g0 in zip(got, results[0][i]):
+                assert torch.equal(g.view(torch.uint8), g0.view(torch.uint8)), f"rank {rank} bits differ from rank 0 (call {i})"
+            for j, (g, r, r64) in enumerate(zip(got, ref, ref64)):
+                if kind == "int" or mode == "ar" or j == 1:
+                    # the sum and new_residual are computed in fp32 in rank order 0..W-1, as the
+                    # reference does: equal bits for every input; normed too on exact sums
+                    assert torch.equal(g, r), f"{name} W={world_size} call {i} ({m}x{h} {kind} {mode}) output {j} differs"
+                else:  # normed on random inputs: only the order of the sum of squares differs
+                    assert relative_error(g, r64) <= TOLERANCE[dtype]
+
+
+# Back-to-back calls with changing M (including M < W and the slot rotation several times over),
+# changing inputs, with and without residual, and the plain allreduce.
+CALLS = [(3, "int", "res"), (5, "rand", "res"), (1, "int", "none"), (4, "int", "ar"), (2, "rand", "res"), (7, "int", "res"), (1, "rand", "ar")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, dtype", [("oneshot", torch.bfloat16), ("twoshot", torch.bfloat16), ("oneshot", torch.float32)])
+def test_two_ranks_back_to_back_calls(name, dtype):
+    _check_calls(name, 2, dtype, 64, CALLS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["oneshot", "twoshot"])
+def test_four_ranks(name):
+    _check_calls(name, 4, torch.float16, 32, [(5, "int", "res"), (2, "rand", "res"), (9, "int", "ar"), (3, "int", "res")])
+
+
+# ---- timeouts ----------------------------------------------------------------------------------
+
+def _timeout_rank(rank, world_size, name, absent):
+    import torch.distributed as dist
+
+    from fusegate.backends.workspace import PeerTimeoutError
+
+    # One program per rank: the interpreter runs a rank's programs one after another, so with
+    # several, a later program's pushes would wait behind an earlier program's timeout and the
+    # peers would (correctly) name this rank too. On a GPU the programs run concurrently.
+    strategy = _strategy(name, rank, world_size, timeout_s=0.2, max_programs=1)
+    strategy.prepare(hidden=32, dtype=torch.float32, max_tokens=4)
+    outcome = None
+    if rank != absent:
+        x = small_integer_inputs(rank, 3, 32, torch.float32)
+        normed, _ = strategy.all_reduce_residual_rmsnorm(x, x, torch.ones(32), 1e-6)
+        try:
+            strategy.check()
+        except PeerTimeoutError as exc:
+            outcome = (exc.ranks, str(exc), bool(torch.isnan(normed).all()))
+            try:  # the next call refuses to run on the broken workspace
+                strategy.all_reduce_residual_rmsnorm(x, x, torch.ones(32), 1e-6)
+            except PeerTimeoutError:
+                outcome += ("next call refused",)
+    dist.barrier()
+    strategy.close()  # every rank, the absent one included, can still shut down
+    return outcome
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["oneshot", "twoshot"])
+def test_absent_rank_times_out_with_its_name(name):
+    results = run_ranks(_timeout_rank, 3, args=(name, 2), env=INTERP, timeout_s=120)
+    for rank in (0, 1):
+        ranks, message, all_nan, refused = results[rank]
+        assert 2 in ranks and "rank(s) " in message and "2" in message.split("rank(s) ")[1], message
+        if name == "oneshot":  # one-shot waits on the absent rank only; two-shot may also name an owner that gave up
+            assert ranks == [2], ranks
+        assert all_nan, "a timed-out call must not return plausible data"
+        assert refused == "next call refused"
+    assert results[2] is None
