@@ -126,12 +126,13 @@ class TPDecoder(nn.Module):
     # ---- forward --------------------------------------------------------------------------------
 
     def _reduce_norm(self, partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor):
-        with record_function("fusegate::allreduce_norm"):
-            if self.fusion:
+        if self.fusion:
+            with record_function("fusegate::allreduce_norm"):
                 return self.comm.all_reduce_residual_rmsnorm(partial, residual, weight, self.cfg.eps)
+        with record_function("fusegate::allreduce"):
             reduced = self.comm.all_reduce(partial)
-            with record_function("fusegate::norm"):
-                return residual_rmsnorm_ref(reduced, residual, weight, self.cfg.eps)
+        with record_function("fusegate::norm"):
+            return residual_rmsnorm_ref(reduced, residual, weight, self.cfg.eps)
 
     def _rotary_for(self, context: int):
         if context not in self._rotary:

@@ -1,0 +1,157 @@
+"""`fusegate bench e2e`: decode throughput, step latency, J/token and allreduces per step of the reference model.
+
+Runs the tensor-parallel MoE decoder of fusegate.models (a preset, cut with --layers/--experts)
+with fusion on and/or off over a list of batch sizes, prints a table (or `--json`), and appends
+one result row per point to `<results>/e2e.jsonl`. Exit 0 when every point counted exactly two
+allreduces per layer per step, 1 when one did not, 2 on usage or environment errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from fusegate.cli.main import EXIT_NEGATIVE, EXIT_OK, UsageError
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers, e.g. 1,8,64") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give positive integers, e.g. 1,8,64")
+    return values
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """Model and run options shared by `bench e2e` and `profile`."""
+    p.add_argument("--preset", default="glm5", help="model preset: glm5, deepseek-v3, qwen3-235b, llama3-70b, tiny (default glm5)")
+    p.add_argument("--layers", type=int, help="cut the model to this many layers (dense:MoE ratio kept)")
+    p.add_argument("--experts", type=int, help="routed experts (top-k and expert width kept)")
+    p.add_argument("--dense-layers", type=int, help="how many of the first layers are dense (default: the preset's ratio)")
+    p.add_argument("--vocab", type=int, help="vocabulary size (default: the preset's)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (one GPU each; gloo processes on CPU)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: cuda when available")
+    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), help="default bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--strategy", default="auto", help="Communicator strategy (default auto)")
+    p.add_argument("--moe-runner", help="force one MoE runner (loop, dense, grouped_mm); default: measured choice")
+    p.add_argument("--prompt-len", type=int, default=16, help="prompt tokens per sequence (default 16)")
+    p.add_argument("--context", type=int, default=64, help="KV-cache slots per sequence (default 64)")
+    p.add_argument("--seed", type=int, default=0, help="weight and prompt seed (default 0)")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    p.add_argument("--results", default="benchmarks/results", help="directory for result rows (default benchmarks/results)")
+    p.add_argument("--no-results", action="store_true", help="do not append result rows")
+
+
+def fusion_modes(text: str) -> tuple[bool, ...]:
+    return {"on": (True,), "off": (False,), "both": (True, False)}[text]
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("bench", help="benchmarks of the reference model", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="bench_command", metavar="BENCH")
+    e2e = sub.add_parser("e2e", help="prefill + CUDA-graph decode of the reference TP MoE model, fusion on/off",
+                         description=__doc__.split("\n\n")[0])
+    add_model_arguments(e2e)
+    e2e.add_argument("--batch", type=_int_list, default=(1, 8, 64), help="decode batch sizes, comma-separated (default 1,8,64)")
+    e2e.add_argument("--fusion", choices=("on", "off", "both"), default="both", help="fused allreduce+norm (default both)")
+    e2e.add_argument("--steps", type=int, default=20, help="timed decode steps per point, at least (default 20)")
+    e2e.add_argument("--min-seconds", type=float, default=1.0,
+                     help="time each point for at least this long, for the NVML energy counter (default 1.0)")
+    e2e.add_argument("--no-graphs", action="store_true", help="eager decode steps on CUDA too")
+    e2e.set_defaults(run=run)
+    p.set_defaults(run=lambda args: _no_subcommand(p))
+
+
+def _no_subcommand(p) -> int:
+    p.print_help(sys.stderr)
+    return 2
+
+
+def make_spec(args, **extra):
+    from fusegate.bench.e2e import E2ESpec
+
+    try:
+        return E2ESpec(
+            preset=args.preset, layers=args.layers, experts=args.experts, dense_layers=args.dense_layers,
+            vocab=args.vocab, tp=args.tp, device=args.device, dtype=args.dtype, strategy=args.strategy,
+            moe_runner=args.moe_runner, prompt_len=args.prompt_len, context=args.context, seed=args.seed, **extra,
+        )
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def check_model(spec) -> None:
+    """Usage errors for a bad preset or cut, before any process starts."""
+    try:
+        spec.config().check_world_size(spec.tp)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def run(args) -> int:
+    spec = make_spec(args, batches=args.batch, fusion=fusion_modes(args.fusion), steps=args.steps,
+                     min_seconds=args.min_seconds, graphs=not args.no_graphs, progress=True)
+    check_model(spec)
+    from fusegate.bench.e2e import e2e_rows, run_e2e
+    from fusegate.bench.results import append_rows
+    from fusegate.launch import RankFailure
+
+    try:
+        result = run_e2e(spec)
+    except RuntimeError as exc:
+        if isinstance(exc, RankFailure):
+            print(f"fusegate bench e2e: {exc}", file=sys.stderr)
+            return EXIT_NEGATIVE
+        raise UsageError(str(exc)) from None
+    path = None
+    if not args.no_results:
+        from pathlib import Path
+
+        path = str(append_rows(Path(args.results) / "e2e.jsonl", e2e_rows(spec, result)))
+    counts_ok = all(sum(p["allreduces_per_step"].values()) == p["expected_allreduces_per_step"] for p in result["points"])
+    if args.json:
+        out = dict(result, results_file=path, allreduce_count_ok=counts_ok)
+        for p in out["points"]:
+            p.pop("step_us")
+        print(json.dumps(out, indent=2, default=str))
+    else:
+        _print_table(result, path)
+    if not counts_ok:
+        print("fusegate bench e2e: a decode step did not make exactly 2 allreduces per layer", file=sys.stderr)
+    return EXIT_OK if counts_ok else EXIT_NEGATIVE
+
+
+def _print_table(result: dict, path: str | None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from fusegate.bench.results import percentiles
+
+    cfg = result["config"]
+    title = (f"bench e2e: {cfg['name']} cut to {cfg['num_layers']} layers ({cfg['first_dense_layers']} dense), "
+             f"{cfg['num_experts']} experts top-{cfg['top_k']}, TP{result['world_size']}, {result['dtype']} on "
+             f"{result['gpu_name'] or result['device']}")
+    table = Table(title=title)
+    for col in ("batch", "fusion", "strategy", "MoE runner", "step us (p20-p80)", "tok/s", "J/token",
+                "AR/step", "prefill ms"):
+        table.add_column(col, justify="right")
+    for p in result["points"]:
+        _, lo, hi = percentiles(p["step_us"])
+        jpt = "n/a" if p["j_per_token"] is None else f"{p['j_per_token']:.4f}"
+        table.add_row(str(p["batch"]), "on" if p["fusion"] else "off", p["strategy"], str(p["moe_runner"]),
+                      f"{p['median_us']:.0f} ({lo:.0f}-{hi:.0f})", f"{p['tok_per_s']:.1f}", jpt,
+                      f"{sum(p['allreduces_per_step'].values())} / {p['expected_allreduces_per_step']}",
+                      f"{p['prefill_ms']:.1f}")
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=160)  # pipes and logs: keep the table on one line per row
+    console.print(table)
+    for note in result["notes"]:
+        console.print(f"note: {note}")
+    if result["points"] and result["points"][0]["j_per_token"] is None:
+        console.print(f"note: J/token: {result['points'][0]['energy_note']}")
+    if path:
+        console.print(f"rows appended to {path}")

@@ -1,0 +1,116 @@
+"""`fusegate profile`: per-stage time of the reference model's decode steps, fusion on and/or off.
+
+Profiles a few eager decode steps of the fusegate.models decoder under torch.profiler and
+attributes GPU kernel time (CPU operator time on a CPU run) to stages: attention, MoE GEMMs, other
+GEMMs, allreduce/communication, norm, other; with kernel launches per step and estimated bytes.
+Prints a table (or `--json`), optionally writes a Chrome trace (--trace) and a PNG bar chart
+(--plot, needs matplotlib: `pip install fusegate[plot]`), and appends one result row per stage
+to `<results>/profile.jsonl`. Exit 0 when each step made 2 allreduces per layer, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from fusegate.cli.main import EXIT_NEGATIVE, EXIT_OK, UsageError
+
+
+def add_parser(subparsers) -> None:
+    from fusegate.cli.bench import add_model_arguments
+
+    p = subparsers.add_parser("profile", help="per-stage time breakdown of the reference model's decode steps",
+                              description=__doc__.split("\n\n")[0])
+    add_model_arguments(p)
+    p.add_argument("--batch", type=int, default=8, help="decode batch size (default 8)")
+    p.add_argument("--steps", type=int, default=5, help="profiled decode steps (default 5)")
+    p.add_argument("--fusion", choices=("on", "off", "both"), default="both", help="fused allreduce+norm (default both)")
+    p.add_argument("--trace", help="write a Chrome trace to this .json path (one per fusion mode with --fusion both)")
+    p.add_argument("--plot", help="write a PNG bar chart of the breakdown to this path")
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    from fusegate.cli.bench import check_model, fusion_modes, make_spec
+
+    if args.batch < 1 or args.steps < 1:
+        raise UsageError(f"--batch and --steps must be >= 1 (got {args.batch}, {args.steps})")
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise UsageError("--plot needs matplotlib; install it with `pip install fusegate[plot]`") from None
+    spec = make_spec(args, batches=(args.batch,), fusion=fusion_modes(args.fusion), progress=False)
+    check_model(spec)
+    from rich.console import Console
+
+    from fusegate.bench.e2e import resolve_device
+    from fusegate.bench.profile import profile_rank
+    from fusegate.launch import RankFailure, run_ranks
+
+    try:
+        device = resolve_device(spec)
+        with Console(stderr=True).status(f"profile: {args.steps} decode steps per fusion mode ...", spinner="dots"):
+            result = run_ranks(profile_rank, spec.tp, backend="nccl" if device == "cuda" else "gloo",
+                               args=(spec, args.batch, args.steps, args.trace), timeout_s=1800)[0]
+    except RankFailure as exc:
+        print(f"fusegate profile: {exc}", file=sys.stderr)
+        return EXIT_NEGATIVE
+    except RuntimeError as exc:
+        raise UsageError(str(exc)) from None
+    if args.plot:
+        from fusegate.bench.profile import plot_stages
+
+        result["plot"] = plot_stages(result, args.plot)
+    if args.trace:
+        result["trace"] = args.trace
+    if not args.no_results:
+        from fusegate.bench.profile import profile_rows
+        from fusegate.bench.results import append_rows
+
+        result["results_file"] = str(append_rows(Path(args.results) / "profile.jsonl", profile_rows(spec, result)))
+    expected = 2 * result["config"]["num_layers"]
+    ok = all(sum(m["allreduces_per_step"].values()) == expected for m in result["modes"])
+    result["allreduce_count_ok"] = ok
+    if args.json:
+        print(json.dumps(result, indent=2, default=str))
+    else:
+        _print(result)
+    return EXIT_OK if ok else EXIT_NEGATIVE
+
+
+def _print(result: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from fusegate.bench.profile import STAGE_TITLES, STAGES
+
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=160)
+    cfg = result["config"]
+    unit = "GPU" if result["device"] == "cuda" else "CPU"
+    what = "kernels" if result["device"] == "cuda" else "ops"
+    for mode in result["modes"]:
+        title = (f"profile: {cfg['name']} cut to {cfg['num_layers']} layers, {cfg['num_experts']} experts, batch "
+                 f"{result['batch']}, TP{result['world_size']}, fusion {'on' if mode['fusion'] else 'off'} "
+                 f"({mode['strategy']}, MoE runner {mode['moe_runner']}), {result['steps']} eager steps")
+        table = Table(title=title)
+        for col in ("stage", f"{unit} us/step", "share", f"{what}/step", "est. MB/step", "est. GB/s"):
+            table.add_column(col, justify="right" if col != "stage" else "left")
+        total = 0.0
+        for s in STAGES:
+            row = mode["stages"][s]
+            total += row["time_us_per_step"]
+            mb = "-" if row["bytes_per_step"] is None else f"{row['bytes_per_step'] / 1e6:.2f}"
+            gbps = "-" if row["gbps"] is None else f"{row['gbps']:.0f}"
+            table.add_row(STAGE_TITLES[s], f"{row['time_us_per_step']:.1f}", f"{100 * row['share']:.1f}%",
+                          f"{row['launches_per_step']:.1f}", mb, gbps)
+        table.add_row("total", f"{total:.1f}", "100%", "", "", "")
+        console.print(table)
+        console.print(f"allreduces per step: {sum(mode['allreduces_per_step'].values())} "
+                      f"(expected {2 * cfg['num_layers']}: 2 per layer)")
+    for key in ("trace", "plot", "results_file"):
+        if result.get(key):
+            console.print(f"{key.replace('_', ' ')}: {result[key]}")

@@ -1,0 +1,71 @@
+"""`fusegate bench e2e` and `fusegate profile` end to end on CPU (gloo, eager steps), JSON checked."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fusegate.bench.results import read_rows
+from fusegate.cli.main import main
+
+
+@pytest.mark.slow
+def test_bench_e2e_cpu_json(tmp_path, capsys):
+    code = main(["bench", "e2e", "--preset", "tiny", "--layers", "2", "--experts", "8", "--batch", "1,3",
+                 "--steps", "2", "--min-seconds", "0", "--prompt-len", "4", "--context", "16",
+                 "--json", "--results", str(tmp_path)])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert out["device"] == "cpu" and out["allreduce_count_ok"] is True
+    assert any("CUDA graphs need CUDA" in note for note in out["notes"])
+    points = out["points"]
+    assert [(p["fusion"], p["batch"]) for p in points] == [(True, 1), (True, 3), (False, 1), (False, 3)]
+    for p in points:
+        total = sum(p["allreduces_per_step"].values())
+        assert total == p["expected_allreduces_per_step"] == 2 * 2
+        fused = p["allreduces_per_step"]["all_reduce_residual_rmsnorm"]
+        assert fused == (total if p["fusion"] else 0)
+        assert p["tok_per_s"] == pytest.approx(p["batch"] / (p["median_us"] * 1e-6))
+        assert p["j_per_token"] is None and "CPU" in p["energy_note"]
+        assert p["cuda_graphs"] is False and p["steps"] >= 2
+        assert p["moe_runner"] in ("loop", "dense", "grouped_mm")
+    rows = read_rows(tmp_path / "e2e.jsonl")
+    assert len(rows) == 4 and {r["op"] for r in rows} == {"e2e_decode_step"}
+    assert [r["shape"]["batch"] for r in rows] == [1, 3, 1, 3]
+    assert all(r["extra"]["allreduces_per_step"] == points[i]["allreduces_per_step"] for i, r in enumerate(rows))
+    assert [r["median"] for r in rows] == [p["median_us"] for p in points]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--preset", "glm5", "--layers", "2", "--experts", "4"], "raise --experts"),
+    (["--preset", "tiny", "--tp", "4"], "does not split over 4"),
+    (["--preset", "nope"], "unknown model preset"),
+    (["--preset", "tiny", "--prompt-len", "16", "--context", "16"], "raise --context"),
+])
+def test_bench_e2e_usage_errors(argv, message, capsys, tmp_path):
+    assert main(["bench", "e2e", *argv, "--results", str(tmp_path)]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "e2e.jsonl").exists()
+
+
+def test_bench_e2e_bad_batch_list(capsys):
+    assert main(["bench", "e2e", "--batch", "1,x"]) == 2
+    assert "comma-separated" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_profile_cpu_json_plot_rows(tmp_path, capsys):
+    png = tmp_path / "stages.png"
+    code = main(["profile", "--preset", "tiny", "--batch", "2", "--steps", "2", "--prompt-len", "4", "--context", "16",
+                 "--json", "--plot", str(png), "--results", str(tmp_path)])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["allreduce_count_ok"] is True
+    assert [m["fusion"] for m in out["modes"]] == [True, False]
+    for mode in out["modes"]:
+        assert set(mode["stages"]) == {"attention", "moe_gemm", "other_gemm", "communication", "norm", "other"}
+        assert sum(s["share"] for s in mode["stages"].values()) == pytest.approx(1.0)
+        assert mode["stages"]["moe_gemm"]["launches_per_step"] > 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rows = read_rows(tmp_path / "profile.jsonl")
+    assert len(rows) == 12 and {r["shape"]["stage"] for r in rows} == set(out["modes"][0]["stages"])
