@@ -50,7 +50,7 @@ def test_from_table_names_gpus_numbers_and_findings(monkeypatch, capsys, story_f
     assert f"{s0.power_mean_w:.0f} / {s0.power_p95_w:.0f}" in out
     assert "WARN  waiting: GPU 0" in out and "WARN  waiting: GPU 1" in out
     assert "WARN  idle: GPU 2" in out
-    assert "180 samples every 100 ms" in out
+    assert "60 samples per GPU every 100 ms" in out
 
 
 def test_png_written_and_recording_resaved(monkeypatch, capsys, story_file, tmp_path):

@@ -164,7 +164,7 @@ def _gpu_findings(s: GpuSummary, any_other_active: bool, num_active_samples: int
         return [Finding("idle", "info", (s.gpu,), f"GPU {s.gpu} was idle (mean utilisation {s.util_mean_pct:.1f}%)", evidence)]
     if num_active_samples < MIN_ACTIVE_SAMPLES or s.waiting_share is None:
         why = "power was unreadable" if s.waiting_share is None else f"only {num_active_samples} active samples"
-        return [Finding("gaps", "info", (s.gpu,), f"GPU {s.gpu}: too little to judge ({why}; need {MIN_ACTIVE_SAMPLES})",
+        return [Finding("unjudged", "info", (s.gpu,), f"GPU {s.gpu}: too little to judge ({why}; need {MIN_ACTIVE_SAMPLES})",
                         {"active_samples": num_active_samples})]
     evidence = {"waiting_share": s.waiting_share, "power_fraction_active": s.power_fraction_active,
                 "util_mean_pct": s.util_mean_pct, "power_limit_w": s.power_limit_w}
@@ -211,7 +211,7 @@ def _uneven(summaries: list[GpuSummary]) -> list[Finding]:
 
 
 def find(rec: Recording, summaries: tuple[GpuSummary, ...] | None = None) -> tuple[Finding, ...]:
-    """Findings for the recording: per GPU (no_samples / idle / waiting / busy / gaps), then
+    """Findings for the recording: per GPU (no_samples / idle / unjudged / waiting / busy / gaps), then
     "uneven" across the GPUs that were not idle (at least two needed)."""
     summaries = summarise(rec) if summaries is None else summaries
     active = [s for s in summaries if s.util_mean_pct is not None and s.util_mean_pct >= IDLE_UTIL_PCT]

@@ -32,7 +32,7 @@ def write_png(rec: Recording, path: str | Path, *, title: str | None = None) -> 
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig, (ax_power, ax_util) = plt.subplots(2, 1, sharex=True, figsize=(10, 6))
+    fig, (ax_power, ax_util) = plt.subplots(2, 1, sharex=True, figsize=(12, 6))
     try:
         for meta in rec.gpus or ():
             samples = sorted(rec.samples_of(meta.index), key=lambda s: s.t_s)
@@ -53,8 +53,9 @@ def write_png(rec: Recording, path: str | Path, *, title: str | None = None) -> 
         for ax in (ax_power, ax_util):
             ax.set_ylim(0, 105)
             ax.grid(True, alpha=0.3)
-            ax.legend(loc="upper right", fontsize="small")
-        what = " ".join(rec.command) if rec.command else (f"pid {rec.pid}" if rec.pid else rec.mode)
+            # outside the axes: a busy GPU's lines sit exactly where an inside legend would go
+            ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
+        what = " ".join(rec.command) if rec.command else (f"pid {rec.pid}" if rec.pid else f"{rec.duration_s:.1f} s")
         fig.suptitle(title or f"fusegate diagnose: {what}"[:120])
         fig.tight_layout()
         fig.savefig(path, format="png", dpi=100)

@@ -52,7 +52,9 @@ def print_report(console, rec: Recording, summaries: tuple[GpuSummary, ...], fin
     from rich.table import Table
 
     what = " ".join(rec.command) if rec.command else (f"pid {rec.pid}" if rec.pid is not None else rec.mode)
-    head = f"{what}: {rec.duration_s:.1f} s, {len(rec.samples)} samples every {1000 * rec.interval_s:.0f} ms ({source})"
+    per_gpu = max((s.num_samples for s in summaries), default=0)
+    head = (f"{what}: {rec.duration_s:.1f} s, {per_gpu} samples per GPU every {1000 * rec.interval_s:.0f} ms "
+            f"({source})")
     if rec.exit_code is not None:
         head += f"; exit code {rec.exit_code}"
     if rec.interrupted:

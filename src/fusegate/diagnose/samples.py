@@ -134,7 +134,7 @@ class GpuSummary:
 
 @dataclass(frozen=True)
 class Finding:
-    """One conclusion: `kind` ("waiting", "idle", "uneven", "gaps", "busy", "no_samples"),
+    """One conclusion: `kind` ("waiting", "idle", "uneven", "gaps", "busy", "unjudged", "no_samples"),
     `severity` ("warn", "info", "ok"), the GPUs it concerns, a sentence for people, and the
     numbers behind it (`evidence`, plain JSON values)."""
 
