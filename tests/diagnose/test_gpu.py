@@ -17,9 +17,9 @@ torch = pytest.importorskip("torch")
 
 def _nvml_index_of_cuda0(nvml) -> int:
     """NVML's index of torch's cuda:0 (CUDA_VISIBLE_DEVICES may reorder): matched by UUID."""
-    uuid = str(torch.cuda.get_device_properties(0).uuid)
+    uuid = str(torch.cuda.get_device_properties(0).uuid).lower().removeprefix("gpu-")
     for meta in nvml.gpus:
-        if meta.uuid and meta.uuid.removeprefix("GPU-").removeprefix("MIG-") == uuid:
+        if meta.uuid and meta.uuid.lower().removeprefix("gpu-") == uuid:
             return meta.index
     raise AssertionError(f"no NVML GPU has torch's cuda:0 UUID {uuid}: {[g.uuid for g in nvml.gpus]}")
 
