@@ -1,0 +1,177 @@
+"""Residual-add + RMSNorm on one GPU: fusegate's Triton kernel against torch eager, torch.compile
+and FlashInfer's fused_add_rmsnorm (when importable), at decode and prefill shapes.
+
+    python benchmarks/bench_epilogue.py --out benchmarks/results/epilogue.jsonl
+
+Method: every provider's call is captured in a CUDA graph over several input sets (rotated so
+that one replay touches more than twice the L2 cache at small shapes), the graph is warmed up and
+replayed `--reps` times between CUDA events; `--trials` such measurements are taken, interleaving
+the providers, and the median per call is reported. Bytes counted: read x and residual, write
+new_residual and normed (4 x tokens x hidden x itemsize), as in the recorded baselines. The device
+copy bandwidth (read + write of a 1 GiB tensor, same method) is measured in the same run, and
+every row carries GB/s and its fraction of that copy bandwidth. fusegate is also timed with other
+num_warps choices (`fusegate[w=N]`) so the launch heuristic can be checked against them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+import torch
+
+from fusegate.bench.results import append_rows, make_row
+
+TOKENS = (1, 8, 64, 512, 4096, 16384)
+HIDDENS = (4096, 6144, 7168, 8192)
+L2_BYTES = 60 * 1024 * 1024  # H200 L2 (KINDS.md: PyTorch reported 60 MB)
+
+
+def timed_graph(calls, *, reps: int):
+    """A function that replays a CUDA graph of `calls` `reps` times and returns us per call."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for call in calls:
+            call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def measure() -> float:
+        start.record()
+        for _ in range(reps):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) * 1000.0 / (reps * len(calls))
+
+    return measure
+
+
+def providers(eps: float):
+    """name -> factory(x, res, w) -> zero-argument call; plus a note on what could not run."""
+    import torch.nn.functional as F
+
+    from fusegate.kernels.epilogue import launch_config, residual_rmsnorm
+
+    def fusegate_fn(warps=None):
+        def factory(x, res, w):
+            out = (torch.empty_like(x), torch.empty_like(x))
+            cfg = None
+            if warps is not None:
+                block, _, rows = launch_config(x.shape[1], x.element_size(), x.shape[0])
+                cfg = (block, warps, rows)
+            return lambda: residual_rmsnorm(x, res, w, eps, out=out, config=cfg)
+        return factory
+
+    def eager(x, res, w):
+        def call():
+            h = x + res
+            return F.rms_norm(h, (x.shape[1],), w, eps), h
+        return call
+
+    def fp32_math(x, res, w):
+        h = (x.float() + res.float()).to(x.dtype)
+        hf = h.float()
+        return (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(x.dtype), h
+
+    compiled = torch.compile(fp32_math, dynamic=True)
+    table = {"fusegate": fusegate_fn(), "torch_eager": eager, "torch_compile": lambda x, r, w: (lambda: compiled(x, r, w))}
+    for warps in (4, 8, 16):
+        table[f"fusegate[w={warps}]"] = fusegate_fn(warps)
+    notes = {}
+    try:
+        from flashinfer.norm import fused_add_rmsnorm
+
+        table["flashinfer"] = lambda x, r, w: (lambda: fused_add_rmsnorm(x, r, w, eps))  # in place
+    except Exception as exc:  # report why, keep benchmarking the rest
+        notes["flashinfer"] = f"{type(exc).__name__}: {exc}"
+    return table, notes
+
+
+def copy_bandwidth_gbps(reps: int, trials: int) -> tuple[float, list[float]]:
+    n = 1 << 29  # 1 GiB of bf16
+    src = torch.randn(n, device="cuda").to(torch.bfloat16)
+    dst = torch.empty_like(src)
+    measure = timed_graph([lambda: dst.copy_(src)], reps=reps)
+    samples = sorted(measure() for _ in range(trials))
+    med = samples[len(samples) // 2]
+    return 2 * n * 2 / (med * 1e-6) / 1e9, samples
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="benchmarks/results/epilogue.jsonl")
+    p.add_argument("--tokens", type=int, nargs="*", default=list(TOKENS))
+    p.add_argument("--hidden", type=int, nargs="*", default=list(HIDDENS))
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--trials", type=int, default=7)
+    p.add_argument("--eps", type=float, default=1e-6)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_epilogue: needs a CUDA GPU; torch sees none", file=sys.stderr)
+        return 2
+    dtype = torch.bfloat16
+    copy_gbps, copy_samples = copy_bandwidth_gbps(args.reps, args.trials)
+    rows = [make_row("device_copy", "torch_copy", {"bytes": 1 << 30}, "bfloat16", 1, copy_samples, "us", gbps=copy_gbps)]
+    table, notes = providers(args.eps)
+    summary = []
+    for hidden in args.hidden:
+        for tokens in args.tokens:
+            nbytes = 4 * tokens * hidden * 2
+            sets = max(1, min(32, math.ceil(2 * L2_BYTES / nbytes)))
+            data = [tuple(torch.randn(tokens, hidden, device="cuda").to(dtype) for _ in range(2)) for _ in range(sets)]
+            w = (1 + 0.1 * torch.randn(hidden, device="cuda")).to(dtype)
+            timers, failed = {}, {}
+            for name, factory in table.items():
+                try:
+                    timers[name] = timed_graph([factory(x, r, w) for x, r in data], reps=args.reps)
+                except Exception as exc:
+                    failed[name] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            samples = {name: [] for name in timers}
+            for _ in range(args.trials):  # interleave providers
+                for name, measure in timers.items():
+                    samples[name].append(measure())
+            shape = {"tokens": tokens, "hidden": hidden}
+            medians = {}
+            for name, s in samples.items():
+                row = make_row("residual_rmsnorm", name, shape, "bfloat16", 1, s, "us", input_sets=sets)
+                gbps = nbytes / (row.median * 1e-6) / 1e9
+                row.extra.update(gbps=gbps, copy_fraction=gbps / copy_gbps, copy_gbps=copy_gbps)
+                rows.append(row)
+                medians[name] = row.median
+            summary.append((tokens, hidden, medians, nbytes, failed))
+            del data
+    for name, why in notes.items():
+        rows.append(make_row("residual_rmsnorm", name, {}, "bfloat16", 1, [float("nan")], "us", unavailable=why))
+    append_rows(args.out, rows)
+    _print_summary(summary, copy_gbps, notes)
+    return 0
+
+
+def _print_summary(summary, copy_gbps, notes) -> None:
+    print(f"\ndevice copy bandwidth: {copy_gbps:,.0f} GB/s (read + write)")
+    print(f"{'tokens':>6} {'hidden':>6} | {'fusegate us':>11} {'GB/s':>6} {'%copy':>6} | {'eager':>7} {'compile':>7} {'flashinf':>8} | "
+          f"{'x eager':>7} {'x FI':>5} | best warps")
+    for tokens, hidden, med, nbytes, failed in summary:
+        fg = med.get("fusegate", float("nan"))
+        gbps = nbytes / (fg * 1e-6) / 1e9
+        fi = med.get("flashinfer", float("nan"))
+        variants = {k: v for k, v in med.items() if k.startswith("fusegate[")}
+        best = min(variants, key=variants.get) if variants else "-"
+        print(f"{tokens:>6} {hidden:>6} | {fg:>11.2f} {gbps:>6.0f} {gbps / copy_gbps:>6.1%} | {med.get('torch_eager', float('nan')):>7.2f} "
+              f"{med.get('torch_compile', float('nan')):>7.2f} {fi:>8.2f} | {med.get('torch_eager', float('nan')) / fg:>7.2f} "
+              f"{fi / fg:>5.2f} | {best} {variants.get(best, float('nan')):.2f}" + (f"  failed: {failed}" if failed else ""))
+    for name, why in notes.items():
+        print(f"{name} not run: {why}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
