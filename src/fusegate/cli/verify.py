@@ -1,0 +1,89 @@
+"""`fusegate verify`: A/B one strategy against a baseline per token bucket; KEEP or REVERT.
+
+    fusegate verify --strategy oneshot --preset glm5            # baseline: the best unfused path
+    fusegate verify --strategy ring --baseline reference --hidden 4096 --json
+
+Correctness first (small-integer inputs bit-exact, random inputs within tolerance, identical
+bits on every rank), then interleaved timing of candidate, baseline and baseline-again (the
+noise band; rule in `fusegate.tune.verify`). Exit 0 on KEEP, 1 on REVERT, 2 on usage or
+environment errors.
+"""
+
+from __future__ import annotations
+
+import json
+
+from fusegate.tune.cli_common import add_launch_args, add_shape_args, hiddens, launch, progress_bar
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("verify", help="A/B a strategy against the baseline: KEEP or REVERT",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("--strategy", required=True, help="the strategy under test")
+    p.add_argument("--baseline", default=None, help="strategy to compare against (default: the best unfused path)")
+    add_shape_args(p, default_max_tokens=64)
+    p.add_argument("--op", choices=("all_reduce_residual_rmsnorm", "all_reduce"), default="all_reduce_residual_rmsnorm")
+    p.add_argument("--margin", type=float, default=0.03,
+                   help="REVERT when slower than the baseline by more than this fraction plus the noise (default 0.03)")
+    p.add_argument("--rounds", type=int, default=30, help="interleaved A/B/B rounds per bucket")
+    add_launch_args(p)
+    p.set_defaults(run=run)
+
+
+def _verify_rank(rank, world_size, strategy, baseline, sizes, buckets, dtype, op, margin, rounds, device, show_progress):
+    from fusegate.tune.verify import verify_in_group
+
+    with progress_bar(len(sizes) * len(buckets), f"verify {strategy}", show_progress and rank == 0) as advance:
+        report = verify_in_group(strategy, baseline=baseline, hiddens=sizes, buckets=buckets, dtype=dtype, op=op,
+                                 margin=margin, rounds=rounds, device=device, progress=advance)
+    return report.to_dict() if rank == 0 else None
+
+
+def run(args) -> int:
+    from fusegate.backends import strategy_names
+    from fusegate.cli.main import EXIT_NEGATIVE, EXIT_OK, UsageError
+    from fusegate.launch import RankFailure, run_ranks
+    from fusegate.tune.table import token_buckets
+
+    sizes = hiddens(args, "verify")
+    known = strategy_names()
+    for name in (args.strategy, args.baseline):
+        if name is not None and name not in known:
+            raise UsageError(f"unknown strategy {name!r}; registered: {', '.join(known)}")
+    if not 0 <= args.margin < 1:
+        raise UsageError(f"--margin is a fraction in [0, 1), e.g. 0.03; got {args.margin}")
+    if args.rounds < 2:
+        raise UsageError(f"--rounds must be >= 2 (the noise band needs repeated samples), got {args.rounds}")
+    world_size, backend, device = launch(args)
+    buckets = tuple(token_buckets(args.max_tokens))
+    try:
+        results = run_ranks(_verify_rank, world_size, backend=backend, timeout_s=args.timeout,
+                            args=(args.strategy, args.baseline, sizes, buckets, args.dtype, args.op, args.margin,
+                                  args.rounds, device, not args.json))
+    except RankFailure as exc:
+        raise UsageError(f"a rank failed while verifying on {world_size} {backend} rank(s): {exc}") from None
+    report = results[0]
+    report.update(world_size=world_size, backend=backend, device=device, dtype=args.dtype)
+    if args.json:
+        print(json.dumps(report, indent=1))
+    else:
+        _print_report(report)
+    return EXIT_NEGATIVE if report["verdict"] == "REVERT" else EXIT_OK
+
+
+def _print_report(report: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    out = Table(title=(f"fusegate verify: {report['strategy']} vs {report['baseline']} "
+                       f"({report['world_size']} ranks, {report['backend']}, {report['device']}, {report['dtype']})"))
+    for col in ("hidden", "tokens", "candidate us", "baseline us", "ratio", "REVERT above", "verdict", "why"):
+        out.add_column(col, overflow="fold")
+    for b in report["buckets"]:
+        style = "red" if b["verdict"] == "REVERT" else "green"
+        out.add_row(str(b["hidden"]), str(b["tokens"]), f"{b['candidate_us']:.1f}", f"{b['baseline_us']:.1f}",
+                    f"{b['ratio']:.3f}", f"{b['threshold']:.3f}", f"[{style}]{b['verdict']}[/{style}]", b["reason"])
+    console = Console()
+    console.print(out)
+    style = "red" if report["verdict"] == "REVERT" else "green"
+    console.print(f"overall: [bold {style}]{report['verdict']}[/bold {style}]")

@@ -1,0 +1,92 @@
+"""Arguments and launching shared by `fusegate tune` and `fusegate verify` (no torch at import).
+
+Launch modes for `--world-size N` local ranks (`fusegate.launch.run_ranks`):
+- CPU (default without a GPU): gloo, CPU tensors;
+- GPUs, N <= number of GPUs: NCCL, one GPU per rank (the only mode whose timings mean anything
+  for a multi-GPU deployment);
+- `--shared-gpu`: gloo with CUDA tensors, all ranks on the current GPU; a functional check of
+  the GPU code paths on one GPU, timings not representative.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from typing import Callable, Iterator
+
+from fusegate.cli.main import UsageError
+from fusegate.presets import PRESETS, get_preset
+
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+def add_shape_args(p: argparse.ArgumentParser, *, default_max_tokens: int) -> None:
+    g = p.add_argument_group("shapes")
+    g.add_argument("--preset", action="append", choices=list(PRESETS), default=[],
+                   help="model preset whose hidden size to use (repeatable)")
+    g.add_argument("--hidden", action="append", type=int, default=[], help="hidden size (repeatable)")
+    g.add_argument("--max-tokens", type=int, default=default_max_tokens,
+                   help=f"largest token bucket; buckets are 1, 2, 4, ... up to it (default {default_max_tokens})")
+    g.add_argument("--dtype", choices=DTYPES, default="bfloat16")
+
+
+def add_launch_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("ranks")
+    g.add_argument("--world-size", type=int, default=None,
+                   help="local ranks to spawn (default: the number of GPUs if 2 or more, else 2)")
+    g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="where tensors live (auto: cuda if torch sees a GPU)")
+    g.add_argument("--shared-gpu", action="store_true",
+                   help="gloo with all ranks on one GPU: a functional check, timings not representative")
+    g.add_argument("--timeout", type=float, default=1800.0, help="seconds before a hung rank is killed")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+
+
+def hiddens(args, command: str) -> tuple[int, ...]:
+    sizes = [get_preset(name).hidden for name in args.preset] + list(args.hidden)
+    if not sizes:
+        raise UsageError(f"give --preset ({', '.join(PRESETS)}) or --hidden H, e.g. `fusegate {command} --preset glm5`")
+    if any(h < 1 for h in sizes):
+        raise UsageError(f"--hidden must be positive, got {sizes}")
+    if args.max_tokens < 1:
+        raise UsageError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    return tuple(dict.fromkeys(sizes))
+
+
+def launch(args) -> tuple[int, str, str]:
+    """(world size, process-group backend, tensor device) for the requested ranks, or UsageError."""
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    device = args.device if args.device != "auto" else ("cuda" if gpus else "cpu")
+    if device == "cuda" and not gpus:
+        raise UsageError("--device cuda but torch sees no CUDA GPU; use --device cpu")
+    world_size = args.world_size or (gpus if gpus >= 2 else 2)
+    if world_size < 1:
+        raise UsageError(f"--world-size must be >= 1, got {world_size}")
+    if device == "cpu":
+        if args.shared_gpu:
+            raise UsageError("--shared-gpu needs --device cuda (or auto on a GPU machine)")
+        return world_size, "gloo", "cpu"
+    if args.shared_gpu:
+        return world_size, "gloo", "cuda"
+    if world_size > gpus:
+        raise UsageError(f"{world_size} ranks but {gpus} GPU(s); NCCL needs one GPU per rank. Pass --shared-gpu for "
+                         "a functional check with ranks sharing a GPU, or --world-size <= the GPU count")
+    return world_size, "nccl", "cuda"
+
+
+@contextlib.contextmanager
+def progress_bar(total: int, description: str, enabled: bool) -> Iterator[Callable[[str], None]]:
+    """A rich progress bar on stderr (when `enabled` and stderr is a terminal); yields advance(text)."""
+    if not enabled or not sys.stderr.isatty():
+        yield lambda text: None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task(description, total=total)
+        yield lambda text: bar.update(task, advance=1, description=f"{description}: {text}")

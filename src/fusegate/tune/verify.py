@@ -1,0 +1,176 @@
+"""`verify_in_group`: an A/B of one strategy against a baseline, per bucket, with KEEP / REVERT.
+
+Collective: every rank of `group` calls it with the same arguments.
+
+Per (hidden, token bucket): correctness first (`correctness.check_candidate`, for the candidate
+and the baseline); a candidate that fails anywhere is REVERT for that bucket. Then `rounds`
+interleaved rounds of three timed calls, order rotated per round: the candidate A, the baseline B
+and the baseline again B' (same instance). B' against B measures the noise of the machine itself.
+
+Verdict rule. Per round i the paired log-ratios d_i = log(A_i / B_i) and e_i = log(B'_i / B_i)
+(all times per-call maxima over ranks); pairing within a round cancels slow drift of the machine.
+    m      = median(d)                                   # reported as ratio = exp(m)
+    h      = 1.58 * IQR(d) / sqrt(rounds)                # half-width of the median's notch (McGill,
+                                                         # Tukey, Larsen 1978: ~95%, rank-based)
+    offset = |median(e)|                                 # how far "equal" drifts apart here (A-vs-A)
+    bound  = log(1 + margin) + offset
+    REVERT when m - h > bound: slower than the baseline by more than the margin plus the A-vs-A
+    offset, with ~95% confidence; the reported threshold is exp(bound + h).
+    Otherwise KEEP: "faster" when m + h < -bound, else "equal within noise".
+So a strategy equal to its baseline is KEEP even on a loaded machine (its interval widens with the
+measured spread), and a clearly slower one is REVERT. Overall: REVERT if any bucket is REVERT.
+
+The baseline defaults to the best unfused path: every admitted unfused strategy (other than the
+candidate) that passes the correctness check gets a short interleaved pass on the largest bucket,
+and the fastest becomes the baseline for all buckets.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from fusegate.group import agree_group_info, device_type_of
+from fusegate.spec import Op, Problem
+from fusegate.tune.candidates import CandidatePool, admitted, is_fused, timed_call
+from fusegate.tune.correctness import check_candidate
+from fusegate.tune.measure import time_interleaved
+from fusegate.tune.table import DEFAULT_MARGIN
+
+# 1.58 * IQR / sqrt(n): half-width of the notch around a median (McGill, Tukey, Larsen 1978),
+# a rank-based ~95% interval that needs no normality assumption.
+_NOTCH = 1.58
+
+
+@dataclass(frozen=True)
+class BucketVerdict:
+    op: str
+    hidden: int
+    tokens: int
+    verdict: str  # "KEEP" | "REVERT"
+    ratio: float  # median over rounds of candidate / baseline; nan when not timed
+    threshold: float  # ratio above which the bucket is REVERT
+    noise: float  # measured noise band (log units)
+    candidate_us: float
+    baseline_us: float
+    reason: str
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    strategy: str
+    baseline: str
+    margin: float
+    buckets: tuple[BucketVerdict, ...]
+
+    @property
+    def verdict(self) -> str:
+        return "REVERT" if any(b.verdict == "REVERT" for b in self.buckets) else "KEEP"
+
+    def to_dict(self) -> dict:
+        return {"strategy": self.strategy, "baseline": self.baseline, "margin": self.margin,
+                "verdict": self.verdict, "buckets": [asdict(b) for b in self.buckets]}
+
+
+def judge(a: list[float], b: list[float], b2: list[float], margin: float) -> tuple[str, float, float, float, str]:
+    """(verdict, ratio, threshold ratio, noise, reason) from paired per-round samples (rule in module doc)."""
+    d = [math.log(x / y) for x, y in zip(a, b)]
+    e = [math.log(x / y) for x, y in zip(b2, b)]
+    m = statistics.median(d)
+    q = statistics.quantiles(d, n=4, method="inclusive") if len(d) > 1 else [m, m, m]
+    half = _NOTCH * (q[2] - q[0]) / math.sqrt(len(d))
+    offset = abs(statistics.median(e))
+    bound = math.log(1 + margin) + offset
+    ratio, threshold, noise = math.exp(m), math.exp(bound + half), offset + half
+    if m - half > bound:
+        return "REVERT", ratio, threshold, noise, f"slower: {ratio:.3f}x the baseline, above {threshold:.3f}x (margin {margin:.0%} + noise)"
+    if m + half < -bound:
+        return "KEEP", ratio, threshold, noise, f"faster: {ratio:.3f}x the baseline"
+    return "KEEP", ratio, threshold, noise, f"equal within noise: {ratio:.3f}x, REVERT above {threshold:.3f}x"
+
+
+def verify_in_group(strategy: str, *, hiddens: tuple[int, ...], buckets: tuple[int, ...], baseline: str | None = None,
+                    dtype: str = "bfloat16", op: str = Op.ALL_REDUCE_RESIDUAL_RMSNORM.value,
+                    margin: float = DEFAULT_MARGIN, rounds: int = 30, warmup: int = 3, group=None, device=None,
+                    progress: Callable[[str], None] | None = None, options: dict | None = None) -> VerifyReport:
+    """Collective: KEEP / REVERT of `strategy` against `baseline` per bucket (module doc)."""
+    from fusegate.probe import probe
+
+    if rounds < 2:
+        raise ValueError(f"verify: rounds must be >= 2 to measure noise, got {rounds}")
+    group = group if group is not None else dist.group.WORLD
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    device_type = torch.device(device).type if device is not None else device_type_of(group)
+    dev = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+    caps = probe()
+    info = agree_group_info(group, caps, device_type=device_type)
+    torch_dtype = getattr(torch, dtype)
+    the_op = Op(op)
+    max_tokens = max(buckets)
+    pool = CandidatePool(group=group, rank=rank, world_size=world_size, info=info, caps=caps, device=dev, options=options)
+
+    def call(name, hidden, tokens):
+        instance = pool.get(name, hidden=hidden, dtype=torch_dtype, max_tokens=max_tokens)
+        return timed_call(instance, the_op, rank=rank, tokens=tokens, hidden=hidden, dtype=torch_dtype, device=dev)
+
+    try:
+        if baseline is None:
+            baseline = _best_unfused(strategy, the_op, hiddens[0], max_tokens, dtype, info, caps, pool, call, group, rank,
+                                     world_size, dev, rounds)
+        results = []
+        for hidden in hiddens:
+            for tokens in sorted(buckets):
+                results.append(_verify_bucket(strategy, baseline, the_op, hidden, tokens, dtype, torch_dtype, info, caps,
+                                              pool, call, group, rank, world_size, dev, margin, rounds, warmup, max_tokens))
+                if progress is not None:
+                    progress(f"{tokens}x{hidden}: {results[-1].verdict}")
+    finally:
+        pool.close()
+    return VerifyReport(strategy, baseline, margin, tuple(results))
+
+
+def _best_unfused(strategy, op, hidden, tokens, dtype, info, caps, pool, call, group, rank, world_size, dev, rounds) -> str:
+    """The fastest admitted unfused strategy that also passes the correctness check (a wrong
+    baseline would make any candidate look good)."""
+    names, _ = admitted(Problem(op, tokens, hidden, dtype, info), caps)
+    options = []
+    for name in (n for n in names if not is_fused(n) and n != strategy):
+        instance = pool.get(name, hidden=hidden, dtype=getattr(torch, dtype), max_tokens=tokens)
+        if check_candidate(instance, op, tokens=tokens, hidden=hidden, dtype=getattr(torch, dtype), group=group,
+                           rank=rank, world_size=world_size, device=dev).ok:
+            options.append(name)
+    if not options:
+        raise ValueError(f"verify: no correct unfused strategy other than {strategy!r} is admitted here to serve as "
+                         "the baseline; pass --baseline")
+    if len(options) == 1:
+        return options[0]
+    samples = time_interleaved({n: call(n, hidden, tokens) for n in options}, group=group, device=dev,
+                               rounds=max(5, rounds // 2))
+    return min(options, key=lambda n: statistics.median(samples[n]))
+
+
+def _verify_bucket(strategy, baseline, op, hidden, tokens, dtype, torch_dtype, info, caps, pool, call, group, rank,
+                   world_size, dev, margin, rounds, warmup, max_tokens) -> BucketVerdict:
+    problem = Problem(op, tokens, hidden, dtype, info)
+    _, verdicts = admitted(problem, caps, list(dict.fromkeys([strategy, baseline])))
+    for name in (strategy, baseline):
+        if not verdicts[name].ok:
+            return BucketVerdict(op.value, hidden, tokens, "REVERT", math.nan, math.nan, math.nan, math.nan, math.nan,
+                                 f"{name} is not admitted: {verdicts[name].reason}")
+    for name in dict.fromkeys([strategy, baseline]):
+        instance = pool.get(name, hidden=hidden, dtype=torch_dtype, max_tokens=max_tokens)
+        verdict = check_candidate(instance, op, tokens=tokens, hidden=hidden, dtype=torch_dtype, group=group,
+                                  rank=rank, world_size=world_size, device=dev)
+        if not verdict.ok:
+            return BucketVerdict(op.value, hidden, tokens, "REVERT", math.nan, math.nan, math.nan, math.nan, math.nan,
+                                 f"{name} failed correctness: {verdict.reason}")
+    fa, fb = call(strategy, hidden, tokens), call(baseline, hidden, tokens)
+    samples = time_interleaved({"A": fa, "B": fb, "B2": fb}, group=group, device=dev, rounds=rounds, warmup=warmup)
+    verdict, ratio, threshold, noise, reason = judge(samples["A"], samples["B"], samples["B2"], margin)
+    return BucketVerdict(op.value, hidden, tokens, verdict, ratio, threshold, noise,
+                         statistics.median(samples["A"]), statistics.median(samples["B"]), reason)

@@ -1,0 +1,133 @@
+"""tune and verify for real on 2 gloo ranks over CPU strategies, and the Communicator's table use.
+
+Spawned ranks find the test-only strategies through FUSEGATE_STRATEGIES (tune_test_strategies.py
+sits next to this file, on the path spawned processes inherit).
+"""
+
+import os
+import warnings
+
+import pytest
+import torch
+
+from fusegate.launch import run_ranks
+from fusegate.reference import all_reduce_residual_rmsnorm_ref, random_inputs
+
+from tune_test_strategies import PLUGINS
+
+H = 64
+BUCKETS = (1, 2, 4, 8)
+ENV = {"FUSEGATE_STRATEGIES": PLUGINS, "PYTHONPATH": os.path.dirname(__file__)}
+
+
+def _weight():
+    return (1 + 0.1 * torch.randn(H, generator=torch.Generator().manual_seed(5))).to(torch.bfloat16)
+
+
+def _table_life_rank(rank, world_size, cache_root):
+    from fusegate import Communicator
+    from fusegate.dispatch import DispatchWarning
+    from fusegate.spec import Op
+    from fusegate.tune.table import save, table_path
+    from fusegate.tune.tuner import TuneSpec, tune_in_group
+
+    # One cache directory per rank, as on separate hosts, so ranks can hold different files.
+    os.environ["FUSEGATE_CACHE_DIR"] = os.path.join(cache_root, f"rank{rank}")
+    out = {}
+    spec = TuneSpec(hiddens=(H,), buckets=BUCKETS, ops=("all_reduce_residual_rmsnorm",),
+                    strategies=("reference", "ring", "slow_fused", "wrong_on_rank_one"),
+                    rounds=20, confirm_rounds=20, warmup=2)
+    table = tune_in_group(spec)
+    path = save(table, table_path(table.fingerprint))
+    out["table"] = table.to_json()
+
+    x = random_inputs(rank, 5, H, torch.bfloat16)
+    res = random_inputs(77, 5, H, torch.bfloat16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with Communicator() as comm:
+            out["loaded_digest"] = comm.table.digest if comm.table is not None else None
+            out["choice"] = comm.strategy_for(Op.ALL_REDUCE_RESIDUAL_RMSNORM, 5, H, torch.bfloat16)
+            out["untuned"] = comm.strategy_for(Op.ALL_REDUCE_RESIDUAL_RMSNORM, 5, 2 * H, torch.bfloat16)
+            out["result"] = comm.all_reduce_residual_rmsnorm(x, res, _weight())
+        with Communicator(strategy="slow_fused") as comm:
+            comm.all_reduce_residual_rmsnorm(x, res, _weight())
+    out["override_warnings"] = [str(w.message) for w in caught if issubclass(w.category, DispatchWarning)]
+
+    # Disagreeing digests: rank 1 holds a valid table with one choice changed. Every rank must fall back.
+    if rank == 1:
+        from dataclasses import replace
+
+        changed = replace(table, entries=(replace(table.entries[0], choice="ring"),) + table.entries[1:])
+        save(changed, path)
+    with Communicator() as comm:
+        out["disagree"] = (comm.table is None, comm.table_note,
+                           comm.strategy_for(Op.ALL_REDUCE_RESIDUAL_RMSNORM, 1, H, torch.bfloat16).source)
+
+    # A corrupt table is ignored with a warning, never a crash, and calls still work.
+    path.write_text(path.read_text()[:100])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with Communicator() as comm:
+            out["corrupt"] = (comm.table is None, comm.table_note)
+            out["corrupt_result"] = comm.all_reduce_residual_rmsnorm(x, res, _weight())
+    out["corrupt_warnings"] = [str(w.message) for w in caught if issubclass(w.category, DispatchWarning)]
+    return out
+
+
+def test_tune_builds_one_table_that_every_rank_uses_or_every_rank_ignores(tmp_path):
+    from fusegate.tune.table import parse
+
+    results = run_ranks(_table_life_rank, 2, args=(str(tmp_path),), env=ENV, timeout_s=240)
+    tables = [parse(r["table"]) for r in results]
+    assert tables[0].digest == tables[1].digest
+    for entry in tables[0].entries:
+        # Verify before time: the candidate wrong on rank 1 only is rejected (for every rank) and never timed.
+        assert "rank 1" in entry.rejected["wrong_on_rank_one"] and "rank 0" not in entry.rejected["wrong_on_rank_one"]
+        assert "wrong_on_rank_one" not in entry.times_us
+        assert set(entry.times_us) == {"reference", "ring", "slow_fused"}
+        # The do-no-harm guard: the fused candidate is several times slower, so it is never chosen.
+        assert entry.choice in ("reference", "ring") and entry.best_unfused == entry.choice
+        assert entry.median("slow_fused") > entry.median(entry.choice)
+
+    xs = [random_inputs(r, 5, H, torch.bfloat16) for r in range(2)]
+    ref = all_reduce_residual_rmsnorm_ref(xs, random_inputs(77, 5, H, torch.bfloat16), _weight())
+    for r in results:
+        assert r["loaded_digest"] == tables[0].digest
+        expected = tables[0].lookup("all_reduce_residual_rmsnorm", "bfloat16", H, 5)
+        assert expected.tokens == 8
+        assert (r["choice"].name, r["choice"].source) == (expected.choice, "table")
+        assert r["untuned"].source == "default"
+        for got, want in zip(r["result"], ref):
+            assert (got.double() - want.double()).norm() / want.double().norm() < 8e-3
+        assert any("slow_fused" in w and "remove the override" in w for w in r["override_warnings"])
+
+        gone, note, source = r["disagree"]
+        assert gone and "ranks hold different dispatch tables" in note and source == "default"
+
+        gone, note = r["corrupt"]
+        assert gone and "corrupt" in note
+        assert any("corrupt" in w and "fusegate tune" in w for w in r["corrupt_warnings"])
+        for got, want in zip(r["corrupt_result"], ref):
+            assert (got.double() - want.double()).norm() / want.double().norm() < 8e-3
+
+
+def _verify_rank(rank, world_size):
+    from fusegate.tune.verify import verify_in_group
+
+    slower = verify_in_group("slow_broadcast", baseline="reference", hiddens=(H,), buckets=(1, 8), rounds=20)
+    # Default baseline: the fastest correct unfused strategy (never the one that is wrong on rank 1).
+    default = verify_in_group("slow_broadcast", hiddens=(H,), buckets=(2,), rounds=3)
+    equal = verify_in_group("reference_copy", baseline="reference", hiddens=(H,), buckets=(1, 8), rounds=40)
+    wrong = verify_in_group("wrong_on_rank_one", baseline="reference", hiddens=(H,), buckets=(2,), rounds=4)
+    return slower.to_dict(), equal.to_dict(), wrong.to_dict(), default.baseline
+
+
+def test_verify_reverts_a_slower_strategy_and_keeps_an_equal_one():
+    slower, equal, wrong, default_baseline = run_ranks(_verify_rank, 2, env=ENV, timeout_s=240)[0]
+    assert default_baseline in ("reference", "ring", "reference_copy")
+    assert slower["verdict"] == "REVERT", slower
+    assert all(b["verdict"] == "REVERT" and b["ratio"] > b["threshold"] > 1.03 for b in slower["buckets"]), slower
+    assert equal["verdict"] == "KEEP", equal
+    assert all(b["threshold"] > 1.03 for b in equal["buckets"])
+    assert wrong["verdict"] == "REVERT" and "failed correctness" in wrong["buckets"][0]["reason"]

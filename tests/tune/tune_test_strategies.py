@@ -1,0 +1,69 @@
+"""Strategies that exist only for the tune/verify tests (registered through FUSEGATE_STRATEGIES).
+
+- `SequentialBroadcast`: the same sums as the reference (fp32, rank order 0..W-1, bit-identical on
+  every rank), computed through W sequential broadcasts, repeated `PASSES` times: a real, correct
+  and genuinely slower implementation for verify's REVERT and tune's guard.
+- `SlowFused`: the same, but declared fused, so the do-no-harm guard must refuse it.
+- `ReferenceCopy`: the reference strategy under another name: equal speed, for verify's KEEP.
+- `WrongOnRankOne`: correct on rank 0, adds one to every sum on rank 1: one rank's failure must
+  reject it on every rank.
+"""
+
+import torch
+import torch.distributed as dist
+
+from fusegate.backends.base import Strategy
+from fusegate.backends.reference import ReferenceStrategy
+from fusegate.reference import accumulation_dtype, residual_rmsnorm_ref
+from fusegate.spec import Needs
+
+# Redundant passes: 8 x W broadcasts instead of one allreduce, so the slowdown (several times)
+# is far outside the CPU timing noise.
+PASSES = 8
+
+
+class SequentialBroadcast(Strategy):
+    name = "slow_broadcast"
+    description = "test only: W sequential broadcasts, repeated"
+    fused = False
+    needs = Needs()
+
+    def _sum(self, x):
+        acc_dtype = accumulation_dtype(x.dtype)
+        for _ in range(PASSES):
+            total = None
+            for r in range(self.ctx.world_size):
+                buf = x.to(acc_dtype, copy=True) if r == self.ctx.rank else torch.empty(x.shape, dtype=acc_dtype, device=x.device)
+                dist.broadcast(buf, src=dist.get_global_rank(self.ctx.group, r), group=self.ctx.group)
+                total = buf if total is None else total + buf
+        return total.to(x.dtype)
+
+    def all_reduce(self, x):
+        return self._sum(x)
+
+    def all_reduce_residual_rmsnorm(self, x, residual, weight, eps):
+        return residual_rmsnorm_ref(self._sum(x), residual, weight, eps)
+
+
+class SlowFused(SequentialBroadcast):
+    name = "slow_fused"
+    fused = True
+
+
+class ReferenceCopy(ReferenceStrategy):
+    name = "reference_copy"
+
+
+class WrongOnRankOne(ReferenceStrategy):
+    name = "wrong_on_rank_one"
+
+    def _reduced(self, x):
+        acc = super()._reduced(x)
+        return acc + 1 if self.ctx.rank == 1 else acc
+
+
+PLUGINS = ",".join(
+    f"{name}=tune_test_strategies:{cls}"
+    for name, cls in (("slow_broadcast", "SequentialBroadcast"), ("slow_fused", "SlowFused"),
+                      ("reference_copy", "ReferenceCopy"), ("wrong_on_rank_one", "WrongOnRankOne"))
+)
