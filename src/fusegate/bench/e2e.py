@@ -132,7 +132,10 @@ class DecodeStep:
     """One decode step with static buffers: ids (B,), pos (1,). `__call__` advances both in place.
 
     On CUDA with graphs the step is captured once (after warm-up on a side stream) and replayed;
-    `allreduces` is the CountingCommunicator's count for one step (at capture, for a graph)."""
+    `allreduces` is the CountingCommunicator's count for one step (at capture, for a graph).
+    Construction leaves ids and pos as given, so the first call decodes at position prompt_len
+    (cache slots the warm-up wrote beyond it are masked out and overwritten in order).
+    `logits` is the last step's (B, V) output buffer."""
 
     def __init__(self, model, cache, first_ids, *, prompt_len: int, graphs: bool) -> None:
         import torch
@@ -156,12 +159,14 @@ class DecodeStep:
             model.comm.reset()
             self._eager()
         self.allreduces = dict(model.comm.counts)
+        self.ids.copy_(first_ids)
+        self.pos.fill_(prompt_len)
 
     def _eager(self) -> None:
         import torch
 
-        logits = self.model.decode(self.ids, self.cache, self.pos)
-        self.ids.copy_(logits.argmax(dim=-1))
+        self.logits = self.model.decode(self.ids, self.cache, self.pos)
+        self.ids.copy_(self.logits.argmax(dim=-1))
         # The KV window wraps: positions run prompt_len .. context-1, then start over (static shapes).
         nxt = self.pos + 1
         self.pos.copy_(torch.where(nxt >= self.cache.context, torch.full_like(nxt, self.prompt_len), nxt))

@@ -5,8 +5,8 @@ record (a GPU kernel on CUDA; an operator's self CPU time on CPU) is attributed 
 from its name first and then from the model's `fusegate::*` record_function scopes around it:
 
 1. communication: NCCL / gloo / allreduce / all-gather / one-shot / two-shot / Lamport names;
-2. attention by name: flash / fmha / attention / SDPA (before GEMMs: fused attention kernels
-   carry "cutlass" in their names);
+2. attention: flash / fmha / attention / SDPA names, or anything inside `fusegate::attention_core`
+   (decode attention's two matmuls); before GEMMs, since fused attention kernels carry "cutlass";
 3. GEMMs (gemm, gemv, matmul, cutlass, cuBLAS, nvjet, xmma, aten::mm, grouped_mm, ...): MoE GEMMs
    inside `fusegate::moe_experts`, other GEMMs elsewhere;
 4. attention by scope: anything else inside `fusegate::attention` (rotary, KV-cache writes);
@@ -53,8 +53,8 @@ def classify(name: str, scopes: tuple[str, ...]) -> str:
     low = name.lower()
     if any(k in low for k in _COMM):
         return "communication"
-    if any(k in low for k in _ATTENTION):  # before GEMMs: fused attention kernels are named fmha_cutlass...
-        return "attention"
+    if any(k in low for k in _ATTENTION) or "fusegate::attention_core" in scopes:
+        return "attention"  # before GEMMs: fused attention kernels are named fmha_cutlass..., decode uses matmuls
     if any(k in low for k in _GEMM):
         return "moe_gemm" if "fusegate::moe_experts" in scopes else "other_gemm"
     if "fusegate::attention" in scopes:
@@ -85,7 +85,7 @@ def records_from_profiler(prof, *, device_type: str) -> list[Record]:
                 if kernel.name.startswith("fusegate::"):
                     continue  # a GPU-side range of a record_function scope, not a kernel
                 records.append(Record(kernel.name, tuple(scopes), float(kernel.duration)))
-        elif not event.name.startswith("fusegate::") and event.self_cpu_time_total > 0:
+        elif not getattr(event, "is_user_annotation", False) and event.self_cpu_time_total > 0:
             records.append(Record(event.name, tuple(scopes), float(event.self_cpu_time_total)))
     return records
 

@@ -8,8 +8,9 @@ Two modes, both with static shapes so a decode step can be captured in a CUDA gr
   keys and values land in cache slots 0..P-1.
 - decode: `x` is (B, H), one token per sequence at position `pos` (a 1-element device tensor, so
   a graph replay can advance it); keys/values are written at slot `pos` with index_copy_, and
-  attention reads the whole cache window under the mask `slot <= pos`. Reading the whole window
-  keeps shapes static; the cost is attention over `context` slots rather than pos+1.
+  attention (`grouped_decode_attention`, two batched matmuls) reads the whole cache window under
+  the mask `slot <= pos`. Reading the whole window keeps shapes static; the cost is attention
+  over `context` slots rather than pos+1.
 
 Shape legend: B sequences, P prompt length, S cache slots (context), h/hk local query/KV heads, D head dim.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.profiler import record_function
 
 from fusegate.models.config import ModelConfig
 from fusegate.models.layers import ColumnParallelLinear, RowParallelLinear
@@ -93,8 +95,22 @@ class Attention(nn.Module):
         k_cache, v_cache = cache.k[self.layer], cache.v[self.layer]
         k_cache.index_copy_(2, pos, k)
         v_cache.index_copy_(2, pos, v)
-        slots = torch.arange(cache.context, device=x_BH.device)
-        mask = (slots <= pos).view(1, 1, 1, cache.context)
-        out = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask,
-                                             enable_gqa=self.kv_heads != self.heads)
-        return self.o_proj(out.transpose(1, 2).reshape(batch, -1))
+        mask = torch.arange(cache.context, device=x_BH.device) <= pos
+        with record_function("fusegate::attention_core"):
+            out = grouped_decode_attention(q, k_cache, v_cache, mask)
+        return self.o_proj(out.reshape(batch, -1))
+
+
+def grouped_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask_S: torch.Tensor) -> torch.Tensor:
+    """Attention of one query per sequence over the cache window: q (B, h, 1, D), k/v (B, hk, S, D) -> (B, h, D).
+
+    Written as two batched matmuls over (B, hk) with the g = h/hk query heads of a KV head as
+    rows, so grouped KV heads are never copied or expanded, there is no host sync (graph-safe),
+    and masking needs no fused-attention support for GQA plus a mask. Softmax in fp32 (float64
+    for float64 models)."""
+    batch, heads, _, dim = q.shape
+    kv_heads = k.shape[1]
+    q_g = q.reshape(batch, kv_heads, heads // kv_heads, dim)
+    scores = torch.matmul(q_g, k.transpose(-1, -2)).to(accumulation_dtype(q.dtype)) * dim**-0.5
+    probs = scores.masked_fill(~mask_S, float("-inf")).softmax(dim=-1).to(q.dtype)
+    return torch.matmul(probs, v).reshape(batch, heads, dim)

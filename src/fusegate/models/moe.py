@@ -103,17 +103,19 @@ class MoE(nn.Module):
         self.first_expert = rank * num_local
         self.router = ReplicatedLinear(cfg.hidden, cfg.num_experts, seed=seed, layer=layer, name="router",
                                        dtype=dtype, device=device)
-        w13, w2 = [], []
-        for e in range(self.first_expert, self.first_expert + num_local):
-            # One generator call per expert matrix, so each rank draws only the experts it owns.
+        # Filled expert by expert (one generator call per matrix, so each rank draws only the
+        # experts it owns) into preallocated stacks: no transient second copy of the weights.
+        i, h = cfg.expert_inter, cfg.hidden
+        w13 = torch.empty(num_local, 2 * i, h, dtype=dtype, device=device)
+        w2 = torch.empty(num_local, h, i, dtype=dtype, device=device)
+        for local, e in enumerate(range(self.first_expert, self.first_expert + num_local)):
             draw = lambda name, shape, fan_in: random_tensor(shape, seed=seed, layer=layer, name=f"experts.{e}.{name}",  # noqa: E731
                                                              std=fan_in**-0.5, dtype=dtype, device=device)
-            w13.append(torch.cat([draw("gate", (cfg.expert_inter, cfg.hidden), cfg.hidden),
-                                  draw("up", (cfg.expert_inter, cfg.hidden), cfg.hidden)]))
-            w2.append(draw("down", (cfg.hidden, cfg.expert_inter), cfg.expert_inter))
-        self.w13 = nn.Parameter(torch.stack(w13), requires_grad=False)  # (E_local, 2I, H)
-        self.w2 = nn.Parameter(torch.stack(w2), requires_grad=False)  # (E_local, H, I)
-        del w13, w2
+            w13[local, :i] = draw("gate", (i, h), h)
+            w13[local, i:] = draw("up", (i, h), h)
+            w2[local] = draw("down", (h, i), i)
+        self.w13 = nn.Parameter(w13, requires_grad=False)  # (E_local, 2I, H)
+        self.w2 = nn.Parameter(w2, requires_grad=False)  # (E_local, H, I)
         self.shared = None
         if cfg.num_shared_experts:
             self.shared = DenseMLP(cfg.hidden, cfg.expert_inter * cfg.num_shared_experts, prefix="shared", rank=rank,

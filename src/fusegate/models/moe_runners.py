@@ -76,7 +76,8 @@ def _local_pairs(ids_TK: torch.Tensor, first_expert: int, num_local: int):
     """Per (token, k) pair: local expert index (num_local for pairs routed to other ranks) and token index."""
     local = ids_TK.flatten() - first_expert
     key = torch.where((local >= 0) & (local < num_local), local, num_local)
-    tokens = torch.arange(ids_TK.shape[0], device=ids_TK.device).repeat_interleave(ids_TK.shape[1])
+    # arange // K rather than repeat_interleave: the latter sizes its output on the host (a sync).
+    tokens = torch.arange(ids_TK.numel(), device=ids_TK.device) // ids_TK.shape[1]
     return key, tokens
 
 
