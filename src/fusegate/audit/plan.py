@@ -1,0 +1,252 @@
+"""Plan the minimal edit that makes a gate true for `--arch`, in the codebase's own idiom.
+
+For a gate, the condition's atoms (comparisons, calls, names, attributes under and/or/not) are
+evaluated; an atom that is true for `--like` and false for `--arch`, in a position where making it
+true opens the gate, is extended, atom by atom until the gate is open for `--arch`:
+
+- a membership test in a literal (`sm in (100, 103)`) gets the new element; `major == 10` becomes
+  `major in (10, 12)`; ranges and other comparisons get `or <subject> == <value>`;
+- any other atom gets a sibling in the same idiom, spelled by substituting the architecture in its
+  text (`_is_sm100_supported` -> `_is_sm120_supported`, `get_platform().is_sm100` -> `.is_sm120`,
+  `family(100)` -> `family(120)`), joined with `or`.
+
+A sibling name the module lacks is added next to the original: a cached flag is defined after its
+sibling's definition (spelled the same way), a helper is added to the `from ... import` that brings
+in its sibling, but only when the target defines it. A sibling whose meaning cannot be confirmed in
+the target is refused with a `PatchError` that names what is missing and what to add.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from dataclasses import dataclass, field
+
+from fusegate.audit.arch import ARCHS, Arch, ArchBool
+from fusegate.audit.evaluate import Evaluator, to_bool
+from fusegate.audit.values import Const, UserFunc
+
+
+class PatchError(ValueError):
+    """A gate cannot be patched safely; the message says what is missing and how to proceed."""
+
+
+@dataclass
+class AtomEdit:
+    """Replace the source range of `node` (an ast node of the gate's module) with `new_code`."""
+
+    node: ast.AST
+    new_code: str
+    wrap: bool  # parenthesize (the atom's parent is not an `or`)
+
+
+@dataclass
+class Plan:
+    path: str
+    gate_id: str
+    like: Arch
+    atom_edits: list = field(default_factory=list)
+    imports: list = field(default_factory=list)  # (ImportFrom ast node, existing name, new name)
+    statements: list = field(default_factory=list)  # (ast stmt to insert after, new statement code)
+
+
+def substitute(text: str, like: Arch, arch: Arch) -> str:
+    """Respell `text` for `arch` where it names `like` (sm100 -> sm120, (10, 0) -> (12, 0), 100 -> 120)."""
+    out = re.sub(rf"(?i)(sm_?){like.cc_int}(?!\d)", lambda m: f"{m.group(1)}{arch.cc_int}", text)
+    out = re.sub(rf"\(\s*{like.major}\s*,\s*{like.minor}\s*\)", f"({arch.major}, {arch.minor})", out)
+    out = re.sub(rf"(?<![\w.]){like.cuda_arch}(?![\w.])", str(arch.cuda_arch), out)
+    out = re.sub(rf"(?<![\w.]){like.cc_int}(?![\w.])", str(arch.cc_int), out)
+    return out
+
+
+def literal_for(example, arch: Arch):
+    """The value naming `arch` in the same form as `example` (a tuple, an SM int, a major, a string)."""
+    if isinstance(example, tuple) and len(example) == 2:
+        return (arch.major, arch.minor)
+    if isinstance(example, str) and example.isdigit():
+        return str(arch.cc_int)
+    if isinstance(example, int) and not isinstance(example, bool):
+        if example >= 300:
+            return arch.cuda_arch
+        return arch.cc_int if example >= 20 else arch.major
+    return None
+
+
+def atoms(node: ast.expr, polarity: int, parent_or: bool = False):
+    """(atom, polarity, parent_is_or) for the leaves of and/or/not trees."""
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
+        yield from atoms(node.operand, -polarity)
+    elif isinstance(node, ast.BoolOp):
+        for value in node.values:
+            yield from atoms(value, polarity, isinstance(node.op, ast.Or))
+    else:
+        yield node, polarity, parent_or
+
+
+class Planner:
+    """Plans edits for sites of one `AuditResult` (engine.py)."""
+
+    def __init__(self, result, arch: Arch):
+        self.result = result
+        self.resolver = result.resolver
+        self.arch = arch
+
+    def _eval(self, site, node, overrides=None):
+        ev = Evaluator(self.resolver, site.module, site.local, site.attrs, overrides=overrides)
+        return to_bool(ev.eval(node))
+
+    def pick_like(self, finding) -> Arch:
+        enabled = [a for a in ARCHS if finding.values[a.name] is not False]
+        below = [a for a in enabled if a.cc_int < self.arch.cc_int]
+        return (below or enabled)[-1]
+
+    def plan(self, finding, like: Arch | None) -> Plan:
+        site = self.result.sites.get(finding.id)
+        if site is None or finding.report_only:
+            raise PatchError(f"patch: gate {finding.id} ({finding.path}:{finding.line}) is report-only; edit the build configuration by hand")
+        like = like or self.pick_like(finding)
+        if finding.values[like.name] is False:
+            raise PatchError(f"patch: gate {finding.id} is false on --like {like.name} too; pick --like from {', '.join(finding.enables)}")
+        plan = Plan(finding.path, finding.id, like)
+        overrides: dict = {}
+        arch_only = ArchBool.where(lambda a: a == self.arch)
+        blocked = []
+        for atom, polarity, parent_or in atoms(site.node, site.polarity):
+            value = self._eval(site, atom)
+            gate_now = self._gate_value(site, overrides)
+            if gate_now.at(self.arch) is not False:
+                break
+            if polarity < 0:
+                if value.at(self.arch) is True and value.at(like) is not True:
+                    blocked.append(ast.unparse(atom))
+                continue
+            if value.at(self.arch) is not False or value.at(like) is False:
+                continue
+            plan.atom_edits.append(self._extend(site, atom, like, parent_or, plan))
+            overrides[id(atom)] = value.or_(arch_only)
+        if self._gate_value(site, overrides).at(self.arch) is False:
+            why = f"it excludes {self.arch.name} explicitly ({'; '.join(blocked)})" if blocked else "no atom of it can be extended"
+            raise PatchError(f"patch: gate {finding.id} ({finding.path}:{finding.line}) cannot be opened for {self.arch.name}: {why}; edit it by hand")
+        return plan
+
+    def _gate_value(self, site, overrides) -> ArchBool:
+        value = self._eval(site, site.node, overrides)
+        return value if site.polarity > 0 else value.not_()
+
+    # -- one atom -----------------------------------------------------------------------
+    def _extend(self, site, atom, like: Arch, parent_or: bool, plan: Plan) -> AtomEdit:
+        if isinstance(atom, ast.Compare) and len(atom.ops) == 1:
+            edit = self._extend_compare(site, atom)
+            if edit is not None:
+                return edit
+        if isinstance(atom, ast.Compare):
+            edit = self._extend_range(site, atom, parent_or)
+            if edit is not None:
+                return edit
+        old = ast.unparse(atom)
+        new = substitute(old, like, self.arch)
+        if new == old:
+            raise PatchError(
+                f"patch: gate {plan.gate_id}: `{old}` names {like.name} in no way that can be respelled for "
+                f"{self.arch.name}; add the {self.arch.name} condition by hand"
+            )
+        self._support(site, atom, new, like, plan)
+        return AtomEdit(atom, new, wrap=not parent_or)
+
+    def _extend_compare(self, site, atom: ast.Compare) -> AtomEdit | None:
+        op, right = atom.ops[0], atom.comparators[0]
+        if isinstance(op, ast.In) and isinstance(right, (ast.Tuple, ast.List, ast.Set)) and right.elts:
+            first = Evaluator(self.resolver, site.module).eval(right.elts[0])
+            lit = literal_for(first.value, self.arch) if isinstance(first, Const) else None
+            if lit is not None:
+                return AtomEdit(right, ("append", repr(lit)), wrap=False)
+        if isinstance(op, ast.Eq):
+            value = Evaluator(self.resolver, site.module).eval(right)
+            lit = literal_for(value.value, self.arch) if isinstance(value, Const) else None
+            if lit is not None:
+                return AtomEdit(atom, ("in", repr(lit)), wrap=False)
+        return None
+
+    def _extend_range(self, site, atom: ast.Compare, parent_or: bool) -> AtomEdit | None:
+        operands = [atom.left, *atom.comparators]
+        consts = [Evaluator(self.resolver, site.module).eval(o) for o in operands]
+        subjects = [o for o, c in zip(operands, consts) if not isinstance(c, Const)]
+        examples = [c.value for c in consts if isinstance(c, Const)]
+        if len(subjects) != 1 or not examples:
+            return None
+        lit = literal_for(examples[0], self.arch)
+        if lit is None:
+            return None
+        return AtomEdit(atom, f"{ast.unparse(subjects[0])} == {lit!r}", wrap=not parent_or)
+
+    # -- names the sibling needs -------------------------------------------------------------
+    def _support(self, site, atom, new_code: str, like: Arch, plan: Plan) -> None:
+        old_names = {n.id for n in ast.walk(atom) if isinstance(n, ast.Name)}
+        new_tree = ast.parse(new_code, mode="eval")
+        info = self.resolver.module(site.module)
+        for node in ast.walk(new_tree):
+            if not isinstance(node, ast.Name) or node.id in old_names:
+                continue
+            self._ensure_name(info, site, node.id, like, plan)
+        self.resolver.missing.clear()
+        value = self._eval_new(site, new_tree, plan)
+        if self.resolver.missing:
+            raise PatchError(f"patch: gate {plan.gate_id}: {self.resolver.missing[0]}; add it to the target first")
+        if value is not None and value.at(self.arch) is False:
+            raise PatchError(f"patch: gate {plan.gate_id}: `{new_code}` is false on {self.arch.name} in the target; add an {self.arch.name} predicate first")
+
+    def _eval_new(self, site, tree, plan):
+        if plan.statements or plan.imports:
+            return None  # names added by this plan are checked by the re-audit of the patched text
+        return self._eval(site, tree.body)
+
+    def _ensure_name(self, info, site, name: str, like: Arch, plan: Plan) -> None:
+        if site.local and name in site.local or name in info.bindings:
+            return
+        sibling = substitute_back(name, like, self.arch)
+        binding = info.bindings.get(sibling)
+        if binding is None:
+            raise PatchError(f"patch: gate {plan.gate_id}: `{name}` is not defined in {info.path.name} and has no sibling to copy; define it first")
+        if binding[0] == "assign":
+            stmt = _statement_of(info.tree, binding[1])
+            new_stmt = substitute(ast.get_source_segment(info.source, stmt), like, self.arch)
+            plan.statements.append((stmt, new_stmt))
+            sub = ast.parse(new_stmt).body[0]
+            old = {n.id for n in ast.walk(stmt) if isinstance(n, ast.Name)}
+            for node in ast.walk(sub.value):
+                if isinstance(node, ast.Name) and node.id not in old:
+                    self._ensure_name(info, site, node.id, like, plan)
+            return
+        if binding[0] == "from":
+            _, module, level, _orig = binding
+            absolute = self.resolver.absolute(site.module, module, level)
+            if not self.resolver.defines(absolute, name):
+                where = ("." * level) + (module or "")
+                raise PatchError(
+                    f"patch: gate {plan.gate_id}: helper `{name}` does not exist in {where} within the target "
+                    f"(its sibling `{sibling}` does); add `{name}` to {where} first"
+                )
+            node = _import_of(info.tree, sibling)
+            plan.imports.append((node, sibling, name))
+            return
+        if isinstance(self.resolver.global_value(site.module, sibling), UserFunc):
+            raise PatchError(f"patch: gate {plan.gate_id}: `{name}` is not defined next to `{sibling}` in {info.path.name}; define it first")
+        raise PatchError(f"patch: gate {plan.gate_id}: cannot add `{name}` (sibling `{sibling}` is bound by {binding[0]}); add it by hand")
+
+
+def substitute_back(name: str, like: Arch, arch: Arch) -> str:
+    return re.sub(rf"(?i)(sm_?){arch.cc_int}(?!\d)", lambda m: f"{m.group(1)}{like.cc_int}", name)
+
+
+def _statement_of(tree: ast.Module, value: ast.AST) -> ast.stmt:
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is value:
+            return node
+    raise AssertionError("binding without statement")
+
+
+def _import_of(tree: ast.Module, name: str) -> ast.ImportFrom:
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and any((a.asname or a.name) == name for a in node.names):
+            return node
+    raise AssertionError("import binding without statement")

@@ -1,0 +1,264 @@
+"""Walk a module's statements, evaluate every condition that involves the GPU architecture.
+
+Condition sites: `if`/`elif`/`while` tests, `assert`s, ternaries, boolean `return`s and
+assignments, and capability decorators (FlashInfer `@supported_compute_capability([...])`,
+`pytest.mark.skipif`). Function-local bindings are tracked in statement order (`major, minor =
+torch.cuda.get_device_capability()` then `if major == 10`), and `self.X = <arch expr>` is visible
+to later methods of the class. Only expressions that mention an architecture-looking name, or a
+name already bound to an architecture value, are evaluated, which keeps a whole-engine audit to a
+few seconds. Each site whose value differs between architectures becomes a `Site`.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from dataclasses import dataclass
+
+from fusegate.audit import classify
+from fusegate.audit.arch import ArchBool, ArchNum
+from fusegate.audit.evaluate import Evaluator
+from fusegate.audit.resolve import ARCH_RE, Resolver
+from fusegate.audit.values import UNKNOWN
+
+
+@dataclass
+class Site:
+    """One architecture-dependent condition; `value` is the gate's value (negated for guards)."""
+
+    module: str
+    node: ast.expr
+    kind: str
+    scope: str
+    value: ArchBool
+    category: str
+    guards: str
+    polarity: int
+    stmt: ast.AST
+    local: dict | None
+    attrs: dict | None
+    note: str | None = None
+
+
+_WORD_RE = re.compile(r"[A-Za-z_]\w*")
+_TERNARY_RE = re.compile(r"\bif\b|\belse\b|skip")
+# ARCH_RE without the anchors, for whole-file scans (one finditer instead of a search per line).
+_ARCH_TEXT_RE = re.compile(ARCH_RE.pattern.replace("^", r"\b"), re.IGNORECASE)
+
+
+def _match_lines(pattern: re.Pattern, source: str, starts: list) -> set:
+    """1-based numbers of the lines where `pattern` matches (a multi-line match marks its first line)."""
+    import bisect
+
+    return {bisect.bisect_right(starts, m.start()) for m in pattern.finditer(source)}
+
+
+class ModuleScanner:
+    """Collects the `Site`s of one module."""
+
+    def __init__(self, resolver: Resolver, module: str, rel: str):
+        self.resolver = resolver
+        self.module = module
+        self.info = resolver.module(module)
+        self.lines = self.info.source.splitlines() if self.info else []
+        self.is_test = classify.is_test_path(rel)
+        self.sites: list[Site] = []
+        # Per-line text tests instead of AST walks: walking every expression of every statement
+        # dominated the run time. Lines that may hold a ternary or a skip call, and lines that
+        # mention an architecture-looking name, over-approximated from the text.
+        source = self.info.source if self.info else ""
+        starts = [0]
+        for line in self.lines:
+            starts.append(starts[-1] + len(line) + 1)
+        self._expr_lines = _match_lines(_TERNARY_RE, source, starts)
+        self._arch_lines = _match_lines(_ARCH_TEXT_RE, source, starts)
+        self._arch_globals: set | None = None
+
+    def _globals(self) -> set:
+        """Module-level names bound by assignment to an architecture value."""
+        if self._arch_globals is None:
+            self._arch_globals = {
+                name for name, binding in self.info.bindings.items()
+                if binding[0] == "assign" and isinstance(self.resolver.global_value(self.module, name), (ArchBool, ArchNum))
+            }
+        return self._arch_globals
+
+    def _mentions_arch(self, expr, local, attrs) -> bool:
+        first, last = expr.lineno, expr.end_lineno or expr.lineno
+        if any(line in self._arch_lines for line in range(first, last + 1)):
+            return True
+        words = set(_WORD_RE.findall("\n".join(self.lines[first - 1: last])))
+        if local and any(isinstance(local.get(w), (ArchBool, ArchNum)) for w in words):
+            return True
+        if attrs and any(isinstance(attrs.get(w), (ArchBool, ArchNum)) for w in words):
+            return True
+        return bool(words & self._globals())
+
+    def scan(self) -> list[Site]:
+        if self.info is not None:
+            self._block(self.info.tree.body, [], None, None, None)
+        return self.sites
+
+    # -- evaluation --------------------------------------------------------------------
+    def _value(self, expr, local, attrs):
+        if not self._mentions_arch(expr, local, attrs):
+            return UNKNOWN
+        return Evaluator(self.resolver, self.module, local, attrs).eval(expr)
+
+    def _site(self, expr, kind, scope, local, attrs, stmt, *, guards, polarity=1, category=None, value=None):
+        if value is None:
+            value = self._value(expr, local, attrs)
+        if not isinstance(value, ArchBool) or not value.depends_on_arch:
+            return value
+        gate_value = value if polarity > 0 else value.not_()
+        if category is None:
+            category = self._category(scope, kind, stmt)
+        note = None
+        hint = classify.hardware_hint(self.lines, stmt.lineno, getattr(stmt, "end_lineno", stmt.lineno) if kind not in ("if", "elif") else expr.end_lineno)
+        if hint:
+            note = f"nearby text cites {hint!r}: the exclusion may be intentional"
+        self.sites.append(Site(
+            self.module, expr, kind, ".".join(scope) or "<module>", gate_value, category, guards, polarity, stmt,
+            dict(local) if local is not None else None, dict(attrs) if attrs is not None else None, note,
+        ))
+        return value
+
+    def _category(self, scope, kind, stmt) -> str:
+        if self.is_test:
+            return "test"
+        if any(classify.PRED_NAME_RE.match(s) for s in scope) and "supports_compute_capability" not in scope:
+            return "helper-definition"
+        if kind == "assign":
+            targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
+            names = [t.id if isinstance(t, ast.Name) else getattr(t, "attr", "") for t in targets]
+            if names and all(classify.FLAG_NAME_RE.search(n) for n in names):
+                return "flag-definition"
+        if kind in ("if", "elif") and isinstance(stmt, ast.If):
+            if any(classify.is_skip_stmt(s) for s in stmt.body):
+                return "test-skip"
+            if all(classify.is_log_stmt(s) for s in stmt.body):
+                return "log"
+        return "gate"
+
+    # -- statements --------------------------------------------------------------------
+    def _block(self, body, scope, local, attrs, func):
+        for stmt in body:
+            self._stmt(stmt, scope, local, attrs, func)
+
+    def _stmt(self, stmt, scope, local, attrs, func, kind="if"):
+        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            self._decorators(stmt, scope, local, attrs)
+            inner = {a.arg: UNKNOWN for a in stmt.args.posonlyargs + stmt.args.args + stmt.args.kwonlyargs}
+            for extra in (stmt.args.vararg, stmt.args.kwarg):
+                if extra:
+                    inner[extra.arg] = UNKNOWN
+            self._block(stmt.body, scope + [stmt.name], inner, attrs, stmt.name)
+            return
+        if isinstance(stmt, ast.ClassDef):
+            self._decorators(stmt, scope, local, attrs)
+            class_attrs: dict = {}
+            self._block(stmt.body, scope + [stmt.name], class_attrs, class_attrs, None)
+            return
+        self._expressions(stmt, scope, local, attrs)
+        if isinstance(stmt, ast.If):
+            bail = classify.guard_kind(stmt.body)
+            if bail:
+                rest = f"rest of {'.'.join(scope) or 'module'}"
+                guards = f"{rest} (otherwise {'raises' if bail == 'raise' else 'returns early'})"
+                self._site(stmt.test, "guard", scope, local, attrs, stmt, guards=guards, polarity=-1)
+            else:
+                self._site(stmt.test, kind, scope, local, attrs, stmt, guards=classify.effects(stmt.body))
+            self._block(stmt.body, scope, local, attrs, func)
+            if len(stmt.orelse) == 1 and isinstance(stmt.orelse[0], ast.If):
+                self._stmt(stmt.orelse[0], scope, local, attrs, func, kind="elif")
+            else:
+                self._block(stmt.orelse, scope, local, attrs, func)
+        elif isinstance(stmt, ast.While):
+            self._site(stmt.test, "while", scope, local, attrs, stmt, guards=classify.effects(stmt.body))
+            self._block(stmt.body + stmt.orelse, scope, local, attrs, func)
+        elif isinstance(stmt, ast.Assert):
+            guards = f"rest of {'.'.join(scope) or 'module'} (otherwise AssertionError)"
+            self._site(stmt.test, "assert", scope, local, attrs, stmt, guards=guards, polarity=1)
+        elif isinstance(stmt, ast.Return) and stmt.value is not None:
+            self._site(stmt.value, "return", scope, local, attrs, stmt, guards=f"{func or 'function'}() result")
+        elif isinstance(stmt, (ast.Assign, ast.AnnAssign)) and stmt.value is not None:
+            self._assign(stmt, scope, local, attrs)
+        elif isinstance(stmt, ast.AugAssign) and isinstance(stmt.target, ast.Name) and local is not None:
+            local[stmt.target.id] = UNKNOWN
+        elif isinstance(stmt, (ast.For, ast.AsyncFor)):
+            if local is not None:
+                for node in ast.walk(stmt.target):
+                    if isinstance(node, ast.Name):
+                        local[node.id] = UNKNOWN
+            self._block(stmt.body + stmt.orelse, scope, local, attrs, func)
+        elif isinstance(stmt, (ast.With, ast.AsyncWith)):
+            self._block(stmt.body, scope, local, attrs, func)
+        elif isinstance(stmt, ast.Try) or type(stmt).__name__ == "TryStar":
+            self._block(stmt.body, scope, local, attrs, func)
+            for handler in stmt.handlers:
+                self._block(handler.body, scope, local, attrs, func)
+            self._block(stmt.orelse + stmt.finalbody, scope, local, attrs, func)
+        elif isinstance(stmt, ast.ImportFrom) and local is not None:
+            for alias in stmt.names:
+                if alias.name != "*":
+                    name = alias.asname or alias.name
+                    local[name] = self.resolver.import_value(self.module, stmt.module, stmt.level, alias.name) if ARCH_RE.search(alias.name) else UNKNOWN
+        elif isinstance(stmt, ast.Match):
+            for case in stmt.cases:
+                self._block(case.body, scope, local, attrs, func)
+
+    def _assign(self, stmt, scope, local, attrs):
+        targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
+        guards = " = ".join(ast.unparse(t) for t in targets)
+        value = self._site(stmt.value, "assign", scope, local, attrs, stmt, guards=guards)
+        for target in targets:
+            if isinstance(target, ast.Name) and local is not None:
+                local[target.id] = value
+            elif isinstance(target, ast.Tuple) and local is not None:
+                for i, elt in enumerate(target.elts):
+                    if isinstance(elt, ast.Name):
+                        part = value.map(lambda v, i=i: v[i]) if isinstance(value, ArchNum) else None
+                        local[elt.id] = part or UNKNOWN
+            elif isinstance(target, ast.Attribute) and attrs is not None and isinstance(target.value, ast.Name) and target.value.id in ("self", "cls"):
+                attrs[target.attr] = value
+
+    def _decorators(self, stmt, scope, local, attrs):
+        for deco in stmt.decorator_list:
+            if not isinstance(deco, ast.Call):
+                continue
+            name = classify.call_name(deco)
+            where = f"{stmt.name}()"
+            if name == "supported_compute_capability" and deco.args:
+                listed = Evaluator(self.resolver, self.module, local, attrs).eval(deco.args[0])
+                values = getattr(listed, "value", None)
+                if isinstance(values, tuple) and all(isinstance(v, int) for v in values):
+                    value = ArchBool.where(lambda a, vs=values: a.cc_int in vs)
+                    self._site(deco, "decorator", scope, local, attrs, deco, guards=where, value=value)
+            elif name in classify.SKIP_CALLS and deco.args:
+                self._site(deco.args[0], "decorator", scope, local, attrs, deco, guards=where, category="test-skip")
+
+    def _expressions(self, stmt, scope, local, attrs):
+        """Ternaries anywhere in the statement's own expressions (not in nested statements)."""
+        for field_name, value in ast.iter_fields(stmt):
+            if field_name in ("body", "orelse", "finalbody", "handlers", "decorator_list", "cases"):
+                continue
+            for node in value if isinstance(value, list) else [value]:
+                if isinstance(node, ast.expr) and any(
+                    line in self._expr_lines for line in range(node.lineno, (node.end_lineno or node.lineno) + 1)
+                ):
+                    self._ternaries(node, scope, local, attrs, stmt, in_message=False)
+
+    def _ternaries(self, node, scope, local, attrs, stmt, in_message):
+        if isinstance(node, ast.Call) and classify.call_name(node) in classify.LOG_CALLS | {"format"}:
+            in_message = True
+        if isinstance(node, ast.JoinedStr):
+            in_message = True
+        if isinstance(node, ast.Call) and classify.call_name(node) in classify.SKIP_CALLS and node.args:
+            self._site(node.args[0], "call", scope, local, attrs, node, guards=f"{classify.call_name(node)}(...)", category="test-skip")
+        if isinstance(node, ast.IfExp):
+            guards = f"{ast.unparse(node.body)[:40]} (else {ast.unparse(node.orelse)[:40]})"
+            category = "message" if in_message or isinstance(stmt, ast.Raise) else None
+            self._site(node.test, "ternary", scope, local, attrs, node, guards=guards, category=category)
+        for child in ast.iter_child_nodes(node):
+            if not isinstance(child, (ast.Lambda,)):
+                self._ternaries(child, scope, local, attrs, stmt, in_message)
