@@ -15,7 +15,7 @@ import sys
 from fusegate._version import __version__
 
 # subcommand module names under fusegate.cli, in the order `fusegate --help` lists them.
-COMMANDS = ("doctor", "selftest", "diagnose", "tune", "verify", "bench", "profile")
+COMMANDS = ("doctor", "selftest", "diagnose", "tune", "verify", "bench", "profile", "audit")
 
 EXIT_OK, EXIT_NEGATIVE, EXIT_USAGE = 0, 1, 2
 
