@@ -31,6 +31,9 @@ STEPS = 2
     ("void at::native::vectorized_elementwise_kernel<4, rsqrt>", ("aten::rsqrt", "fusegate::allreduce_norm"), "norm"),
     ("void at::native::unrolled_elementwise_kernel<direct_copy_kernel_cuda>", ("aten::copy_", "fusegate::allreduce"), "communication"),
     ("sm90_xmma_gemm_bf16bf16_bf16f32", ("aten::bmm", "aten::matmul", "fusegate::attention_core", "fusegate::attention"), "attention"),
+    ("void at::cuda::detail::prepare_grouped_gemm_data", ("aten::_grouped_mm", "fusegate::moe_experts"), "moe_gemm"),
+    ("residual_rmsnorm_kernel", ("fusegate::all_reduce_residual_rmsnorm", "fusegate::allreduce_norm"), "norm"),
+    ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", ("nccl:all_reduce", "fusegate::all_reduce_residual_rmsnorm"), "communication"),
     ("void at::native::sigmoid_kernel", ("aten::sigmoid", "fusegate::moe"), "other"),
 ])
 def test_classify_rules(name, scopes, stage):

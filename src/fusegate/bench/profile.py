@@ -1,20 +1,19 @@
 """`fusegate profile`: where a decode step's time goes, by stage, under torch.profiler.
 
 Stages: attention, MoE GEMMs, other GEMMs, allreduce/communication, norm, other. Each profiled
-record (a GPU kernel on CUDA; an operator's self CPU time on CPU) is attributed by `classify`,
-from its name first and then from the model's `fusegate::*` record_function scopes around it:
+record (a GPU kernel on CUDA; an operator's self CPU time on CPU) is attributed by `classify`:
 
-1. communication: NCCL / gloo / allreduce / all-gather / one-shot / two-shot / Lamport names;
-2. attention: flash / fmha / attention / SDPA names, or anything inside `fusegate::attention_core`
-   (decode attention's two matmuls); before GEMMs, since fused attention kernels carry "cutlass";
-3. GEMMs (gemm, gemv, matmul, cutlass, cuBLAS, nvjet, xmma, aten::mm, grouped_mm, ...): MoE GEMMs
-   inside `fusegate::moe_experts`, other GEMMs elsewhere;
-4. attention by scope: anything else inside `fusegate::attention` (rotary, KV-cache writes);
-5. norm: names with rms / norm, or anything inside `fusegate::norm` (the unfused add + RMSNorm);
-6. communication by scope: anything else inside `fusegate::allreduce` (the unfused collective);
-7. inside the fused call `fusegate::allreduce_norm`: copies and casts count as communication
-   (staging for the collective), everything else as norm (the epilogue);
-8. other: the rest (router, SwiGLU, sort/scatter, embedding, argmax, ...).
+1. anything inside `fusegate::attention_core` (decode attention's two matmuls): attention;
+2. by name, the kernel's own first and then its launching operator's: NCCL / gloo / allreduce /
+   all-gather / one-shot / two-shot / Lamport -> communication; flash / fmha / attention / SDPA
+   -> attention (checked before GEMMs: fused attention kernels carry "cutlass"); gemm, gemv,
+   matmul, cutlass, cuBLAS, nvjet, xmma, aten::mm, grouped_mm ... -> MoE GEMMs inside
+   `fusegate::moe_experts`, other GEMMs elsewhere; rms / norm -> norm;
+3. by the model's `fusegate::*` record_function scopes: `attention` (rotary, KV-cache writes) ->
+   attention; `norm` (the unfused add + RMSNorm) -> norm; `allreduce` (the unfused collective)
+   -> communication; inside the fused call `allreduce_norm`, copies and casts -> communication
+   (staging for the collective) and the rest -> norm (the epilogue);
+4. other: the rest (router, SwiGLU, sort/scatter, embedding, argmax, ...).
 
 Decode steps are profiled eagerly, not as graph replays, so every kernel has its launching
 operator and scope; kernel durations are the same either way, launch gaps are not. Byte counts
@@ -50,22 +49,26 @@ def classify(name: str, scopes: tuple[str, ...]) -> str:
     """The stage of one record (see the module docstring for the rules and their order).
 
     `scopes` runs innermost first: for a kernel, its launching operator, then the enclosing ones."""
-    low = name.lower()
-    if any(k in low for k in _COMM):
-        return "communication"
-    if any(k in low for k in _ATTENTION) or "fusegate::attention_core" in scopes:
-        return "attention"  # before GEMMs: fused attention kernels are named fmha_cutlass..., decode uses matmuls
-    if any(k in low for k in _GEMM):
-        return "moe_gemm" if "fusegate::moe_experts" in scopes else "other_gemm"
+    if "fusegate::attention_core" in scopes:
+        return "attention"
+    launcher = scopes[0].lower() if scopes else ""
+    for text in (name.lower(), launcher):  # the kernel's own name decides first, then its operator's
+        if any(k in text for k in _COMM):
+            return "communication"
+        if any(k in text for k in _ATTENTION):  # before GEMMs: fused attention kernels are named fmha_cutlass...
+            return "attention"
+        if any(k in text for k in _GEMM):
+            return "moe_gemm" if "fusegate::moe_experts" in scopes else "other_gemm"
+        if any(k in text for k in _NORM):
+            return "norm"
     if "fusegate::attention" in scopes:
         return "attention"
-    if "fusegate::norm" in scopes or any(k in low for k in _NORM):
+    if "fusegate::norm" in scopes:
         return "norm"
     if "fusegate::allreduce" in scopes:
         return "communication"
     if "fusegate::allreduce_norm" in scopes:
-        launcher = (scopes[0] if scopes else "").lower()
-        return "communication" if "copy" in low or "copy" in launcher else "norm"
+        return "communication" if "copy" in name.lower() or "copy" in launcher else "norm"
     return "other"
 
 
