@@ -34,6 +34,12 @@ def _table_life_rank(rank, world_size, cache_root):
     # One cache directory per rank, as on separate hosts, so ranks can hold different files.
     os.environ["FUSEGATE_CACHE_DIR"] = os.path.join(cache_root, f"rank{rank}")
     out = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with Communicator() as comm:
+            out["no_table"] = (comm.table, comm.strategy_for(Op.ALL_REDUCE_RESIDUAL_RMSNORM, 3, H, torch.bfloat16))
+            comm.strategy_for(Op.ALL_REDUCE, 3, H, torch.bfloat16)
+    out["no_table_warnings"] = [str(w.message) for w in caught if issubclass(w.category, DispatchWarning)]
     spec = TuneSpec(hiddens=(H,), buckets=BUCKETS, ops=("all_reduce_residual_rmsnorm",),
                     strategies=("reference", "ring", "slow_fused", "wrong_on_rank_one"),
                     rounds=20, confirm_rounds=20, warmup=2)
@@ -93,6 +99,10 @@ def test_tune_builds_one_table_that_every_rank_uses_or_every_rank_ignores(tmp_pa
     xs = [random_inputs(r, 5, H, torch.bfloat16) for r in range(2)]
     ref = all_reduce_residual_rmsnorm_ref(xs, random_inputs(77, 5, H, torch.bfloat16), _weight())
     for r in results:
+        table, choice = r["no_table"]
+        assert table is None and (choice.name, choice.source) == ("reference", "default")
+        assert len(r["no_table_warnings"]) == 1  # once, however many calls
+        assert "no dispatch table at" in r["no_table_warnings"][0] and "fusegate tune --world-size 2" in r["no_table_warnings"][0]
         assert r["loaded_digest"] == tables[0].digest
         expected = tables[0].lookup("all_reduce_residual_rmsnorm", "bfloat16", H, 5)
         assert expected.tokens == 8

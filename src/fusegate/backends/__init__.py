@@ -21,6 +21,7 @@ _REGISTRY: dict[str, str] = {
     "reference": "fusegate.backends.reference:ReferenceStrategy",
     "ring": "fusegate.backends.ring:RingStrategy",
     "nccl_fused": "fusegate.backends.nccl_fused:NcclFusedStrategy",
+    "nccl_eager": "fusegate.backends.nccl_eager:NcclEagerStrategy",
     "oneshot": "fusegate.backends.oneshot:OneShotStrategy",
     "twoshot": "fusegate.backends.twoshot:TwoShotStrategy",
 }

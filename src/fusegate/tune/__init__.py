@@ -9,3 +9,30 @@ Heavy imports (torch) happen in the submodules, not here:
 - `agree`: all ranks use the same table or none (digest agreement);
 - `verify`: `verify_in_group(...)`, KEEP / REVERT per bucket and overall.
 """
+
+_LAZY = {
+    "TuneSpec": "fusegate.tune.tuner",
+    "tune_in_group": "fusegate.tune.tuner",
+    "verify_in_group": "fusegate.tune.verify",
+    "VerifyReport": "fusegate.tune.verify",
+    "DispatchTable": "fusegate.tune.table",
+    "table_path": "fusegate.tune.table",
+    "save": "fusegate.tune.table",
+    "load": "fusegate.tune.table",
+}
+
+__all__ = list(_LAZY)
+
+
+def __getattr__(name: str):
+    """In-process use inside an existing group, e.g. an engine tuning in place:
+
+        from fusegate.tune import TuneSpec, tune_in_group, save, table_path
+        table = tune_in_group(TuneSpec(hiddens=(6144,), buckets=(1, 2, 4, 8)))  # collective
+        save(table, table_path(table.fingerprint))                               # every rank
+    """
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'fusegate.tune' has no attribute {name!r}")

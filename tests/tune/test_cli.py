@@ -1,0 +1,60 @@
+"""`fusegate tune` and `fusegate verify` end to end on 2 spawned gloo ranks, and their usage errors."""
+
+import json
+import os
+
+import pytest
+
+from fusegate.cli.main import main
+from fusegate.probe import probe
+from fusegate.tune.table import load, versions_of
+
+from tune_test_strategies import PLUGINS
+
+
+@pytest.mark.slow
+def test_tune_writes_a_table_that_loads(tmp_path, capsys):
+    rc = main(["tune", "--hidden", "64", "--max-tokens", "2", "--world-size", "2", "--op", "all_reduce_residual_rmsnorm",
+               "--rounds", "5", "--confirm-rounds", "5", "--cache-dir", str(tmp_path), "--json"])
+    assert rc == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["world_size"] == 2 and report["backend"] == "gloo" and report["device"] == "cpu"
+    path = report["path"]
+    assert os.path.dirname(path) == str(tmp_path)
+    entries = report["table"]["entries"]
+    assert [(e["hidden"], e["tokens"]) for e in entries] == [(64, 1), (64, 2)]
+    for e in entries:
+        assert {"reference", "ring"} <= set(e["times_us"]) and e["choice"] in e["times_us"]
+    table, why = load(path, report["table"]["fingerprint"], versions_of(probe()))
+    assert why == "" and table.digest == report["table"]["digest"]
+
+
+@pytest.mark.slow
+def test_verify_exits_1_on_revert(monkeypatch, capsys):
+    monkeypatch.setenv("FUSEGATE_STRATEGIES", PLUGINS)
+    rc = main(["verify", "--strategy", "slow_broadcast", "--baseline", "reference", "--hidden", "64",
+               "--max-tokens", "1", "--world-size", "2", "--rounds", "15", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert rc == 1 and report["verdict"] == "REVERT"
+    assert report["buckets"][0]["ratio"] > report["buckets"][0]["threshold"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["tune", "--max-tokens", "4"], "give --preset"),
+    (["tune", "--hidden", "64", "--device", "cpu", "--shared-gpu"], "--shared-gpu needs --device cuda"),
+    (["verify", "--strategy", "nope", "--hidden", "64"], "unknown strategy 'nope'"),
+    (["verify", "--strategy", "reference", "--hidden", "64", "--rounds", "1"], "--rounds must be >= 2"),
+    (["tune", "--hidden", "64", "--margin", "1.5"], "margin"),
+])
+def test_usage_errors_exit_2_and_say_the_fix(argv, message, capsys):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_presets_give_the_hidden_sizes():
+    import argparse
+
+    from fusegate.tune.cli_common import hiddens
+
+    args = argparse.Namespace(preset=["glm5", "qwen3-235b", "glm5"], hidden=[4096, 512], max_tokens=8)
+    assert hiddens(args, "tune") == (6144, 4096, 512)
