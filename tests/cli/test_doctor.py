@@ -19,7 +19,7 @@ from fusegate.cli.main import UsageError, main
 from fusegate.probe.capabilities import (
     Capabilities, CpuInfo, FabricMeasurements, GpuInfo, LinkInfo, OptionalBackend, PeerMeasurement, Versions,
 )
-from fusegate.spec import Needs, Op
+from fusegate.spec import Needs, Op, Verdict
 
 
 @pytest.fixture(autouse=True)
@@ -43,10 +43,20 @@ def needs_cuda_strategy(monkeypatch):
         def all_reduce_residual_rmsnorm(self, x, residual, weight, eps):
             raise NotImplementedError
 
+    class BracketedReasonStrategy(NeedsCudaStrategy):
+        name = "bracketed"
+        needs = Needs()
+
+        @classmethod
+        def extra_admits(cls, problem, caps):
+            return Verdict.no("needs the package 'flashinfer[cu13]'; pip install 'flashinfer-python[cu13]'")
+
     module = types.ModuleType("fusegate_doctor_test_strategies")
     module.NeedsCudaStrategy = NeedsCudaStrategy
+    module.BracketedReasonStrategy = BracketedReasonStrategy
     monkeypatch.setitem(sys.modules, module.__name__, module)
     monkeypatch.setitem(backends._REGISTRY, "needs_cuda", f"{module.__name__}:NeedsCudaStrategy")
+    monkeypatch.setitem(backends._REGISTRY, "bracketed", f"{module.__name__}:BracketedReasonStrategy")
 
 
 def row_of(out: str, first_cell: str) -> str:
@@ -76,6 +86,8 @@ def test_tables_show_cpu_versions_and_every_strategy_with_its_reason(capsys, nee
     assert "all needs met" in row_of(out, "reference")
     needs = row_of(out, "needs_cuda")
     assert "not admitted" in needs and "needs CUDA tensors; this group runs on cpu" in needs
+    # reasons are printed as text, not rich markup: the bracketed range survives
+    assert "needs the package 'flashinfer[cu13]'; pip install 'flashinfer-python[cu13]'" in row_of(out, "bracketed")
     for name in backends.strategy_names():
         row_of(out, name)  # every registered strategy has exactly one row
     flashinfer = row_of(out, "flashinfer")

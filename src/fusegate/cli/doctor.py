@@ -144,7 +144,8 @@ def measure_section(caps):
     return dataclasses.replace(caps, fabric=fabric), {"measured": True, "reason": ""}
 
 
-def build_report(args) -> dict:
+def build_report(args):
+    """(Capabilities, report dict): the dict is exactly what --json prints."""
     from fusegate.backends import admission, strategy_names
     from fusegate.probe import probe
 
@@ -155,7 +156,7 @@ def build_report(args) -> dict:
     fabric = None
     if args.measure:
         caps, fabric = measure_section(caps)
-    return {
+    return caps, {
         "probe": caps.to_dict(),
         "problem": {
             "op": problem.op.value, "num_tokens": problem.num_tokens, "hidden": problem.hidden,
@@ -164,55 +165,57 @@ def build_report(args) -> dict:
         "admission": {name: {"admitted": v.ok, "reason": v.reason} for name, v in verdicts.items()},
         "moe_runners": moe_runner_section(caps),
         "fabric": fabric,
-        "_caps": caps,
     }
 
 
-def render(report: dict, console) -> None:
+def render(caps, report: dict, console) -> None:
     from rich.table import Table
+    from rich.text import Text
 
-    from fusegate.probe.tables import capability_tables
+    from fusegate.probe.tables import add_row, capability_tables
 
-    caps = report["_caps"]
+    def line(text: str) -> None:  # plain text: reasons may contain "[...]", which is not markup
+        console.print(text, soft_wrap=True, markup=False, highlight=False)
+
     for table in capability_tables(caps):
         console.print(table)
     for note in caps.notes:
-        console.print(f"note: {note}", soft_wrap=True)
+        line(f"note: {note}")
     p, g = report["problem"], report["problem"]["group"]
-    console.print(
+    line(
         f"Strategy admission for {p['op']}, {p['num_tokens']} tokens x {p['hidden']} hidden, {p['dtype']}, world size "
         f"{g['world_size']} ({g['backend']}, {g['device_type']}, peer access {'yes' if g['peer_access'] else 'no'}"
-        f"{', one shared GPU' if g['shares_device'] else ''}):", soft_wrap=True,
+        f"{', one shared GPU' if g['shares_device'] else ''}):"
     )
     table = Table(title="Strategy admission")
     for column in ("strategy", "verdict", "reason"):
         table.add_column(column)
     for name, v in report["admission"].items():
-        table.add_row(name, "[green]admitted[/]" if v["admitted"] else "[red]not admitted[/]", v["reason"])
+        verdict = Text("admitted", style="green") if v["admitted"] else Text("not admitted", style="red")
+        add_row(table, name, verdict, v["reason"])
     console.print(table)
     moe = report["moe_runners"]
     if not moe["available"]:
-        console.print(f"MoE runners: {moe['reason']}", soft_wrap=True)
+        line(f"MoE runners: {moe['reason']}")
     else:
         table = Table(title="MoE runners")
         for column in ("runner", "verdict", "reason", "chosen", "why"):
             table.add_column(column)
         for row in moe["runners"]:
-            table.add_row(str(row.get("name")), "admitted" if row.get("admitted") else "not admitted",
-                          str(row.get("reason", "")), "yes" if row.get("chosen") else "no", str(row.get("why", "")))
+            add_row(table, row.get("name"), "admitted" if row.get("admitted") else "not admitted",
+                    row.get("reason", ""), "yes" if row.get("chosen") else "no", row.get("why", ""))
         console.print(table)
     fabric = report["fabric"]
     if fabric is not None and not fabric["measured"]:
-        console.print(f"Fabric not measured: {fabric['reason']}", soft_wrap=True)
+        line(f"Fabric not measured: {fabric['reason']}")
 
 
 def run(args: argparse.Namespace) -> int:
-    report = build_report(args)
+    caps, report = build_report(args)
     if args.json:
-        report.pop("_caps")
         sys.stdout.write(json.dumps(report, indent=2) + "\n")
         return EXIT_OK
     from rich.console import Console
 
-    render(report, Console())
+    render(caps, report, Console())
     return EXIT_OK

@@ -7,10 +7,17 @@ use binary units (KiB, MiB, GiB) because that is how the hardware sizes them.
 from __future__ import annotations
 
 from rich.table import Table
+from rich.text import Text
 
 from fusegate.probe.capabilities import Capabilities, FabricMeasurements, LinkInfo
 
 UNKNOWN = "?"
+
+
+def add_row(table: Table, *cells) -> None:
+    """Adds cells as plain text: probe strings (reasons, names) may contain "[...]", which rich
+    would otherwise read as markup and drop."""
+    table.add_row(*(cell if isinstance(cell, Text) else Text(str(cell)) for cell in cells))
 
 
 def _size(n: int | None, unit: str) -> str:
@@ -31,11 +38,11 @@ def cpu_table(caps: Capabilities) -> Table:
     table.add_column("fact", style="bold")
     table.add_column("value")
     cores = f"{cpu.num_cores} logical" + (f" ({cpu.num_usable_cores} usable by this process)" if cpu.num_usable_cores not in (None, cpu.num_cores) else "")
-    table.add_row("CPU", f"{cpu.model} ({cpu.arch})" if cpu.arch else cpu.model)
-    table.add_row("cores", cores)
-    table.add_row("memory", _size(cpu.memory_bytes, "GiB"))
-    table.add_row("GPUs", str(len(caps.gpus)) if caps.gpus else "none")
-    table.add_row("NVML", caps.nvml)
+    add_row(table, "CPU", f"{cpu.model} ({cpu.arch})" if cpu.arch else cpu.model)
+    add_row(table, "cores", cores)
+    add_row(table, "memory", _size(cpu.memory_bytes, "GiB"))
+    add_row(table, "GPUs", str(len(caps.gpus)) if caps.gpus else "none")
+    add_row(table, "NVML", caps.nvml)
     return table
 
 
@@ -50,7 +57,8 @@ def gpu_table(caps: Capabilities) -> Table:
             pcie = f"gen{g.pcie_generation or UNKNOWN} x{g.pcie_width or UNKNOWN}"
             if g.pcie_max_generation is not None:
                 pcie += f" (gen{g.pcie_max_generation} x{g.pcie_max_width or UNKNOWN})"
-        table.add_row(
+        add_row(
+            table,
             str(g.index), g.name, f"{g.compute_capability[0]}.{g.compute_capability[1]}", str(g.sm_count),
             _size(g.shared_memory_per_block_optin, "KiB"), _size(g.l2_cache_bytes, "MiB"), _size(g.memory_bytes, "GiB"),
             f"{g.power_limit_w:.0f} W" if g.power_limit_w is not None else UNKNOWN, pcie, g.pci_bus_id or UNKNOWN,
@@ -77,7 +85,7 @@ def pair_table(caps: Capabilities) -> Table:
         table.add_column(column)
     pairs = [l for l in caps.links if l.a != l.b] or list(caps.links)
     for link in pairs:
-        table.add_row(f"{link.a} -> {link.b}", link_text(link), link.pcie_level or ("-" if link.a == link.b else UNKNOWN),
+        add_row(table, f"{link.a} -> {link.b}", link_text(link), link.pcie_level or ("-" if link.a == link.b else UNKNOWN),
                       _yes_no(link.peer_access), _yes_no(link.native_atomics))
     return table
 
@@ -90,7 +98,7 @@ def versions_table(caps: Capabilities) -> Table:
     rows = [("python", v.python), ("fusegate", v.fusegate), ("torch", v.torch), ("CUDA runtime (torch)", v.cuda_runtime),
             ("NVIDIA driver", v.driver), ("CUDA (driver)", v.cuda_driver), ("NCCL (torch)", v.nccl), ("Triton", v.triton)]
     for name, value in rows:
-        table.add_row(name, value or "not present")
+        add_row(table, name, value or "not present")
     return table
 
 
@@ -99,7 +107,7 @@ def backends_table(caps: Capabilities) -> Table:
     for column in ("package", "available", "version", "reason"):
         table.add_column(column)
     for b in caps.backends:
-        table.add_row(b.name, _yes_no(b.available), b.version or "-", b.reason or "-")
+        add_row(table, b.name, _yes_no(b.available), b.version or "-", b.reason or "-")
     return table
 
 
@@ -108,7 +116,7 @@ def fabric_table(fabric: FabricMeasurements) -> Table:
     for column in ("a -> b", "read GB/s", "write GB/s", "latency us"):
         table.add_column(column)
     for p in fabric.pairs:
-        table.add_row(f"{p.a} -> {p.b}", f"{p.read_gbps:.1f}", f"{p.write_gbps:.1f}", f"{p.latency_us:.2f}")
+        add_row(table, f"{p.a} -> {p.b}", f"{p.read_gbps:.1f}", f"{p.write_gbps:.1f}", f"{p.latency_us:.2f}")
     table.caption = f"all-to-all score {fabric.all_to_all_score:.2f} (all pairs at once / one at a time); prefers {fabric.prefers}"
     return table
 
