@@ -97,8 +97,11 @@ class _Editor(cst.CSTTransformer):
                 continue
             i = next(i for i, a in enumerate(names) if (a.evaluated_alias or a.evaluated_name) == sibling)
             comma = names[i].comma
-            if isinstance(comma, cst.MaybeSentinel):
-                names[i] = names[i].with_changes(comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")))
+            if i + 1 == len(names):
+                # The last alias's comma leads to `)` (or nothing): the sibling takes the separator
+                # its predecessor uses (newline + indent in a parenthesized list), the new alias the old one.
+                lead = names[i - 1].comma if i > 0 and isinstance(names[i - 1].comma, cst.Comma) else cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))
+                names[i] = names[i].with_changes(comma=lead)
             names.insert(i + 1, cst.ImportAlias(name=cst.Name(new), comma=comma))
             self.applied += 1
         return updated.with_changes(names=names)

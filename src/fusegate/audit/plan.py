@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from fusegate.audit.arch import ARCHS, Arch, ArchBool
 from fusegate.audit.evaluate import Evaluator, to_bool
-from fusegate.audit.values import Const, UserFunc
+from fusegate.audit.values import Const, ModuleRef, UserFunc
 
 
 class PatchError(ValueError):
@@ -122,7 +122,8 @@ class Planner:
                 continue
             if value.at(self.arch) is not False or value.at(like) is False:
                 continue
-            plan.atom_edits.append(self._extend(site, atom, like, parent_or, plan))
+            # An atom that is the whole condition needs no parentheses around `atom or sibling`.
+            plan.atom_edits.append(self._extend(site, atom, like, parent_or or atom is site.node, plan))
             overrides[id(atom)] = value.or_(arch_only)
         if self._gate_value(site, overrides).at(self.arch) is False:
             why = f"it excludes {self.arch.name} explicitly ({'; '.join(blocked)})" if blocked else "no atom of it can be extended"
@@ -184,7 +185,15 @@ class Planner:
         old_names = {n.id for n in ast.walk(atom) if isinstance(n, ast.Name)}
         new_tree = ast.parse(new_code, mode="eval")
         info = self.resolver.module(site.module)
+        old_attrs = {n.attr for n in ast.walk(atom) if isinstance(n, ast.Attribute)}
         for node in ast.walk(new_tree):
+            if isinstance(node, ast.Attribute) and node.attr not in old_attrs:
+                base = Evaluator(self.resolver, site.module, site.local, site.attrs).eval(node.value)
+                if isinstance(base, ModuleRef) and not self.resolver.defines(base.name, node.attr):
+                    raise PatchError(
+                        f"patch: gate {plan.gate_id}: helper `{node.attr}` does not exist in {base.name} within the target; "
+                        f"add `{node.attr}` to {base.name} first"
+                    )
             if not isinstance(node, ast.Name) or node.id in old_names:
                 continue
             self._ensure_name(info, site, node.id, like, plan)

@@ -9,6 +9,7 @@ and the gate ID as a partial fingerprint so code-scanning services track a gate 
 from __future__ import annotations
 
 import json
+import sys
 
 from fusegate._version import __version__
 from fusegate.audit.arch import ARCH_NAMES, Arch
@@ -88,7 +89,8 @@ def print_table(result, selected: list, arch: Arch, like: Arch | None, *, consol
     from rich.console import Console
     from rich.table import Table
 
-    console = console or Console()
+    # Off a terminal (a pipe, a CI log) rich would wrap at 80 columns; paths and conditions need more.
+    console = console or Console(width=None if sys.stdout.isatty() else 200)
     title = f"{len(selected)} gate(s) false on {arch.name}" + (f" but not on {like.name}" if like else "")
     table = Table(title=title, show_lines=False, expand=False)
     for col in ("id", "where", "scope", "condition", "enables", "guards", "conf"):

@@ -19,7 +19,7 @@ from fusegate.audit import classify
 from fusegate.audit.arch import ArchBool, ArchNum
 from fusegate.audit.evaluate import Evaluator
 from fusegate.audit.resolve import ARCH_RE, Resolver
-from fusegate.audit.values import UNKNOWN
+from fusegate.audit.values import UNKNOWN, Obj
 
 
 @dataclass
@@ -88,7 +88,7 @@ class ModuleScanner:
         if any(line in self._arch_lines for line in range(first, last + 1)):
             return True
         words = set(_WORD_RE.findall("\n".join(self.lines[first - 1: last])))
-        if local and any(isinstance(local.get(w), (ArchBool, ArchNum)) for w in words):
+        if local and any(isinstance(local.get(w), (ArchBool, ArchNum, Obj)) for w in words):
             return True
         if attrs and any(isinstance(attrs.get(w), (ArchBool, ArchNum)) for w in words):
             return True

@@ -55,11 +55,11 @@ def resolve_target(spec: str, *, native: bool = True) -> Target:
     path = Path(spec).expanduser()
     if not path.exists():
         if os.sep in spec or spec.startswith(".") or not spec.isidentifier():
-            raise ValueError(f"audit: path {spec!r} does not exist; pass a directory, a .py file or an installed package name")
+            raise ValueError(f"TARGET: path {spec!r} does not exist; pass a directory, a .py file or an installed package name")
         found = _find_package(spec)
         if found is None:
             raise ValueError(
-                f"audit: {spec!r} is neither a path nor an installed package; install it "
+                f"TARGET: {spec!r} is neither a path nor an installed package; install it "
                 f"(pip install {spec}) or pass the directory of its source (known engines: {', '.join(KNOWN_PACKAGES)})"
             )
         path = found
