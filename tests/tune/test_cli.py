@@ -5,6 +5,7 @@ import os
 
 import pytest
 
+from fusegate.bench.results import read_rows
 from fusegate.cli.main import main
 from fusegate.probe import probe
 from fusegate.tune.table import load, versions_of
@@ -15,7 +16,8 @@ from tune_test_strategies import PLUGINS
 @pytest.mark.slow
 def test_tune_writes_a_table_that_loads(tmp_path, capsys):
     rc = main(["tune", "--hidden", "64", "--max-tokens", "2", "--world-size", "2", "--op", "all_reduce_residual_rmsnorm",
-               "--rounds", "5", "--confirm-rounds", "5", "--cache-dir", str(tmp_path), "--json"])
+               "--rounds", "5", "--confirm-rounds", "5", "--cache-dir", str(tmp_path), "--json",
+               "--results", str(tmp_path / "rows.jsonl")])
     assert rc == 0
     report = json.loads(capsys.readouterr().out)
     assert report["world_size"] == 2 and report["backend"] == "gloo" and report["device"] == "cpu"
@@ -27,6 +29,12 @@ def test_tune_writes_a_table_that_loads(tmp_path, capsys):
         assert {"reference", "ring"} <= set(e["times_us"]) and e["choice"] in e["times_us"]
     table, why = load(path, report["table"]["fingerprint"], versions_of(probe()))
     assert why == "" and table.digest == report["table"]["digest"]
+    # Every timed median is also a result row (first pass and confirmation).
+    rows = read_rows(tmp_path / "rows.jsonl")
+    expected = {(e["tokens"], n, "first", t["median"]) for e in entries for n, t in e["times_us"].items()}
+    expected |= {(e["tokens"], n, "confirm", t["median"]) for e in entries for n, t in e["confirmed_us"].items()}
+    assert {(r["shape"]["tokens"], r["strategy"], r["extra"]["phase"], r["median"]) for r in rows} == expected
+    assert all(r["unit"] == "us" and r["world_size"] == 2 and r["p20"] <= r["median"] <= r["p80"] for r in rows)
 
 
 @pytest.mark.slow

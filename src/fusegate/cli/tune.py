@@ -12,6 +12,7 @@ environment errors (including a rank that failed).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -79,6 +80,12 @@ def run(args) -> int:
         raise UsageError(f"a rank failed while tuning on {world_size} {backend} rank(s): {exc}") from None
     text, path = results[0]
     table = parse(text)
+    if args.results:
+        from fusegate.bench.results import append_rows
+        from fusegate.tune.results import rows_from_table
+
+        fresh = [e for e in table.entries if (e.hidden in sizes and e.dtype == args.dtype and e.op in ops)]
+        append_rows(args.results, rows_from_table(dataclasses.replace(table, entries=tuple(fresh)), backend=backend, device=device))
     if args.json:
         print(json.dumps({"path": None if args.no_save else path, "world_size": world_size, "backend": backend,
                           "device": device, "table": json.loads(text)}, indent=1))
@@ -93,7 +100,7 @@ def _print_summary(table, path, world_size, backend, device) -> None:
 
     names = sorted({n for e in table.entries for n in e.times_us})
     out = Table(title=f"fusegate tune: {world_size} ranks, {backend}, {device} (median us, max over ranks)")
-    for col in ("op", "hidden", "tokens", "choice", *names, "why"):
+    for col in ("op", "hidden", "tokens", "choice", *names):
         out.add_column(col, overflow="fold")
     for e in table.entries:
         cells = []
@@ -101,9 +108,12 @@ def _print_summary(table, path, world_size, backend, device) -> None:
             t = e.median(n)
             cells.append("-" if t is None else (f"[bold]{t:.1f}[/bold]" if n == e.choice else f"{t:.1f}"))
         out.add_row(e.op.replace("all_reduce_residual_rmsnorm", "ar+add+rmsnorm"), str(e.hidden), str(e.tokens),
-                    e.choice, *cells, e.reason)
+                    e.choice, *cells)
     console = Console()
     console.print(out)
+    guarded = [e for e in table.entries if "fused" in e.reason and "no fused candidate" not in e.reason]
+    for e in guarded:
+        console.print(f"{e.op} {e.tokens}x{e.hidden}: {e.reason}", soft_wrap=True)
     rejected = {n: r for e in table.entries for n, r in e.rejected.items()}
     for name, reason in rejected.items():
         console.print(f"[dim]not considered: {name}: {reason}[/dim]")

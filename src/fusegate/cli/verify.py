@@ -64,6 +64,11 @@ def run(args) -> int:
         raise UsageError(f"a rank failed while verifying on {world_size} {backend} rank(s): {exc}") from None
     report = results[0]
     report.update(world_size=world_size, backend=backend, device=device, dtype=args.dtype)
+    if args.results:
+        from fusegate.bench.results import append_rows
+        from fusegate.tune.results import rows_from_verify
+
+        append_rows(args.results, rows_from_verify(report))
     if args.json:
         print(json.dumps(report, indent=1))
     else:
@@ -77,12 +82,16 @@ def _print_report(report: dict) -> None:
 
     out = Table(title=(f"fusegate verify: {report['strategy']} vs {report['baseline']} "
                        f"({report['world_size']} ranks, {report['backend']}, {report['device']}, {report['dtype']})"))
-    for col in ("hidden", "tokens", "candidate us", "baseline us", "ratio", "REVERT above", "verdict", "why"):
+    for col in ("hidden", "tokens", "candidate us", "baseline us", "ratio", "REVERT above", "verdict"):
         out.add_column(col, overflow="fold")
     for b in report["buckets"]:
         style = "red" if b["verdict"] == "REVERT" else "green"
+        verdict = f"[{style}]{b['verdict']}[/{style}]"
+        if b["candidate_us"] != b["candidate_us"]:  # nan: not timed (admission or correctness failed)
+            out.add_row(str(b["hidden"]), str(b["tokens"]), "-", "-", "-", "-", f"{verdict}: {b['reason']}")
+            continue
         out.add_row(str(b["hidden"]), str(b["tokens"]), f"{b['candidate_us']:.1f}", f"{b['baseline_us']:.1f}",
-                    f"{b['ratio']:.3f}", f"{b['threshold']:.3f}", f"[{style}]{b['verdict']}[/{style}]", b["reason"])
+                    f"{b['ratio']:.3f}", f"{b['threshold']:.3f}", verdict)
     console = Console()
     console.print(out)
     style = "red" if report["verdict"] == "REVERT" else "green"

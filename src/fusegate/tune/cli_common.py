@@ -41,6 +41,8 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
                    help="gloo with all ranks on one GPU: a functional check, timings not representative")
     g.add_argument("--timeout", type=float, default=1800.0, help="seconds before a hung rank is killed")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.add_argument("--results", default=None, metavar="PATH",
+                   help="also append the measured times as rows to this .jsonl file (fusegate.bench.results)")
 
 
 def hiddens(args, command: str) -> tuple[int, ...]:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 import torch
@@ -39,7 +39,7 @@ from fusegate.group import agree_group_info, device_type_of
 from fusegate.spec import Op, Problem
 from fusegate.tune.candidates import CandidatePool, admitted, is_fused, timed_call
 from fusegate.tune.correctness import check_candidate
-from fusegate.tune.measure import time_interleaved
+from fusegate.tune.measure import summary, time_interleaved
 from fusegate.tune.table import DEFAULT_MARGIN
 
 # 1.58 * IQR / sqrt(n): half-width of the notch around a median (McGill, Tukey, Larsen 1978),
@@ -59,6 +59,8 @@ class BucketVerdict:
     candidate_us: float
     baseline_us: float
     reason: str
+    candidate_stats: dict = field(default_factory=dict)  # {"median", "p20", "p80", "n"} in us
+    baseline_stats: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -173,4 +175,5 @@ def _verify_bucket(strategy, baseline, op, hidden, tokens, dtype, torch_dtype, i
     samples = time_interleaved({"A": fa, "B": fb, "B2": fb}, group=group, device=dev, rounds=rounds, warmup=warmup)
     verdict, ratio, threshold, noise, reason = judge(samples["A"], samples["B"], samples["B2"], margin)
     return BucketVerdict(op.value, hidden, tokens, verdict, ratio, threshold, noise,
-                         statistics.median(samples["A"]), statistics.median(samples["B"]), reason)
+                         statistics.median(samples["A"]), statistics.median(samples["B"]), reason,
+                         summary(samples["A"]), summary(samples["B"]))
