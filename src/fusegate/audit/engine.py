@@ -186,7 +186,8 @@ def _collect(module_sites: list, rel: str, lines: list, findings: list, sites: d
         digest = hashlib.sha1(key.encode()).hexdigest()[:8]
         seen[digest] = seen.get(digest, 0) + 1
         fid = digest if seen[digest] == 1 else f"{digest}-{seen[digest]}"
-        text = _segment(lines, node) or normalized
+        # A condition over several lines may carry comments; show it normalized instead.
+        text = _segment(lines, node) if node.lineno == node.end_lineno else normalized
         values = {a.name: site.value.at(a) for a in ARCHS}
         finding = Finding(
             id=fid, path=rel, line=node.lineno, end_line=node.end_lineno or node.lineno, column=node.col_offset + 1,

@@ -15,12 +15,25 @@ import ast
 import operator
 
 from fusegate.audit.arch import ArchBool, ArchNum, compare
-from fusegate.audit.predicates import ALWAYS, SEED_GLOBALS, fallback
+from fusegate.audit.predicates import ALWAYS, ASSUMED_CUDA_VERSION, SEED_GLOBALS, fallback
 from fusegate.audit.values import UNKNOWN, Const, External, ModuleRef, Obj, Partial, SeedFn, UserFunc
 
 _BINOPS = {
     ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
     ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Div: operator.truediv,
+}
+
+
+def _map(fn, seq):
+    return tuple(map(_BUILTINS[fn.last] if isinstance(fn, External) else fn.value, seq.value))
+
+
+# Pure builtins applied to literals, as in `tuple(map(int, torch.version.cuda.split(".")[:2]))`.
+_BUILTINS = {
+    "int": lambda a, *r: int(a.value, *(x.value for x in r)) if isinstance(a, Const) else int(a),
+    "tuple": lambda a: tuple(a.value),
+    "list": lambda a: tuple(a.value),
+    "map": _map,
 }
 
 
@@ -100,6 +113,8 @@ class Evaluator:
         if isinstance(base, ModuleRef):
             return self.resolver.module_attr(base.name, attr)
         if isinstance(base, External):
+            if base.dotted.endswith("torch.version") or base.dotted == "version":
+                return Const(ASSUMED_CUDA_VERSION) if attr == "cuda" else Const(None) if attr == "hip" else UNKNOWN
             return seed_for(attr) or External(f"{base.dotted}.{attr}")
         if isinstance(base, Obj):
             return base.attr(attr)
@@ -107,8 +122,17 @@ class Evaluator:
             return base.map(lambda v: v[0 if attr == "major" else 1]) or UNKNOWN
         return UNKNOWN
 
+    def _Slice(self, node):
+        parts = [self.eval(p) if p is not None else Const(None) for p in (node.lower, node.upper, node.step)]
+        return Const(slice(*(p.value for p in parts))) if all(isinstance(p, Const) for p in parts) else UNKNOWN
+
     def _Subscript(self, node):
         base, index = self.eval(node.value), self.eval(node.slice)
+        if isinstance(base, Const) and isinstance(index, Const):
+            try:
+                return Const(base.value[index.value])
+            except Exception:  # noqa: BLE001 - a literal subscript that fails is not a gate
+                return UNKNOWN
         if isinstance(base, ArchNum) and isinstance(index, Const) and isinstance(index.value, int):
             return base.map(lambda v: v[index.value]) or UNKNOWN
         return UNKNOWN
@@ -179,6 +203,10 @@ class Evaluator:
         func_node = node.func
         if isinstance(func_node, ast.Attribute):
             base = self.eval(func_node.value) if not (isinstance(func_node.value, ast.Name) and func_node.value.id in ("self", "cls")) else UNKNOWN
+            if isinstance(base, Const) and isinstance(base.value, str) and func_node.attr == "split":
+                args = [self.eval(a) for a in node.args]
+                if all(isinstance(a, Const) for a in args):
+                    return Const(tuple(base.value.split(*(a.value for a in args))))
             if isinstance(base, ArchNum):
                 if func_node.attr == "to_int":
                     return base.map(lambda v: v[0] * 10 + v[1]) or UNKNOWN
@@ -205,6 +233,11 @@ class Evaluator:
                 return self.call(seed, args, kwargs)
             if func.last in ("tuple", "int") and args and isinstance(args[0], ArchNum):
                 return args[0]
+            if func.last in _BUILTINS and all(isinstance(a, (Const, External)) for a in args):
+                try:
+                    return Const(_BUILTINS[func.last](*args))
+                except Exception:  # noqa: BLE001
+                    return UNKNOWN
         if isinstance(func, External) or func is UNKNOWN:
             return UNKNOWN
         return UNKNOWN

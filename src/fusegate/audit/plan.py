@@ -95,16 +95,26 @@ class Planner:
         ev = Evaluator(self.resolver, site.module, site.local, site.attrs, overrides=overrides)
         return to_bool(ev.eval(node))
 
-    def pick_like(self, finding) -> Arch:
+    def like_candidates(self, finding) -> list:
+        """Architectures the gate enables, nearest below `arch` first, x.0 before x.y (code names families by x.0)."""
         enabled = [a for a in ARCHS if finding.values[a.name] is not False]
-        below = [a for a in enabled if a.cc_int < self.arch.cc_int]
-        return (below or enabled)[-1]
+        return sorted(enabled, key=lambda a: (a.cc_int > self.arch.cc_int, a.minor != 0, -a.cc_int))
 
     def plan(self, finding, like: Arch | None) -> Plan:
+        if like is not None:
+            return self._plan(finding, like)
+        first = None
+        for cand in self.like_candidates(finding):
+            try:
+                return self._plan(finding, cand)
+            except PatchError as exc:
+                first = first or exc
+        raise first or PatchError(f"patch: gate {finding.id} enables no architecture; nothing to copy")
+
+    def _plan(self, finding, like: Arch) -> Plan:
         site = self.result.sites.get(finding.id)
         if site is None or finding.report_only:
             raise PatchError(f"patch: gate {finding.id} ({finding.path}:{finding.line}) is report-only; edit the build configuration by hand")
-        like = like or self.pick_like(finding)
         if finding.values[like.name] is False:
             raise PatchError(f"patch: gate {finding.id} is false on --like {like.name} too; pick --like from {', '.join(finding.enables)}")
         plan = Plan(finding.path, finding.id, like)

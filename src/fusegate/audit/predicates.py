@@ -19,6 +19,11 @@ import re
 from fusegate.audit.arch import ArchBool, ArchNum
 from fusegate.audit.values import UNKNOWN, Const, Obj, Partial, SeedFn
 
+# The CUDA toolkit is assumed new enough for every audited architecture: 13.0 is the first that
+# targets all of them (sm_110 arrived with it), so `torch.version.cuda >= (12, 8)` clauses of
+# helpers such as sglang's `_check_cuda_device_version` do not blur an arch test into "unknown".
+ASSUMED_CUDA_VERSION = "13.0"
+
 CAP_TUPLE = ArchNum.of(lambda a: (a.major, a.minor))
 CAP_INT = ArchNum.of(lambda a: a.cc_int)
 

@@ -1,0 +1,188 @@
+"""`fusegate patch` / `revert` on a writable copy of the fixture engine."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from fusegate.audit import manifest
+from fusegate.audit.arch import parse_arch
+from fusegate.audit.engine import audit
+from fusegate.cli.main import main
+
+RUNTIME_GATE = "allreduce_fusion_applies() result"
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def snapshot(root: Path) -> dict:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file() and "__pycache__" not in p.parts}
+
+
+def gate_id(root: Path, guards: str) -> str:
+    result = audit(str(root))
+    return next(f.id for f in result.findings if f.guards == guards)
+
+
+def test_diff_adds_flag_import_and_disjunct_in_the_codebase_idiom(capsys, engine):
+    before = snapshot(engine)
+    gid = gate_id(engine, RUNTIME_GATE)
+    code, out, err = run(capsys, "patch", str(engine), "--arch", "sm120", "--like", "sm100", "--only", gid)
+    assert code == 0, err
+    assert snapshot(engine) == before  # a dry run writes nothing
+    assert "+    is_sm120_supported,\n" in out  # next to its sibling in the parenthesized import
+    assert "+_is_sm120_supported = _is_cuda and is_sm120_supported()\n" in out  # after the sibling flag
+    # the comment on the gate's line survives
+    assert "+        (_is_sm90_supported or _is_sm100_supported or _is_sm120_supported)  # the runtime gate\n" in out
+    assert f"# {gid} -> " in err and "now includes sm120" in err
+
+
+@pytest.mark.parametrize("fragment,expected", [
+    ("sm_version in (100, 103)", "return sm_version in (100, 103, 120)"),
+    ("major == 10", "if major in (10, 12):"),
+    ("100 <= sm < 120", "is_fp8_deprecated = 100 <= sm < 120 or sm == 120"),
+    ("is_device_capability_family(100)", "c = current_platform.is_device_capability_family(100) or current_platform.is_device_capability_family(120)"),
+    ('moe_runner_backend == "auto"', 'if server_args.moe_runner_backend == "auto" and (get_platform().is_sm100 or get_platform().is_sm120):'),
+    ("not (get_platform().is_sm90", "if not (get_platform().is_sm90 or get_platform().is_sm100 or get_platform().is_sm120):"),
+])
+def test_comparison_and_platform_edits(capsys, engine, fragment, expected):
+    result = audit(str(engine))
+    gid = next(f.id for f in result.findings if fragment in f.condition and f.category == "gate")
+    code, out, _ = run(capsys, "patch", str(engine), "--arch", "sm120", "--like", "sm100", "--only", gid, "--json")
+    data = json.loads(out)
+    assert code == 0, data["errors"]
+    diff = "".join(data["diff"].values())
+    assert any(line[1:].strip() == expected for line in diff.splitlines() if line.startswith("+")), diff
+    assert [g["includes_arch"] for g in data["gates"]] == [True]
+
+
+def test_apply_reaudit_and_byte_identical_revert(capsys, engine, state_dir):
+    before = snapshot(engine)
+    gid = gate_id(engine, RUNTIME_GATE)
+    code, out, _ = run(capsys, "patch", str(engine), "--arch", "sm120", "--like", "sm100", "--only", gid, "--apply", "--state-dir", str(state_dir), "--json")
+    data = json.loads(out)
+    assert code == 0 and data["applied"]
+    assert Path(data["manifest"]).is_file()
+    after = audit(str(engine))
+    gate = next(f for f in after.findings if f.guards == RUNTIME_GATE)
+    assert gate.values["sm120"] is not False and gate.values["sm80"] is False
+    assert "_is_sm120_supported" in gate.condition
+    assert snapshot(engine) != before
+    code, out, _ = run(capsys, "revert", str(engine), "--state-dir", str(state_dir), "--json")
+    assert code == 0 and [r["path"] for r in json.loads(out)["restored"]] == ["layers/fusion.py"]
+    assert snapshot(engine) == before
+    code, _, err = run(capsys, "revert", str(engine), "--state-dir", str(state_dir))
+    assert code == 2 and "nothing to revert" in err
+
+
+def test_revert_refuses_a_file_changed_after_patching(capsys, engine, state_dir):
+    before = snapshot(engine)
+    gid = gate_id(engine, RUNTIME_GATE)
+    assert run(capsys, "patch", str(engine), "--arch", "sm120", "--like", "sm100", "--only", gid, "--apply", "--state-dir", str(state_dir))[0] == 0
+    target = engine / "layers/fusion.py"
+    target.write_text(target.read_text() + "\n# local edit\n")
+    code, _, err = run(capsys, "revert", str(engine), "--state-dir", str(state_dir))
+    assert code == 2 and "changed after patching" in err and "--force" in err
+    assert "# local edit" in target.read_text()  # nothing restored
+    assert run(capsys, "revert", str(engine), "--state-dir", str(state_dir), "--force")[0] == 0
+    assert snapshot(engine) == before
+
+
+def test_second_patch_needs_a_revert_first(capsys, engine, state_dir):
+    gid = gate_id(engine, RUNTIME_GATE)
+    args = ["patch", str(engine), "--arch", "sm120", "--like", "sm100", "--apply", "--state-dir", str(state_dir)]
+    assert run(capsys, *args, "--only", gid)[0] == 0
+    other = gate_id(engine, "return 'flashinfer_trtllm'")
+    code, _, err = run(capsys, *args, "--only", other)
+    assert code == 2 and "fusegate revert" in err
+
+
+def test_read_only_file_nothing_half_written(capsys, engine, state_dir):
+    before = snapshot(engine)
+    caps = engine / "layers/caps.py"
+    os.chmod(caps, 0o444)
+    try:
+        code, _, err = run(capsys, "patch", str(engine), "--arch", "sm120", "--like", "sm100", "--apply", "--state-dir", str(state_dir))
+    finally:
+        os.chmod(caps, 0o644)
+    assert code == 2 and "read-only" in err and "nothing was written" in err
+    assert snapshot(engine) == before
+    assert not (state_dir.exists() and any(state_dir.rglob("manifest.json")))
+
+
+def test_failure_midway_restores_written_files(engine, state_dir, monkeypatch):
+    before = snapshot(engine)
+    result = audit(str(engine))
+    from fusegate.audit.patch import build_changes
+
+    findings = result.selected(parse_arch("sm120"), parse_arch("sm100"))
+    changes, _, _ = build_changes(result, findings, parse_arch("sm120"), parse_arch("sm100"))
+    assert len(changes) >= 2
+    real_replace, calls = os.replace, []
+
+    def flaky_replace(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:
+            raise OSError("disk full (simulated)")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", flaky_replace)
+    with pytest.raises(manifest.ManifestError, match="nothing changed"):
+        manifest.apply(engine, {rel: new for rel, (_, new) in changes.items()}, result.file_hashes, {}, state_dir=state_dir)
+    monkeypatch.undo()
+    assert snapshot(engine) == before
+    assert not list(engine.rglob("*.fusegate-tmp"))
+
+
+def test_refuses_a_file_changed_since_the_audit(capsys, engine, tmp_path):
+    code, out, _ = run(capsys, "audit", str(engine), "--arch", "sm120", "--json")
+    audit_json = tmp_path / "audit.json"
+    audit_json.write_text(out)
+    gid = next(g["id"] for g in json.loads(out)["gates"] if g["guards"] == RUNTIME_GATE)
+    target = engine / "layers/fusion.py"
+    target.write_text(target.read_text().replace("FUSE_MAX_TOKENS = 2048", "FUSE_MAX_TOKENS = 4096"))
+    code, _, err = run(capsys, "patch", str(engine), "--arch", "sm120", "--only", gid, "--audit-json", str(audit_json), "--apply")
+    assert code == 2 and "changed since the audit" in err
+    assert "4096" in target.read_text() and "sm120" not in target.read_text()
+    # The in-process guard: hashes handed to apply() must match the file.
+    with pytest.raises(manifest.ManifestError, match="changed since it was audited"):
+        manifest.apply(engine, {"layers/fusion.py": "x = 1\n"}, {"layers/fusion.py": hashlib.sha256(b"old").hexdigest()}, {}, state_dir=tmp_path / "s")
+
+
+def test_refuses_to_call_a_helper_the_target_lacks(capsys, engine):
+    common = engine / "utils/common.py"
+    text = common.read_text()
+    start = text.index("is_sm120_supported = ")
+    end = text.index("is_blackwell_supported")
+    common.write_text(text[:start] + text[end:])
+    gid = gate_id(engine, RUNTIME_GATE)
+    code, out, _ = run(capsys, "patch", str(engine), "--arch", "sm120", "--like", "sm100", "--only", gid, "--json")
+    data = json.loads(out)
+    assert code == 1 and not data["diff"]
+    error = data["errors"][0]["error"]
+    assert "is_sm120_supported" in error and "does not exist" in error and "add `is_sm120_supported`" in error
+
+
+def test_unknown_only_id(capsys, engine):
+    code, _, err = run(capsys, "patch", str(engine), "--arch", "sm120", "--only", "deadbeef")
+    assert code == 2 and "deadbeef" in err
+
+
+def test_refuses_explicit_exclusion(capsys, engine):
+    # `not ...[0] == 9 and not ... == 10` is true on sm120 already; its negation is the exclusion to refuse.
+    (engine / "layers/excl.py").write_text(
+        "from fakeengine.runtime_context import get_platform\n\n\n"
+        "def fused_ok(x):\n    return x and get_platform().is_blackwell and not get_platform().is_sm120\n"
+    )
+    gid = gate_id(engine, "fused_ok() result")
+    code, out, _ = run(capsys, "patch", str(engine), "--arch", "sm120", "--only", gid, "--json")
+    data = json.loads(out)
+    assert code == 1 and "excludes sm120 explicitly" in data["errors"][0]["error"]
