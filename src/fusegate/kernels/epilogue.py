@@ -50,12 +50,20 @@ def round_like(y, like, SOFT_BF16: tl.constexpr):
 
 
 @triton.jit
+def load_weight(w_ptr, cols, cmask, HAS_NORM: tl.constexpr):
+    """The RMSNorm weight as an fp32 row (zeros without norm, where w_ptr may be any tensor)."""
+    return tl.load(w_ptr + cols, mask=cmask & HAS_NORM, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def epilogue_row(
-    s, row, cols, mask, res_ptr, w_ptr, out_ptr, newres_ptr, H, eps,
+    s, row, cols, mask, res_ptr, w, out_ptr, newres_ptr, H, eps,
     HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr, SOFT_BF16: tl.constexpr,
 ):
     """Finish one row from its allreduce output `s` (already rounded to the data dtype).
 
+    `w` is the weight row already loaded in fp32 (see `load_weight`): loading it once per program,
+    before any row, takes its latency off the row's dependency chain (load, add, reduce, scale).
     HAS_NORM=False stores s to `out_ptr` (the plain allreduce). Offsets are int64 so that
     M x H may exceed 2^31 elements.
     """
@@ -70,7 +78,6 @@ def epilogue_row(
         h = nr.to(tl.float32)
         ms = tl.math.div_rn(tl.sum(h * h, axis=0), H.to(tl.float32))
         inv = tl.math.div_rn(1.0, tl.math.sqrt_rn(ms + eps))
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         y = h * inv * w
         tl.store(out_ptr + offs, round_like(y, s, SOFT_BF16), mask=mask)
     else:
@@ -86,23 +93,28 @@ def residual_rmsnorm_kernel(
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_H)
     cmask = cols < H
+    w = load_weight(w_ptr, cols, cmask, True)
     for i in tl.static_range(ROWS):
         row = pid * ROWS + i
         mask = cmask & (row < M)
         s = tl.load(s_ptr + row.to(tl.int64) * H + cols, mask=mask, other=0.0)
-        epilogue_row(s, row, cols, mask, res_ptr, w_ptr, out_ptr, newres_ptr, H, eps, HAS_RES, True, SOFT_BF16)
+        epilogue_row(s, row, cols, mask, res_ptr, w, out_ptr, newres_ptr, H, eps, HAS_RES, True, SOFT_BF16)
 
 
 def launch_config(hidden: int, itemsize: int, num_tokens: int) -> tuple[int, int, int]:
     """(BLOCK_H, num_warps, rows per program), a pure function of the shape.
 
-    Warps are chosen so that each thread holds about 16 bytes per tensor per row (one 128-bit
-    access); 2 rows per program for short rows at prefill sizes, to keep programs from being
-    too small to hide latency. Measured by benchmarks/bench_epilogue.py (configs sweep).
+    Up to 16 warps, one 128-bit access per thread per tensor and row, for one row's latency at
+    decode sizes and for bandwidth at prefill sizes; 4 warps from 256 to 2047 tokens, where more,
+    smaller programs fill the GPU better (H200, bench_epilogue.py sweep: 512 x 6144-8192 ran
+    about 10% faster with 4 warps than with 16, and 16 was best or tied at 1-64 and 4096-16384
+    tokens; benchmarks/results/epilogue.jsonl). 2 rows per program for short rows at prefill
+    sizes, so that programs are not too small to hide latency.
     """
     block = triton.next_power_of_2(hidden)
-    bytes_per_row = block * itemsize
-    num_warps = max(1, min(16, bytes_per_row // (16 * 32 * 2)))
+    num_warps = max(1, min(16, block * itemsize // (16 * 32)))
+    if 256 <= num_tokens < 2048:
+        num_warps = min(num_warps, 4)
     rows = 2 if (hidden <= 2048 and num_tokens >= 1024) else 1
     return block, num_warps, rows
 

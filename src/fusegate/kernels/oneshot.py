@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fusegate.kernels.epilogue import MAX_HIDDEN, epilogue_row, interpreting, round_like
+from fusegate.kernels.epilogue import MAX_HIDDEN, epilogue_row, interpreting, load_weight, round_like
 from fusegate.kernels.sync import canonicalize, poll_ready, record_timeout, sentinel_like, start_deadline
 
 # State word indices (fusegate.backends.workspace: STATE_*).
@@ -46,6 +46,7 @@ def oneshot_kernel(
     deadline = start_deadline(timeout_ns, USE_ASM)
     cols = tl.arange(0, BLOCK_H)
     cmask = cols < H
+    w = load_weight(w_ptr, cols, cmask, HAS_NORM)
     slot_base = slot.to(tl.int64) * W * region
 
     # 1. push this rank's rows into every rank's current slot, region `rank`
@@ -81,7 +82,7 @@ def oneshot_kernel(
             acc += v.to(tl.float32)
         acc = tl.where(dead, float("nan"), acc)  # a failed call never returns plausible data
         s = round_like(acc, v, SOFT_BF16)
-        epilogue_row(s, row, cols, cmask, res_ptr, w_ptr, out_ptr, newres_ptr, H, eps, HAS_RES, HAS_NORM, SOFT_BF16)
+        epilogue_row(s, row, cols, cmask, res_ptr, w, out_ptr, newres_ptr, H, eps, HAS_RES, HAS_NORM, SOFT_BF16)
         row += nprog
 
     # 4. the last program to arrive advances the state for the next call

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fusegate.kernels.epilogue import MAX_HIDDEN, epilogue_row, interpreting, round_like
+from fusegate.kernels.epilogue import MAX_HIDDEN, epilogue_row, interpreting, load_weight, round_like
 from fusegate.kernels.oneshot import _num_warps, spin_bounds
 from fusegate.kernels.sync import canonicalize, poll_ready, record_timeout, sentinel_like, start_deadline
 
@@ -54,6 +54,7 @@ def twoshot_kernel(
     deadline = start_deadline(timeout_ns, USE_ASM)
     cols = tl.arange(0, BLOCK_H)
     cmask = cols < H
+    w = load_weight(w_ptr, cols, cmask, HAS_NORM)
     rows_per = tl.cdiv(M, W)
     slot_base = slot.to(tl.int64) * (W + 1) * region
     gather_base = slot_base + W * region
@@ -104,7 +105,7 @@ def twoshot_kernel(
                 record_timeout(err_ptr, o, row, calls)
             dead = dead | (ok == 0)
             s = tl.where(dead, float("nan"), s.to(tl.float32)).to(s.dtype)
-            epilogue_row(s, row, cols, cmask, res_ptr, w_ptr, out_ptr, newres_ptr, H, eps, HAS_RES, HAS_NORM, SOFT_BF16)
+            epilogue_row(s, row, cols, cmask, res_ptr, w, out_ptr, newres_ptr, H, eps, HAS_RES, HAS_NORM, SOFT_BF16)
             j += nprog
 
     # 5. the last program to arrive advances the state for the next call
