@@ -74,7 +74,7 @@ def main() -> int:
     cut = ["--preset", args.preset, "--layers", str(args.layers), "--experts", str(args.experts)]
     steps = [
         ("bench e2e", cli + ["bench", "e2e", *cut, "--batch", "1,8,64,256,1024", "--fusion", "both", "--steps", "20",
-                             "--min-seconds", "0.6", "--results", str(out / "results")], 110),
+                             "--min-seconds", "1.0", "--results", str(out / "results")], 110),
         ("profile", cli + ["profile", *cut, "--batch", "64", "--steps", "4", "--fusion", "both",
                            "--trace", str(out / "trace.json"), "--plot", str(out / "profile.png"),
                            "--results", str(out / "results")], 60),

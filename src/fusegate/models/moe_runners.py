@@ -223,24 +223,29 @@ def admission(problem: RunnerProblem, caps=None, *, device=None) -> dict[str, Ve
     return {name: admits(r, problem, caps, device=device) for name, r in RUNNERS.items()}
 
 
-def time_runner(runner: MoERunner, args: tuple, *, reps: int = 5) -> float:
-    """Median microseconds of `reps` calls after one warm-up (CUDA events on GPU, perf_counter on CPU)."""
-    runner(*args)
-    samples = []
+def time_runner(runner: MoERunner, args: tuple, *, reps: int = 5, give_up_us: float | None = None) -> float:
+    """Median microseconds of `reps` calls after one timed warm-up (CUDA events on GPU, perf_counter on CPU).
+
+    With `give_up_us`, a runner whose warm-up call already takes longer returns that time at once:
+    it has lost, and timing it further (say the dense runner at prefill sizes) only costs time."""
     on_cuda = args[0].device.type == "cuda"
-    for _ in range(reps):
+
+    def once() -> float:
         if on_cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             runner(*args)
             end.record()
             end.synchronize()
-            samples.append(start.elapsed_time(end) * 1e3)
-        else:
-            t0 = time.perf_counter()
-            runner(*args)
-            samples.append((time.perf_counter() - t0) * 1e6)
-    return statistics.median(samples)
+            return start.elapsed_time(end) * 1e3
+        t0 = time.perf_counter()
+        runner(*args)
+        return (time.perf_counter() - t0) * 1e6
+
+    first = once()
+    if give_up_us is not None and first > give_up_us:
+        return first
+    return statistics.median(once() for _ in range(reps))
 
 
 def choose(verdicts: dict[str, Verdict], timings_us: dict[str, float]) -> RunnerChoice:
