@@ -55,6 +55,19 @@ def _parity_rank(rank, world):
         out[dtype] = {"tp2": logits, "tp2_tokens": tokens, "tp2_off": logits_off, "tp2_off_tokens": tokens_off,
                       "prefill_counts": prefill_counts, "step_counts": step_counts, "step_counts_off": step_counts_off,
                       "runner": {t: c.name for t, c in tp2.selector.choices.items()}}
+        # The benchmark's DecodeStep (static buffers, advances ids and pos itself) must decode the
+        # same sequence as the plain loop above: construction may not shift the start state.
+        from fusegate.bench.e2e import DecodeStep
+
+        tp2.fusion = True
+        cache = tp2.new_cache(BATCH, CONTEXT)
+        first = tp2.prefill(ids, cache).argmax(-1)
+        step = DecodeStep(tp2, cache, first, prompt_len=PROMPT, graphs=False)
+        stepped = []
+        for _ in range(DECODE_STEPS):
+            step()
+            stepped.append(step.logits.clone())
+        out[dtype]["decode_step"] = torch.stack(stepped)
         if rank == 0:
             tp1 = _build(cfg, solo, 0, 1, dtype)
             out[dtype]["tp1"], out[dtype]["tp1_tokens"], _, _ = _generate(tp1, ids, DECODE_STEPS)
@@ -100,6 +113,12 @@ def test_fusion_off_is_bit_identical_with_reference_strategy(parity):
             r = parity[rank][dtype]
             assert torch.equal(r["tp2"], r["tp2_off"])
             assert torch.equal(r["tp2_tokens"], r["tp2_off_tokens"])
+
+
+def test_decode_step_matches_plain_decode_loop(parity):
+    for dtype in (torch.float64, torch.float32):
+        r = parity[0][dtype]
+        assert torch.equal(r["decode_step"], r["tp2"][1:])
 
 
 def test_two_allreduces_per_layer(parity):
