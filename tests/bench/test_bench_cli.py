@@ -42,6 +42,7 @@ def test_bench_e2e_cpu_json(tmp_path, capsys):
     (["--preset", "tiny", "--tp", "4"], "does not split over 4"),
     (["--preset", "nope"], "unknown model preset"),
     (["--preset", "tiny", "--prompt-len", "16", "--context", "16"], "raise --context"),
+    (["--preset", "tiny", "--moe-runner", "fast"], "is not a runner"),
 ])
 def test_bench_e2e_usage_errors(argv, message, capsys, tmp_path):
     assert main(["bench", "e2e", *argv, "--results", str(tmp_path)]) == 2

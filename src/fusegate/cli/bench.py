@@ -89,6 +89,11 @@ def check_model(spec) -> None:
         spec.config().check_world_size(spec.tp)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    if spec.moe_runner is not None:
+        from fusegate.models.moe_runners import RUNNERS
+
+        if spec.moe_runner not in RUNNERS:
+            raise UsageError(f"--moe-runner {spec.moe_runner!r} is not a runner; use one of: {', '.join(RUNNERS)}")
 
 
 def run(args) -> int:
