@@ -130,3 +130,16 @@ def test_no_pynvml_exits_2_and_does_not_start_the_command(monkeypatch, capsys, t
     assert code == 2 and out == ""
     assert "NVML is not available (pynvml import failed:" in err and "install nvidia-ml-py" in err
     assert not marker.exists()
+
+
+def test_live_status_line_shows_each_gpu():
+    from fusegate.diagnose.report import status_text
+    from fusegate.diagnose.samples import Sample
+
+    def sample(gpu, power, util):
+        return Sample(t_s=1.0, gpu=gpu, power_w=power, power_limit_w=700.0, util_pct=util, mem_util_pct=3.0,
+                      sm_clock_mhz=1980.0, mem_clock_mhz=3201.0, mem_used_bytes=1)
+
+    line = status_text(12.34, 246, {1: sample(1, 612.4, 99.0), 0: sample(0, 247.6, 97.0)})
+    assert line == "diagnose:   12.3 s, 246 samples | GPU0 248 W (35%) util 97% | GPU1 612 W (87%) util 99%"
+    assert status_text(0.0, 0, {}) == "diagnose:    0.0 s, 0 samples"
