@@ -26,6 +26,8 @@ from fusegate.backends.base import Strategy, StrategyContext
 from fusegate.dispatch import CONSERVATIVE_DEFAULT, Choice, choose, warn_once
 from fusegate.group import agree_group_info, device_type_of
 from fusegate.spec import Op, Problem, dtype_name
+from fusegate.tune.agree import agreed_table
+from fusegate.tune.candidates import is_fused
 from fusegate.validation import as_rows, check_all_reduce, check_residual_rmsnorm
 
 
@@ -68,8 +70,6 @@ class Communicator:
         # Collective: every rank loads its dispatch table and all agree on its digest, or all
         # use none (fusegate.tune.agree). Loaded once; `fusegate tune` output applies to new
         # Communicators.
-        from fusegate.tune.agree import agreed_table
-
         self.table, self.table_note = agreed_table(self.group, self.info, self.caps)
 
     # ---- public ops -------------------------------------------------------------------------
@@ -161,11 +161,11 @@ class Communicator:
             admission(problem, self.caps, names),
             requested=self.requested,
             table=self.table,
-            is_fused=_is_fused,
+            is_fused=is_fused,
             requested_by="FUSEGATE_STRATEGY" if env.strategy_override() else "strategy=",
         )
         if choice.warning:
-            warn_once(f"override:{choice.name}:{key}", f"Communicator: {choice.warning}")
+            warn_once(f"override:{choice.name}:{problem.op.value}", f"Communicator: {choice.warning}")
         self._choices[key] = choice
         return choice
 
@@ -192,13 +192,6 @@ class Communicator:
         if any(e != everyone[0] for e in everyone):
             table = "; ".join(f"rank {r}: {e[0]} {e[1]} {e[2]}" for r, e in enumerate(everyone))
             raise ValueError(f"{op.value}: ranks disagree on the call ({table}); every rank must pass the same shape and dtype")
-
-
-def _is_fused(name: str) -> bool:
-    try:
-        return bool(get_strategy(name).fused)
-    except (ImportError, ValueError):  # not importable or not registered: never admitted anyway
-        return False
 
 
 def _token_buckets(max_tokens: int) -> list[int]:
