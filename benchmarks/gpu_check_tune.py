@@ -90,10 +90,17 @@ def main(argv=None) -> int:
     p.add_argument("--out-dir", default=os.environ.get("OUT", "gpu-check-out"))
     p.add_argument("--cpu-smoke", action="store_true", help="run the same steps on CPU (gloo), to check the script")
     p.add_argument("--preset", default="glm5")
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--verify-max-tokens", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--verify-max-tokens", type=int, default=4)
     p.add_argument("--strategy", default="oneshot", help="strategy for the verify step")
+    p.add_argument("--budget-s", type=float, default=160.0, help="whole-run time budget; each step's limit is cut to fit")
     args = p.parse_args(argv)
+    deadline = time.perf_counter() + args.budget_s
+
+    def limit(want: float) -> float:
+        """A step's time limit: `want`, cut to what is left of the budget (at least 5 s)."""
+        return max(5.0, min(want, deadline - time.perf_counter() - 5.0))
+
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cache = Path("/tmp/fusegate-gpu-check-cache")
@@ -110,60 +117,67 @@ def main(argv=None) -> int:
     if torch.cuda.is_available():
         facts += f": {torch.cuda.get_device_name(0)}"
     print(facts, flush=True)
-    summary = [facts]
+    summary: list[str] = []
+
+    def note(line: str) -> None:  # print as soon as known: a run cut short still shows it
+        print(f"[summary] {line}", flush=True)
+        summary.append(line)
+
+    note(facts)
 
     code, _ = _run("fabric tests", [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
-                                    "tests/tune/test_fabric.py"], 120)
-    summary.append(f"fabric tests: exit {code}")
-    code, _ = _run("doctor --measure", CLI + ["doctor", "--measure", "--json"], 60, out / "doctor.json")
+                                    "tests/tune/test_fabric.py"], limit(60))
+    note(f"fabric tests: exit {code}")
+    code, _ = _run("doctor --measure", CLI + ["doctor", "--measure", "--json"], limit(30), out / "doctor.json")
     try:
         fabric = json.loads((out / "doctor.json").read_text()).get("fabric")
-        summary.append(f"doctor --measure: exit {code}, fabric: {fabric}")
+        note(f"doctor --measure: exit {code}, fabric: {fabric}")
     except (OSError, ValueError) as exc:
-        summary.append(f"doctor --measure: exit {code}, unreadable output ({exc})")
+        note(f"doctor --measure: exit {code}, unreadable output ({exc})")
 
-    summary.append(_mps(True) if not args.cpu_smoke else "MPS: not used (CPU)")
+    note(_mps(True) if not args.cpu_smoke else "MPS: not used (CPU)")
     try:
         code, secs = _run("tune", CLI + ["tune", *ranks, "--preset", args.preset, "--max-tokens", str(args.max_tokens),
-                                         "--op", "all_reduce_residual_rmsnorm", "--rounds", "10", "--confirm-rounds", "20",
+                                         "--op", "all_reduce_residual_rmsnorm", "--rounds", "8", "--confirm-rounds", "12",
                                          "--json", "--results", str(out / "tune_shared_gpu.jsonl")],
-                          240, out / "tune.json")
-        summary.append(f"tune: exit {code} after {secs:.0f} s")
+                          limit(90), out / "tune.json")
+        note(f"tune: exit {code} after {secs:.0f} s")
         if code == 0:
             table = json.loads((out / "tune.json").read_text())["table"]
-            summary.append("bucket  choice      " + "  ".join(sorted(table["entries"][0]["times_us"])) + "   (median us)")
+            note("bucket  choice      " + "  ".join(sorted(table["entries"][0]["times_us"])) + "   (median us)")
             for e in table["entries"]:
                 times = "  ".join(f"{e['times_us'][n]['median']:.0f}" for n in sorted(e["times_us"]))
-                summary.append(f"{e['tokens']:>6}  {e['choice']:<10}  {times}   {e['reason']}")
+                note(f"{e['tokens']:>6}  {e['choice']:<10}  {times}   {e['reason']}")
             rejected = {n: r for e in table["entries"] for n, r in e["rejected"].items()}
-            summary += [f"  not considered: {n}: {r}" for n, r in rejected.items()]
+            for n, r in rejected.items():
+                note(f"  not considered: {n}: {r}")
 
             from fusegate.launch import run_ranks
 
             t0 = time.perf_counter()
             hidden = get_preset(args.preset).hidden
             auto = run_ranks(_auto_rank, 2, backend="gloo", env={**ENV, "FUSEGATE_CACHE_DIR": str(cache)},
-                             args=(device, hidden, (1, 3, args.max_tokens)), timeout_s=120)
+                             args=(device, hidden, (1, 3, args.max_tokens)), timeout_s=limit(45))
             (out / "auto.json").write_text(json.dumps(auto, indent=1))
             same = len({a["table_digest"] for a in auto}) == 1 and auto[0]["table_digest"] == table["digest"]
-            summary.append(f"auto: table loaded on both ranks with the tuned digest: {same} ({time.perf_counter() - t0:.0f} s)")
+            note(f"auto: table loaded on both ranks with the tuned digest: {same} ({time.perf_counter() - t0:.0f} s)")
             for row in auto[0]["rows"]:
-                summary.append(f"  {row['tokens']} tokens -> {row['choice']} ({row['source']}), bit-exact {row['bit_exact']}")
+                note(f"  {row['tokens']} tokens -> {row['choice']} ({row['source']}), bit-exact {row['bit_exact']}")
 
         code, secs = _run("verify", CLI + ["verify", *ranks, "--strategy", args.strategy, "--preset", args.preset,
-                                           "--max-tokens", str(args.verify_max_tokens), "--rounds", "12", "--json",
+                                           "--max-tokens", str(args.verify_max_tokens), "--rounds", "10", "--json",
                                            "--results", str(out / "verify_shared_gpu.jsonl")],
-                          150, out / "verify.json")
-        summary.append(f"verify {args.strategy}: exit {code} after {secs:.0f} s")
+                          limit(60), out / "verify.json")
+        note(f"verify {args.strategy}: exit {code} after {secs:.0f} s")
         if code in (0, 1):
             report = json.loads((out / "verify.json").read_text())
-            summary.append(f"  overall {report['verdict']} vs {report['baseline']}")
+            note(f"  overall {report['verdict']} vs {report['baseline']}")
             for b in report["buckets"]:
-                summary.append(f"  {b['tokens']:>3} tokens: {b['verdict']} ratio {b['ratio']:.3f} (REVERT above "
+                note(f"  {b['tokens']:>3} tokens: {b['verdict']} ratio {b['ratio']:.3f} (REVERT above "
                                f"{b['threshold']:.3f}); {b['candidate_us']:.0f} vs {b['baseline_us']:.0f} us")
     finally:
         if not args.cpu_smoke:
-            summary.append(_mps(False))
+            note(_mps(False))
     print("\n".join(["", "==== summary (ranks share one GPU: functional check, not fabric timings) ===="] + summary))
     return 0
 

@@ -96,3 +96,17 @@ def test_judge_keeps_equal_reverts_slower_and_widens_with_noise():
     loud_b, loud_b2 = _noisy(rng, 30, 100, 0.5), _noisy(rng, 30, 100, 0.5)
     loud = judge([1.1 * b * math.exp(rng.gauss(0, 0.5)) for b in loud_b], loud_b, loud_b2, 0.03)
     assert quiet[0] == "REVERT" and loud[0] == "KEEP" and loud[2] > quiet[2]
+
+
+def test_undecided_samples_ask_for_more_rounds_and_a_regression_must_be_shown():
+    from fusegate.tune.verify import settled
+
+    rng = random.Random(7)
+    base, again = [100.0] * 8, [100.0] * 8
+    # 10% slower with a spread as wide as the effect: too few rounds to tell either way.
+    a = [110.0 * math.exp(rng.gauss(0, 0.3)) for _ in range(8)]
+    assert not settled(a, base, again, 0.03)
+    verdict, _, _, _, reason = judge(a, base, again, 0.03)
+    assert verdict == "KEEP" and reason.startswith("not shown slower")
+    assert settled([100.0 + 0.01 * i for i in range(8)], base, again, 0.03)  # clearly equal
+    assert settled([150.0 + 0.01 * i for i in range(8)], base, again, 0.03)  # clearly slower

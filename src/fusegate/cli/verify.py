@@ -26,16 +26,19 @@ def add_parser(subparsers) -> None:
     p.add_argument("--margin", type=float, default=0.03,
                    help="REVERT when slower than the baseline by more than this fraction plus the noise (default 0.03)")
     p.add_argument("--rounds", type=int, default=30, help="interleaved A/B/B rounds per bucket")
+    p.add_argument("--max-rounds", type=int, default=None,
+                   help="rounds a bucket may grow to while the samples do not decide (default 4 x --rounds)")
     add_launch_args(p)
     p.set_defaults(run=run)
 
 
-def _verify_rank(rank, world_size, strategy, baseline, sizes, buckets, dtype, op, margin, rounds, device, show_progress):
+def _verify_rank(rank, world_size, strategy, baseline, sizes, buckets, dtype, op, margin, rounds, max_rounds, device,
+                 show_progress):
     from fusegate.tune.verify import verify_in_group
 
     with progress_bar(len(sizes) * len(buckets), f"verify {strategy}", show_progress and rank == 0) as advance:
         report = verify_in_group(strategy, baseline=baseline, hiddens=sizes, buckets=buckets, dtype=dtype, op=op,
-                                 margin=margin, rounds=rounds, device=device, progress=advance)
+                                 margin=margin, rounds=rounds, max_rounds=max_rounds, device=device, progress=advance)
     return report.to_dict() if rank == 0 else None
 
 
@@ -59,7 +62,7 @@ def run(args) -> int:
     try:
         results = run_ranks(_verify_rank, world_size, backend=backend, timeout_s=args.timeout,
                             args=(args.strategy, args.baseline, sizes, buckets, args.dtype, args.op, args.margin,
-                                  args.rounds, device, not args.json))
+                                  args.rounds, args.max_rounds, device, not args.json))
     except RankFailure as exc:
         raise UsageError(f"a rank failed while verifying on {world_size} {backend} rank(s): {exc}") from None
     report = results[0]

@@ -16,7 +16,9 @@ Verdict rule. Per round i the paired log-ratios d_i = log(A_i / B_i) and e_i = l
     bound  = log(1 + margin) + offset
     REVERT when m - h > bound: slower than the baseline by more than the margin plus the A-vs-A
     offset, with ~95% confidence; the reported threshold is exp(bound + h).
-    Otherwise KEEP: "faster" when m + h < -bound, else "equal within noise".
+    Otherwise KEEP: "faster" when m + h < -bound, "equal within noise" when m + h <= bound.
+    Undecided (m - h <= bound < m + h): more rounds, up to `max_rounds`; still undecided then, KEEP
+    "not shown slower" (a regression has to be shown, and the reason says the run was too noisy).
 So a strategy equal to its baseline is KEEP even on a loaded machine (its interval widens with the
 measured spread), and a clearly slower one is REVERT. Overall: REVERT if any bucket is REVERT.
 
@@ -89,22 +91,37 @@ def judge(a: list[float], b: list[float], b2: list[float], margin: float) -> tup
     offset = abs(statistics.median(e))
     bound = math.log(1 + margin) + offset
     ratio, threshold, noise = math.exp(m), math.exp(bound + half), offset + half
+    n = len(d)
     if m - half > bound:
-        return "REVERT", ratio, threshold, noise, f"slower: {ratio:.3f}x the baseline, above {threshold:.3f}x (margin {margin:.0%} + noise)"
+        return "REVERT", ratio, threshold, noise, f"slower: {ratio:.3f}x the baseline, above {threshold:.3f}x (margin {margin:.0%} + noise; {n} rounds)"
     if m + half < -bound:
-        return "KEEP", ratio, threshold, noise, f"faster: {ratio:.3f}x the baseline"
-    return "KEEP", ratio, threshold, noise, f"equal within noise: {ratio:.3f}x, REVERT above {threshold:.3f}x"
+        return "KEEP", ratio, threshold, noise, f"faster: {ratio:.3f}x the baseline ({n} rounds)"
+    if m + half <= bound:
+        return "KEEP", ratio, threshold, noise, f"equal within noise: {ratio:.3f}x, REVERT above {threshold:.3f}x ({n} rounds)"
+    return "KEEP", ratio, threshold, noise, (f"not shown slower: {ratio:.3f}x, interval up to {math.exp(m + half):.3f}x "
+                                             f"crosses the {math.exp(bound):.3f}x bound after {n} rounds (too noisy to tell)")
+
+
+def settled(a: list[float], b: list[float], b2: list[float], margin: float) -> bool:
+    """True once the samples decide: confidently slower than the bound, or confidently not."""
+    reason = judge(a, b, b2, margin)[4]
+    return not reason.startswith("not shown slower")
 
 
 def verify_in_group(strategy: str, *, hiddens: tuple[int, ...], buckets: tuple[int, ...], baseline: str | None = None,
                     dtype: str = "bfloat16", op: str = Op.ALL_REDUCE_RESIDUAL_RMSNORM.value,
-                    margin: float = DEFAULT_MARGIN, rounds: int = 30, warmup: int = 3, group=None, device=None,
-                    progress: Callable[[str], None] | None = None, options: dict | None = None) -> VerifyReport:
-    """Collective: KEEP / REVERT of `strategy` against `baseline` per bucket (module doc)."""
+                    margin: float = DEFAULT_MARGIN, rounds: int = 30, max_rounds: int | None = None, warmup: int = 3,
+                    group=None, device=None, progress: Callable[[str], None] | None = None,
+                    options: dict | None = None) -> VerifyReport:
+    """Collective: KEEP / REVERT of `strategy` against `baseline` per bucket (module doc).
+
+    `rounds` per bucket first; a bucket the samples do not decide gets more rounds, up to
+    `max_rounds` (default 4 x rounds)."""
     from fusegate.probe import probe
 
     if rounds < 2:
         raise ValueError(f"verify: rounds must be >= 2 to measure noise, got {rounds}")
+    max_rounds = max(rounds, max_rounds if max_rounds is not None else 4 * rounds)
     group = group if group is not None else dist.group.WORLD
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     device_type = torch.device(device).type if device is not None else device_type_of(group)
@@ -128,7 +145,7 @@ def verify_in_group(strategy: str, *, hiddens: tuple[int, ...], buckets: tuple[i
         for hidden in hiddens:
             for tokens in sorted(buckets):
                 results.append(_verify_bucket(strategy, baseline, the_op, hidden, tokens, dtype, torch_dtype, info, caps,
-                                              pool, call, group, rank, world_size, dev, margin, rounds, warmup, max_tokens))
+                                              pool, call, group, rank, world_size, dev, margin, rounds, max_rounds, warmup, max_tokens))
                 if progress is not None:
                     progress(f"{tokens}x{hidden}: {results[-1].verdict}")
     finally:
@@ -157,7 +174,7 @@ def _best_unfused(strategy, op, hidden, tokens, dtype, info, caps, pool, call, g
 
 
 def _verify_bucket(strategy, baseline, op, hidden, tokens, dtype, torch_dtype, info, caps, pool, call, group, rank,
-                   world_size, dev, margin, rounds, warmup, max_tokens) -> BucketVerdict:
+                   world_size, dev, margin, rounds, max_rounds, warmup, max_tokens) -> BucketVerdict:
     problem = Problem(op, tokens, hidden, dtype, info)
     _, verdicts = admitted(problem, caps, list(dict.fromkeys([strategy, baseline])))
     for name in (strategy, baseline):
@@ -173,6 +190,12 @@ def _verify_bucket(strategy, baseline, op, hidden, tokens, dtype, torch_dtype, i
                                  f"{name} failed correctness: {verdict.reason}")
     fa, fb = call(strategy, hidden, tokens), call(baseline, hidden, tokens)
     samples = time_interleaved({"A": fa, "B": fb, "B2": fb}, group=group, device=dev, rounds=rounds, warmup=warmup)
+    # Undecided (the interval straddles the bound): more rounds, up to max_rounds. The samples are
+    # maxima over ranks, identical everywhere, so every rank extends the same number of times.
+    while len(samples["A"]) < max_rounds and not settled(samples["A"], samples["B"], samples["B2"], margin):
+        more = time_interleaved({"A": fa, "B": fb, "B2": fb}, group=group, device=dev,
+                                rounds=min(rounds, max_rounds - len(samples["A"])), warmup=0)
+        samples = {k: samples[k] + more[k] for k in samples}
     verdict, ratio, threshold, noise, reason = judge(samples["A"], samples["B"], samples["B2"], margin)
     return BucketVerdict(op.value, hidden, tokens, verdict, ratio, threshold, noise,
                          statistics.median(samples["A"]), statistics.median(samples["B"]), reason,
