@@ -53,6 +53,7 @@ def test_verify_exits_1_on_revert(monkeypatch, capsys):
     (["verify", "--strategy", "nope", "--hidden", "64"], "unknown strategy 'nope'"),
     (["verify", "--strategy", "reference", "--hidden", "64", "--rounds", "1"], "--rounds must be >= 2"),
     (["tune", "--hidden", "64", "--margin", "1.5"], "margin"),
+    (["tune", "--hidden", "64", "--strategies", "reference,nope"], "unknown strategy nope in --strategies"),
 ])
 def test_usage_errors_exit_2_and_say_the_fix(argv, message, capsys):
     assert main(argv) == 2

@@ -66,6 +66,12 @@ def run(args) -> int:
     world_size, backend, device = launch(args)
     ops = ALL_OPS if args.op == "both" else (args.op,)
     strategies = tuple(s for s in args.strategies.split(",") if s) or None
+    if strategies:
+        from fusegate.backends import strategy_names
+
+        unknown = [s for s in strategies if s not in strategy_names()]
+        if unknown:
+            raise UsageError(f"unknown strategy {', '.join(unknown)} in --strategies; registered: {', '.join(strategy_names())}")
     try:
         spec = TuneSpec(hiddens=sizes, buckets=tuple(token_buckets(args.max_tokens)), dtype=args.dtype, ops=ops,
                         strategies=strategies, margin=args.margin if args.margin is not None else DEFAULT_MARGIN,
