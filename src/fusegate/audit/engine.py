@@ -30,7 +30,11 @@ from fusegate.audit.target import Target, resolve_target
 # Plain substring tests and a regex with a literal prefix: an alternation with IGNORECASE took
 # seconds over sglang's 68 MB of Python.
 _TEXT_RE = re.compile(r"sm_?\d{2,3}|sm\d+x")
-_TEXT_WORDS = ("capabilit", "blackwell", "hopper", "ampere", "device_sm", "sm_version", "get_platform()", "current_platform")
+# "capability" alone is too common (model and API capabilities): only the spellings of section 3.
+_TEXT_WORDS = (
+    "device_capabilit", "compute_capabilit", "devicecapabilit", "capability.major", "capability[0]", "get_device_properties",
+    "blackwell", "hopper", "ampere", "device_sm", "sm_version", "get_platform()", "current_platform",
+)
 
 
 def _mentions_arch(text: str) -> bool:

@@ -1,0 +1,80 @@
+"""The audit on the real sglang source: the story's allreduce-fusion gate, patched and reverted.
+
+Slow (a whole-engine audit, about 10 s on one core); skipped with the pip error when PyPI is
+unreachable. The source is cached outside the repository (sglang_source.py says where).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+
+import pytest
+
+from fusegate.audit import manifest
+from fusegate.audit.arch import parse_arch
+from fusegate.audit.engine import audit
+from fusegate.audit.patch import build_changes
+
+from .sglang_source import SGLANG_VERSION, sglang_source
+
+pytestmark = pytest.mark.slow
+
+ADD_NORM = "srt/layers/layer_boundary/residual/add_norm.py"
+SM120, SM100 = parse_arch("sm120"), parse_arch("sm100")
+
+
+@pytest.fixture(scope="module")
+def source():
+    path, why = sglang_source()
+    if path is None:
+        pytest.skip(f"sglang {SGLANG_VERSION} source unavailable: {why}")
+    return path
+
+
+@pytest.fixture(scope="module")
+def full(source):
+    return audit(str(source), native=False)
+
+
+def runtime_gate(result):
+    hits = [f for f in result.findings if f.path == ADD_NORM and f.scope == "flashinfer_ar_fusion_applies"]
+    assert len(hits) == 1, [(f.line, f.condition) for f in result.findings if f.path == ADD_NORM]
+    return hits[0]
+
+
+def test_finds_the_allreduce_fusion_gate_excluding_sm120(full):
+    gate = runtime_gate(full)
+    assert "(_is_sm90_supported or _is_sm100_supported)" in gate.condition
+    assert gate.category == "gate" and gate.kind == "return"
+    # _is_sm90_supported = _is_cuda and get_platform().is_sm90 -> _PLATFORM_PROBES -> majors [9]
+    assert gate.values["sm120"] is False and gate.values["sm121"] is False and gate.values["sm80"] is False
+    assert gate.values["sm90"] is not False and gate.values["sm100"] is not False and gate.values["sm103"] is not False
+    assert gate in full.selected(SM120, SM100)
+    assert not full.skipped, full.skipped  # every file of the release parses
+
+
+def test_finds_the_startup_auto_enable_gate(full):
+    hits = [f for f in full.selected(SM120, SM100) if f.scope.endswith("_flashinfer_allreduce_fusion_auto_enable") and "is_sm90 or" in f.condition]
+    assert len(hits) == 1
+    assert "flashinfer_allreduce_fusion_backend" in hits[0].guards
+
+
+def test_patch_reaudit_revert(source, tmp_path):
+    root = tmp_path / "sglang"
+    shutil.copytree(source, root)
+    original = (root / ADD_NORM).read_bytes()
+    before = audit(str(root), native=False, only={ADD_NORM})
+    gate = runtime_gate(before)
+    changes, plans, errors = build_changes(before, [gate], SM120, SM100)
+    assert not errors and list(changes) == [ADD_NORM]
+    new = changes[ADD_NORM][1]
+    assert "_is_sm120_supported = _is_cuda and get_platform().is_sm120\n" in new
+    assert "(_is_sm90_supported or _is_sm100_supported or _is_sm120_supported)" in new
+    state = tmp_path / "state"
+    manifest.apply(root, {ADD_NORM: new}, before.file_hashes, {"arch": "sm120"}, state_dir=state)
+    after = runtime_gate(audit(str(root), native=False, only={ADD_NORM}))
+    assert after.values["sm120"] is not False and after.values["sm121"] is not False  # is_sm120 = major 12
+    assert after.values["sm80"] is False
+    manifest.revert(root, state_dir=state)
+    assert hashlib.sha256((root / ADD_NORM).read_bytes()).digest() == hashlib.sha256(original).digest()
