@@ -16,7 +16,7 @@ import dataclasses
 import json
 import os
 
-from fusegate.tune.cli_common import add_launch_args, add_shape_args, hiddens, launch, progress_bar
+from fusegate.tune.cli_common import add_launch_args, add_shape_args, hiddens, launch, progress_bar, share_cpu_threads
 
 
 def add_parser(subparsers) -> None:
@@ -44,6 +44,7 @@ def _tune_rank(rank, world_size, spec, device, save, fresh, show_progress):
     from fusegate.tune.table import fingerprint, load, save as save_table, table_path, versions_of
     from fusegate.tune.tuner import tune_in_group
 
+    share_cpu_threads(world_size, device)
     with progress_bar(spec.num_steps, "tune", show_progress and rank == 0) as advance:
         table = tune_in_group(spec, device=device, progress=advance)
     path = table_path(table.fingerprint)

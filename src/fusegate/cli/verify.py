@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 
-from fusegate.tune.cli_common import add_launch_args, add_shape_args, hiddens, launch, progress_bar
+from fusegate.tune.cli_common import add_launch_args, add_shape_args, hiddens, launch, progress_bar, share_cpu_threads
 
 
 def add_parser(subparsers) -> None:
@@ -36,6 +36,7 @@ def _verify_rank(rank, world_size, strategy, baseline, sizes, buckets, dtype, op
                  show_progress):
     from fusegate.tune.verify import verify_in_group
 
+    share_cpu_threads(world_size, device)
     with progress_bar(len(sizes) * len(buckets), f"verify {strategy}", show_progress and rank == 0) as advance:
         report = verify_in_group(strategy, baseline=baseline, hiddens=sizes, buckets=buckets, dtype=dtype, op=op,
                                  margin=margin, rounds=rounds, max_rounds=max_rounds, device=device, progress=advance)
@@ -85,7 +86,7 @@ def _print_report(report: dict) -> None:
 
     out = Table(title=(f"fusegate verify: {report['strategy']} vs {report['baseline']} "
                        f"({report['world_size']} ranks, {report['backend']}, {report['device']}, {report['dtype']})"))
-    for col in ("hidden", "tokens", "candidate us", "baseline us", "ratio", "REVERT above", "verdict"):
+    for col in ("hidden", "tokens", "candidate us", "baseline us", "paired ratio", "REVERT above", "verdict"):
         out.add_column(col, overflow="fold")
     for b in report["buckets"]:
         style = "red" if b["verdict"] == "REVERT" else "green"

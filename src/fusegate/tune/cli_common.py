@@ -79,6 +79,23 @@ def launch(args) -> tuple[int, str, str]:
     return world_size, "nccl", "cuda"
 
 
+def share_cpu_threads(world_size: int, device: str) -> None:
+    """In a spawned CPU rank: use this rank's share of the cores for torch's intra-op threads.
+
+    N ranks each running one thread per core oversubscribe the machine (OpenMP threads spin while
+    a peer waits in a collective), and times then measure the contention, not the strategy.
+    torchrun sets OMP_NUM_THREADS=1 for multi-process runs for the same reason; here each rank gets
+    cores // N threads. An explicit OMP_NUM_THREADS is left alone.
+    """
+    import os
+
+    if device != "cpu" or "OMP_NUM_THREADS" in os.environ:
+        return
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+
+
 @contextlib.contextmanager
 def progress_bar(total: int, description: str, enabled: bool) -> Iterator[Callable[[str], None]]:
     """A rich progress bar on stderr (when `enabled` and stderr is a terminal); yields advance(text)."""
