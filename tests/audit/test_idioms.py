@@ -56,6 +56,9 @@ CASES = [
     ("layers/nongates.py", "is_sm100_supported()", "if", "log", names(lambda a: a.major == 10)),
     ("layers/nongates.py", "is_sm100_supported()", "ternary", "message", names(lambda a: a.major == 10)),
     ("layers/nongates.py", "[0] >= 10", "return", "helper-definition", names(lambda a: a.major >= 10)),
+    ("layers/flashinfer_style.py", "supported_compute_capability([100, 103])", "decorator", "gate", ["sm100", "sm103"]),
+    ("layers/flashinfer_style.py", "is_sm12x_family(device)", "if", "gate", names(lambda a: a.major == 12)),
+    ("layers/flashinfer_style.py", "major == 12", "return", "helper-definition", names(lambda a: a.major == 12)),
     ("tests/kernels_check.py", "!= 10", "decorator", "test-skip", names(lambda a: a.major != 10)),
 ]
 

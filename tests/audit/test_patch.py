@@ -52,6 +52,7 @@ def test_diff_adds_flag_import_and_disjunct_in_the_codebase_idiom(capsys, engine
     ("is_device_capability_family(100)", "c = current_platform.is_device_capability_family(100) or current_platform.is_device_capability_family(120)"),
     ('moe_runner_backend == "auto"', 'if server_args.moe_runner_backend == "auto" and (get_platform().is_sm100 or get_platform().is_sm120):'),
     ("not (get_platform().is_sm90", "if not (get_platform().is_sm90 or get_platform().is_sm100 or get_platform().is_sm120):"),
+    ("supported_compute_capability([100, 103])", "@supported_compute_capability([100, 103, 120])"),
 ])
 def test_comparison_and_platform_edits(capsys, engine, fragment, expected):
     result = audit(str(engine))

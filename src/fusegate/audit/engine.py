@@ -147,8 +147,13 @@ def _audit(spec: str, *, native: bool, overlay: dict | None, progress, only: set
                 skipped.append({"path": rel, "error": resolver.errors.get(path.resolve(), "unparsable")})
             elif info.path.resolve() == path.resolve():
                 hashes[rel] = sha256_bytes(text.encode("utf-8")) if path in overlay else sha256_bytes(path.read_bytes())
-                scanner = ModuleScanner(resolver, name, rel)
-                _collect(scanner.scan(), rel, scanner.lines, findings, sites)
+                try:
+                    scanner = ModuleScanner(resolver, name, rel)
+                    module_sites = scanner.scan()
+                except RecursionError:  # a pathologically nested expression: report, never crash
+                    skipped.append({"path": rel, "error": "RecursionError: expression nested too deeply"})
+                    continue
+                _collect(module_sites, rel, scanner.lines, findings, sites)
         if progress:
             progress(i + 1, total)
     if target.native_files and only is None:

@@ -118,6 +118,14 @@ class Planner:
         if finding.values[like.name] is False:
             raise PatchError(f"patch: gate {finding.id} is false on --like {like.name} too; pick --like from {', '.join(finding.enables)}")
         plan = Plan(finding.path, finding.id, like)
+        if finding.kind == "decorator" and isinstance(site.node, ast.Call) and site.node.args:
+            # FlashInfer's @supported_compute_capability([100, 103]): the list is the gate.
+            listed = site.node.args[0]
+            if isinstance(listed, (ast.List, ast.Tuple)) and listed.elts and isinstance(listed.elts[0], ast.Constant):
+                lit = literal_for(listed.elts[0].value, self.arch)
+                if lit is not None:
+                    plan.atom_edits.append(AtomEdit(listed, ("append", repr(lit)), wrap=False))
+                    return plan
         overrides: dict = {}
         arch_only = ArchBool.where(lambda a: a == self.arch)
         blocked = []

@@ -205,6 +205,14 @@ class Resolver:
                     if value is not UNKNOWN:
                         return value
             return seed_for(name) or External(name)
+        value = self._binding_value(module, name, binding)
+        if value is UNKNOWN or isinstance(value, External):
+            # A dynamic definition the evaluator cannot read (vLLM's `current_platform`, a try/except
+            # import): the seeded meaning of the name is better than nothing.
+            return seed_for(name) or value
+        return value
+
+    def _binding_value(self, module: str, name: str, binding: tuple):
         kind = binding[0]
         if kind == "assign":
             value = Evaluator(self, module).eval(binding[1])
@@ -349,10 +357,15 @@ class Resolver:
                 return ev.eval(stmt.value) if stmt.value is not None else Const(None)
             if isinstance(stmt, ast.Expr):
                 continue
-            if isinstance(stmt, ast.Assign) and all(isinstance(t, ast.Name) for t in stmt.targets):
+            if isinstance(stmt, ast.Assign) and all(isinstance(t, (ast.Name, ast.Tuple)) for t in stmt.targets):
                 value = ev.eval(stmt.value)
                 for t in stmt.targets:
-                    local[t.id] = value
+                    if isinstance(t, ast.Name):
+                        local[t.id] = value
+                        continue
+                    for i, elt in enumerate(t.elts):  # major, minor = get_compute_capability(device)
+                        if isinstance(elt, ast.Name):
+                            local[elt.id] = (value.map(lambda v, i=i: v[i]) if isinstance(value, ArchNum) else None) or UNKNOWN
                 continue
             if isinstance(stmt, ast.If) and _returns(stmt.body):
                 test = to_bool(ev.eval(stmt.test))
