@@ -4,7 +4,7 @@
     PYTHONPATH=src python benchmarks/gpu_check_tune.py --cpu-smoke --out-dir /tmp/x   # dry run on CPU
 
 1. `pytest tests/tune/test_fabric.py`: the probe kernels on one GPU (peer pairs need 2+ GPUs:
-   the multi_gpu test skips, and measure_fabric's refusal with one GPU is checked);
+   on one GPU the multi_gpu test skips, and measure_fabric's refusal with one GPU is checked);
 2. `fusegate doctor --measure --json`: what doctor reports for the fabric on this machine;
 3. MPS on (when available), so the 2 rank processes sharing the GPU run concurrently;
 4. `fusegate tune --shared-gpu --world-size 2 --preset glm5`: 2 ranks over gloo holding CUDA
@@ -15,7 +15,8 @@
 6. `fusegate verify --shared-gpu --strategy oneshot --preset glm5`: KEEP or REVERT against the
    best unfused path; rows to verify_shared_gpu.jsonl;
 then MPS off and a short summary last. Ranks sharing one GPU make this a functional check: the
-times say nothing about a multi-GPU fabric.
+times say nothing about a multi-GPU fabric. With two or more GPUs the same script runs one NCCL
+rank per GPU instead (no MPS), so its tune table and verify verdict are real fabric measurements.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def _mps(start: bool) -> str:
     return f"MPS {'start' if start else 'quit'} rc={proc.returncode} {proc.stderr.strip()}"
 
 
-def _auto_rank(rank, world_size, device, hidden, tokens_list):
+def _auto_rank(rank, world_size, device, hidden, tokens_list, shared):
     """Communicator(strategy='auto') on the tuned machine: the table, its choices, and their bits."""
     import torch
 
@@ -66,7 +67,7 @@ def _auto_rank(rank, world_size, device, hidden, tokens_list):
     from fusegate.reference import all_reduce_residual_rmsnorm_ref, small_integer_inputs
     from fusegate.spec import Op
 
-    if device == "cuda":
+    if device == "cuda" and shared:
         torch.cuda.set_device(0)
     out = {"rows": []}
     with Communicator(device=device) as comm:
@@ -93,6 +94,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--verify-max-tokens", type=int, default=4)
     p.add_argument("--strategy", default="oneshot", help="strategy for the verify step")
+    p.add_argument("--shared-gpu", action="store_true", help="share GPU 0 between 2 ranks even with several GPUs")
     p.add_argument("--budget-s", type=float, default=160.0, help="whole-run time budget; each step's limit is cut to fit")
     args = p.parse_args(argv)
     deadline = time.perf_counter() + args.budget_s
@@ -112,7 +114,13 @@ def main(argv=None) -> int:
     from fusegate.presets import get_preset
 
     device = "cpu" if args.cpu_smoke else "cuda"
-    ranks = ["--world-size", "2"] + (["--device", "cpu"] if args.cpu_smoke else ["--shared-gpu"])
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    # Two or more GPUs: one NCCL rank per GPU (real fabric timings); one GPU: 2 ranks share it.
+    shared = device == "cuda" and (gpus < 2 or args.shared_gpu)
+    world_size = 2 if device == "cpu" or shared else gpus
+    backend = "nccl" if device == "cuda" and not shared else "gloo"
+    ranks = ["--world-size", str(world_size)] + (["--device", "cpu"] if device == "cpu" else
+                                                  ["--shared-gpu"] if shared else [])
     facts = f"torch {torch.__version__}, {torch.cuda.device_count() if torch.cuda.is_available() else 0} GPU(s)"
     if torch.cuda.is_available():
         facts += f": {torch.cuda.get_device_name(0)}"
@@ -135,7 +143,7 @@ def main(argv=None) -> int:
     except (OSError, ValueError) as exc:
         note(f"doctor --measure: exit {code}, unreadable output ({exc})")
 
-    note(_mps(True) if not args.cpu_smoke else "MPS: not used (CPU)")
+    note(_mps(True) if shared else "MPS: not used (one rank per device)")
     try:
         code, secs = _run("tune", CLI + ["tune", *ranks, "--preset", args.preset, "--max-tokens", str(args.max_tokens),
                                          "--op", "all_reduce_residual_rmsnorm", "--rounds", "8", "--confirm-rounds", "12",
@@ -156,8 +164,8 @@ def main(argv=None) -> int:
 
             t0 = time.perf_counter()
             hidden = get_preset(args.preset).hidden
-            auto = run_ranks(_auto_rank, 2, backend="gloo", env={**ENV, "FUSEGATE_CACHE_DIR": str(cache)},
-                             args=(device, hidden, (1, 3, args.max_tokens)), timeout_s=limit(45))
+            auto = run_ranks(_auto_rank, world_size, backend=backend, env={**ENV, "FUSEGATE_CACHE_DIR": str(cache)},
+                             args=(device, hidden, (1, 3, args.max_tokens), shared), timeout_s=limit(45))
             (out / "auto.json").write_text(json.dumps(auto, indent=1))
             same = len({a["table_digest"] for a in auto}) == 1 and auto[0]["table_digest"] == table["digest"]
             note(f"auto: table loaded on both ranks with the tuned digest: {same} ({time.perf_counter() - t0:.0f} s)")
@@ -176,9 +184,11 @@ def main(argv=None) -> int:
                 note(f"  {b['tokens']:>3} tokens: {b['verdict']} ratio {b['ratio']:.3f} (REVERT above "
                                f"{b['threshold']:.3f}); {b['candidate_us']:.0f} vs {b['baseline_us']:.0f} us")
     finally:
-        if not args.cpu_smoke:
+        if shared:
             note(_mps(False))
-    print("\n".join(["", "==== summary (ranks share one GPU: functional check, not fabric timings) ===="] + summary))
+    title = ("ranks share one GPU: functional check, not fabric timings" if shared else
+             f"{world_size} {backend} ranks on {device}")
+    print("\n".join(["", f"==== summary ({title}) ===="] + summary))
     return 0
 
 
