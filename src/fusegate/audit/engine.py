@@ -126,8 +126,14 @@ def _audit(spec: str, *, native: bool, overlay: dict | None, progress, only: set
     target = resolve_target(spec, native=native)
     overlay = {Path(k).resolve(): v for k, v in (overlay or {}).items()}
     modules, roots = [], []
+    by_dir: dict = {}  # directory -> (package prefix, import root): one walk up per directory, not per file
     for path in target.python_files:
-        name, root = module_name_for(path)
+        if path.parent not in by_dir:
+            pkg, root = module_name_for(path.parent / "__init__.py")
+            by_dir[path.parent] = (pkg if (path.parent / "__init__.py").exists() else "", root if (path.parent / "__init__.py").exists() else path.parent.resolve())
+        pkg, root = by_dir[path.parent]
+        stem = "" if path.name == "__init__.py" else path.stem
+        name = ".".join(p for p in (pkg, stem) if p) or path.stem
         modules.append((path, name))
         if root not in roots:
             roots.append(root)
