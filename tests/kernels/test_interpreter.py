@@ -94,9 +94,16 @@ def _calls_rank(rank, world_size, name, dtype, h, calls):
         ws.before_call()
         got = launch(x, res, w, 1e-6, ws, timeout_s=5.0, max_programs=2, has_norm=mode != "ar", out=_nan_pair(x))
         out.append(got)
+    # the same first call once more through the torch.library op, which finds the strategy by handle
+    from fusegate.kernels.custom_ops import all_reduce_residual_rmsnorm_op
+
+    m, kind, mode = calls[0]
+    make = small_integer_inputs if kind == "int" else random_inputs
+    x, res, w = make(rank, m, h, dtype, seed=0), make(100, m, h, dtype, seed=0), make(101, 1, h, dtype, seed=0)[0]
+    op_out = all_reduce_residual_rmsnorm_op(x, res if mode == "res" else None, w, 1e-6, strategy.handle)
     strategy.check()
     strategy.close()
-    return out
+    return out, op_out
 
 
 def _expected(world_size, dtype, h, i, m, kind, mode):
@@ -111,6 +118,9 @@ def _expected(world_size, dtype, h, i, m, kind, mode):
 
 def _check_calls(name, world_size, dtype, h, calls):
     results = run_ranks(_calls_rank, world_size, args=(name, dtype, h, calls), env=INTERP, timeout_s=300)
+    for rank, (_, op_out) in enumerate(results):  # the custom op served the first call again, identically
+        assert torch.equal(op_out[0], results[rank][0][0][0]) and torch.equal(op_out[1], results[rank][0][0][1])
+    results = [calls_out for calls_out, _ in results]
     for i, (m, kind, mode) in enumerate(calls):
         ref, ref64 = _expected(world_size, dtype, h, i, m, kind, mode)
         for rank in range(world_size):

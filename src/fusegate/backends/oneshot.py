@@ -66,6 +66,7 @@ class PeerStrategy(Strategy):
         self.max_programs = int(ctx.options.get("max_programs") or self._default_programs())
         self._max_tokens = ctx.options.get("max_tokens")
         self._workspaces: dict = {}
+        self._compiled: set = set()  # kernel variants compiled on every rank (see _precompile)
         self.handle = register_instance(self)
 
     def _default_programs(self) -> int:
@@ -104,16 +105,37 @@ class PeerStrategy(Strategy):
     def prepare(self, *, hidden: int, dtype: torch.dtype, max_tokens: int) -> None:
         """Allocate the workspace for max_tokens x hidden and compile every kernel variant."""
         ws = self._workspace(dtype, max_tokens * hidden)
-        x = torch.zeros(1, hidden, dtype=dtype, device=self.ctx.device)
         for has_res, has_norm in ((True, True), (False, True), (False, False)):
-            self._launcher()(x, x if has_res else None, x[0], 1e-6, ws, timeout_s=self.timeout_s,
-                             max_programs=self.max_programs, has_norm=has_norm, warmup=True)
+            self._precompile(ws, dtype, hidden, has_res, has_norm, barrier=False)
         ws._barrier()  # every rank has compiled before any rank's first launch can start spinning
+
+    def _precompile(self, ws, dtype, hidden, has_res, has_norm, *, barrier: bool) -> None:
+        """Compile a kernel variant without launching it, then (optionally) wait for every rank.
+
+        A rank that compiled faster would otherwise start spinning while a peer still compiles,
+        and a cold compile can take a good part of the spin timeout. Collective when `barrier`.
+        """
+        key = (dtype, hidden, has_res, has_norm)
+        if key in self._compiled:
+            return
+        x = torch.zeros(1, hidden, dtype=dtype, device=self.ctx.device)
+        self._launcher()(x, x if has_res else None, x[0], 1e-6, ws, timeout_s=self.timeout_s,
+                         max_programs=self.max_programs, has_norm=has_norm, warmup=True)
+        if barrier:
+            ws._barrier()
+        self._compiled.add(key)
 
     def _run(self, x, residual, weight, eps, has_norm):
         m, h = x.shape
         ws = self._workspace(x.dtype, m * h, size=max(m, int(self._max_tokens or 0)) * h)
         ws.before_call()
+        capturing = self.ctx.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if not capturing:
+            # A variant prepare() did not compile: compile it before launching, so this rank's
+            # spin deadline starts after its own compile. No barrier here (a rank that never calls
+            # must produce a bounded timeout, not a blocked host); prepare() is the way to have
+            # every rank compiled before the first launch.
+            self._precompile(ws, x.dtype, h, residual is not None, has_norm, barrier=False)
         out = self._launcher()(x, residual, weight, eps, ws, timeout_s=self.timeout_s,
                                max_programs=self.max_programs, has_norm=has_norm)
         ws.after_call()

@@ -125,7 +125,7 @@ def oneshot_launch(x, residual, weight, eps, ws, *, timeout_s: float, max_progra
             ws.rank, m, h, ws.region_elems, float(eps), timeout_ns, max_spins)
     meta = dict(W=len(ws.peers.views), BLOCK_H=block, SENT=ws.sentinel, ELEM_BITS=8 * x.element_size(),
                 HAS_RES=residual is not None, HAS_NORM=has_norm, USE_ASM=not interpreting(),
-                SOFT_BF16=interpreting(), num_warps=_num_warps(block, x.element_size()))
+                SOFT_BF16=interpreting(), num_warps=num_warps_for(block, x.element_size()))
     if warmup:
         if not interpreting():
             oneshot_kernel.warmup(*args, grid=grid, **meta)
@@ -134,6 +134,6 @@ def oneshot_launch(x, residual, weight, eps, ws, *, timeout_s: float, max_progra
     return out, (new_res if has_norm else None)
 
 
-def _num_warps(block: int, itemsize: int) -> int:
+def num_warps_for(block: int, itemsize: int) -> int:
     """About 16 bytes per thread per row access (one 128-bit vector), between 1 and 16 warps."""
     return max(1, min(16, block * itemsize // (16 * 32)))

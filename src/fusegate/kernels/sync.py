@@ -21,10 +21,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# Sentinel bit patterns by element size (negative zero).
-SENTINEL_BITS = {16: -(1 << 15), 32: -(1 << 31)}
-
-
 @triton.jit
 def globaltimer_ns():
     """Nanoseconds from the GPU's global timer (PTX `%globaltimer`); GPU builds only."""

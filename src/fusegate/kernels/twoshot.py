@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from fusegate.kernels.epilogue import MAX_HIDDEN, epilogue_row, interpreting, load_weight, round_like
-from fusegate.kernels.oneshot import _num_warps, spin_bounds
+from fusegate.kernels.oneshot import num_warps_for, spin_bounds
 from fusegate.kernels.sync import canonicalize, poll_ready, record_timeout, sentinel_like, start_deadline
 
 _SLOT, _EXTENT_A, _EXTENT_B, _ARRIVE, _CALLS = (tl.constexpr(i) for i in range(5))
@@ -140,7 +140,7 @@ def twoshot_launch(x, residual, weight, eps, ws, *, timeout_s: float, max_progra
             ws.rank, m, h, ws.region_elems, float(eps), timeout_ns, max_spins)
     meta = dict(W=world, BLOCK_H=block, SENT=ws.sentinel, ELEM_BITS=8 * x.element_size(),
                 HAS_RES=residual is not None, HAS_NORM=has_norm, USE_ASM=not interpreting(),
-                SOFT_BF16=interpreting(), num_warps=_num_warps(block, x.element_size()))
+                SOFT_BF16=interpreting(), num_warps=num_warps_for(block, x.element_size()))
     if warmup:
         if not interpreting():
             twoshot_kernel.warmup(*args, grid=grid, **meta)
