@@ -104,7 +104,8 @@ class PeerStrategy(Strategy):
 
     def prepare(self, *, hidden: int, dtype: torch.dtype, max_tokens: int) -> None:
         """Allocate the workspace for max_tokens x hidden and compile every kernel variant."""
-        ws = self._workspace(dtype, max_tokens * hidden)
+        # Admission caps one rank's input at MAX_INPUT_BYTES, so a larger max_tokens buys nothing.
+        ws = self._workspace(dtype, min(max_tokens * hidden, MAX_INPUT_BYTES // dtype.itemsize))
         for has_res, has_norm in ((True, True), (False, True), (False, False)):
             self._precompile(ws, dtype, hidden, has_res, has_norm, barrier=False)
         ws._barrier()  # every rank has compiled before any rank's first launch can start spinning
