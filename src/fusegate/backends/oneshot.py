@@ -66,7 +66,7 @@ class PeerStrategy(Strategy):
         self.max_programs = int(ctx.options.get("max_programs") or self._default_programs())
         self._max_tokens = ctx.options.get("max_tokens")
         self._workspaces: dict = {}
-        self._compiled: set = set()  # kernel variants compiled on every rank (see _precompile)
+        self._compiled: set = set()  # kernel variants this process has compiled (see _precompile)
         self.handle = register_instance(self)
 
     def _default_programs(self) -> int:
@@ -107,14 +107,14 @@ class PeerStrategy(Strategy):
         # Admission caps one rank's input at MAX_INPUT_BYTES, so a larger max_tokens buys nothing.
         ws = self._workspace(dtype, min(max_tokens * hidden, MAX_INPUT_BYTES // dtype.itemsize))
         for has_res, has_norm in ((True, True), (False, True), (False, False)):
-            self._precompile(ws, dtype, hidden, has_res, has_norm, barrier=False)
+            self._precompile(ws, dtype, hidden, has_res, has_norm)
         ws._barrier()  # every rank has compiled before any rank's first launch can start spinning
 
-    def _precompile(self, ws, dtype, hidden, has_res, has_norm, *, barrier: bool) -> None:
-        """Compile a kernel variant without launching it, then (optionally) wait for every rank.
+    def _precompile(self, ws, dtype, hidden, has_res, has_norm) -> None:
+        """Compile a kernel variant without launching it (once per process and variant).
 
-        A rank that compiled faster would otherwise start spinning while a peer still compiles,
-        and a cold compile can take a good part of the spin timeout. Collective when `barrier`.
+        prepare() follows it with a barrier: a rank that compiled faster would otherwise start
+        spinning while a peer still compiles, and a cold compile takes a good part of a timeout.
         """
         key = (dtype, hidden, has_res, has_norm)
         if key in self._compiled:
@@ -122,13 +122,12 @@ class PeerStrategy(Strategy):
         x = torch.zeros(1, hidden, dtype=dtype, device=self.ctx.device)
         self._launcher()(x, x if has_res else None, x[0], 1e-6, ws, timeout_s=self.timeout_s,
                          max_programs=self.max_programs, has_norm=has_norm, warmup=True)
-        if barrier:
-            ws._barrier()
         self._compiled.add(key)
 
     def _run(self, x, residual, weight, eps, has_norm):
         m, h = x.shape
-        ws = self._workspace(x.dtype, m * h, size=max(m, int(self._max_tokens or 0)) * h)
+        size = min(max(m, int(self._max_tokens or 0)) * h, MAX_INPUT_BYTES // x.element_size())
+        ws = self._workspace(x.dtype, m * h, size=size)
         ws.before_call()
         capturing = self.ctx.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         if not capturing:
@@ -136,7 +135,7 @@ class PeerStrategy(Strategy):
             # spin deadline starts after its own compile. No barrier here (a rank that never calls
             # must produce a bounded timeout, not a blocked host); prepare() is the way to have
             # every rank compiled before the first launch.
-            self._precompile(ws, x.dtype, h, residual is not None, has_norm, barrier=False)
+            self._precompile(ws, x.dtype, h, residual is not None, has_norm)
         out = self._launcher()(x, residual, weight, eps, ws, timeout_s=self.timeout_s,
                                max_programs=self.max_programs, has_norm=has_norm)
         ws.after_call()
