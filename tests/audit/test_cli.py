@@ -42,8 +42,8 @@ def test_table_names_gates(capsys):
 
 def test_fail_on_gates_exit_code(capsys):
     assert run(capsys, "audit", ENGINE, "--arch", "sm120", "--fail-on-gates", "--json")[0] == 1
-    # Nothing is false on sm100 while true for sm90 among the gates that "like sm90"? There is:
-    # the sm90-only ternary. A file with no gates gives exit 0 even with --fail-on-gates.
+    assert run(capsys, "audit", ENGINE, "--arch", "sm120", "--json")[0] == 0  # without the flag, findings are not a failure
+    # A file with no gates: exit 0 even with --fail-on-gates.
     assert run(capsys, "audit", str(FIXTURES / "fakeengine/utils/__init__.py"), "--arch", "sm120", "--fail-on-gates")[0] == 0
 
 

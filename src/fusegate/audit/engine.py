@@ -198,6 +198,7 @@ def _collect(module_sites: list, rel: str, lines: list, findings: list, sites: d
         node = site.node
         normalized = ast.unparse(node)
         key = f"{rel}\0{site.scope}\0{site.kind}\0{normalized}"
+        # 8 hex digits (2**32 values) for a few thousand conditions per engine; a repeat in one file gets -2, -3.
         digest = hashlib.sha1(key.encode()).hexdigest()[:8]
         seen[digest] = seen.get(digest, 0) + 1
         fid = digest if seen[digest] == 1 else f"{digest}-{seen[digest]}"

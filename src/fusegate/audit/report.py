@@ -76,7 +76,7 @@ def to_sarif(result, selected: list, arch: Arch) -> dict:
         "version": "2.1.0",
         "runs": [{
             "tool": {"driver": {
-                "name": "fusegate-audit", "version": __version__, "informationUri": "https://github.com/fusegate/fusegate",
+                "name": "fusegate-audit", "version": __version__,
                 "rules": [{"id": k, "name": k, "shortDescription": {"text": v}} for k, v in _RULES.items()],
             }},
             "originalUriBaseIds": {"%SRCROOT%": {"uri": result.target.root.as_uri() + "/"}},
