@@ -117,6 +117,13 @@ class Communicator:
         """Which strategy a call of this shape would use, and why."""
         return self._choose(Problem(Op(op), num_tokens, hidden, dtype_name(dtype), self.info, has_residual))
 
+    def check(self) -> None:
+        """Synchronise and raise the first device-side failure of any earlier call (e.g.
+        PeerTimeoutError naming the ranks that never arrived). Eager calls raise it themselves on
+        the next call; after CUDA-graph replays, call this to find out."""
+        for instance in self._instances.values():
+            instance.check()
+
     # ---- lifecycle --------------------------------------------------------------------------
 
     def close(self) -> None:

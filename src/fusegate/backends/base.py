@@ -69,6 +69,10 @@ class Strategy(ABC):
     ) -> tuple["torch.Tensor", "torch.Tensor"]:
         """(normed, new_residual) as defined in fusegate.reference, on validated inputs."""
 
+    def check(self) -> None:
+        """Raise if an earlier asynchronous call failed on the device (e.g. a peer timeout seen
+        only after CUDA-graph replays); synchronises. Strategies without device-side state pass."""
+
     def close(self) -> None:
         """Release device resources; called by Communicator.close() on every rank."""
 
