@@ -96,7 +96,9 @@ def residual_rmsnorm_kernel(
     w = load_weight(w_ptr, cols, cmask, True)
     for i in tl.static_range(ROWS):
         row = pid * ROWS + i
-        mask = cmask & (row < M)
+        # The row test is broadcast to a vector first: Triton 3.9's interpreter rejects a mask
+        # built from a vector & a scalar comparison (compiled code is the same either way).
+        mask = cmask & ((row + 0 * cols) < M)
         s = tl.load(s_ptr + row.to(tl.int64) * H + cols, mask=mask, other=0.0)
         epilogue_row(s, row, cols, mask, res_ptr, w, out_ptr, newres_ptr, H, eps, HAS_RES, True, SOFT_BF16)
 
