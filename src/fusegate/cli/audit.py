@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from fusegate.cli.main import EXIT_NEGATIVE, EXIT_OK, EXIT_USAGE, UsageError
+from fusegate.cli.main import EXIT_NEGATIVE, EXIT_OK, UsageError, dumps_json
 
 
 def add_parser(subparsers) -> None:
@@ -154,7 +154,7 @@ def run_revert(args) -> int:
     except (ValueError, manifest.ManifestError) as exc:
         raise UsageError(str(exc)) from None
     if args.json:
-        print(json.dumps({"target": str(root), "restored": restored}, indent=2))
+        print(dumps_json({"target": str(root), "restored": restored}))
     else:
         for row in restored:
             print(f"restored {row['path']} (sha256 {row['sha256'][:12]})")

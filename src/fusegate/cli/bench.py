@@ -9,10 +9,9 @@ allreduces per layer per step, 1 when one did not, 2 on usage or environment err
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
-from fusegate.cli.main import EXIT_NEGATIVE, EXIT_OK, UsageError
+from fusegate.cli.main import EXIT_NEGATIVE, EXIT_OK, UsageError, dumps_json
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -121,7 +120,7 @@ def run(args) -> int:
         out = dict(result, results_file=path, allreduce_count_ok=counts_ok)
         for p in out["points"]:
             p.pop("step_us")
-        print(json.dumps(out, indent=2, default=str))
+        print(dumps_json(out, default=str))
     else:
         _print_table(result, path)
     if not counts_ok:

@@ -14,10 +14,9 @@ child's stdout goes to stderr.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
-from fusegate.cli.main import EXIT_NEGATIVE, EXIT_OK, EXIT_USAGE, UsageError
+from fusegate.cli.main import EXIT_NEGATIVE, EXIT_OK, EXIT_USAGE, UsageError, dumps_json
 
 # Mirrors fusegate.diagnose.sampler (not imported here: a subcommand's parser imports nothing heavy).
 DEFAULT_INTERVAL_S = 0.1
@@ -78,7 +77,7 @@ def _check(args, command: list[str]) -> None:
 def _environment_error(args, message: str) -> int:
     print(f"fusegate {message}", file=sys.stderr)
     if args.json:
-        print(json.dumps({"error": message, "exit_code": EXIT_USAGE}))
+        print(dumps_json({"error": message, "exit_code": EXIT_USAGE}, indent=None))
     return EXIT_USAGE
 
 
@@ -136,7 +135,7 @@ def run(args) -> int:
     saved = str(save_recording(rec, args.save)) if args.save else None
     png = str(plot.write_png(rec, args.png)) if args.png else None
     if args.json:
-        print(json.dumps(report.report_dict(rec, summaries, findings, source=source, png=png, saved=saved), indent=2))
+        print(dumps_json(report.report_dict(rec, summaries, findings, source=source, png=png, saved=saved)))
     else:
         from rich.console import Console
 

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 
-from fusegate.cli.main import EXIT_OK, UsageError
+from fusegate.cli.main import EXIT_OK, UsageError, dumps_json
 
 # GLM-5's hidden size, the model of DESIGN.md's story; 8 tokens is a decode batch where
 # allreduce latency dominates (research/perf-anchors.md). Both are labelled defaults, not measurements.
@@ -213,7 +212,7 @@ def render(caps, report: dict, console) -> None:
 def run(args: argparse.Namespace) -> int:
     caps, report = build_report(args)
     if args.json:
-        sys.stdout.write(json.dumps(report, indent=2) + "\n")
+        sys.stdout.write(dumps_json(report) + "\n")
         return EXIT_OK
     from rich.console import Console
 

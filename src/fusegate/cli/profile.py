@@ -10,11 +10,10 @@ to `<results>/profile.jsonl`. Exit 0 when each step made 2 allreduces per layer,
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
-from fusegate.cli.main import EXIT_NEGATIVE, EXIT_OK, UsageError
+from fusegate.cli.main import EXIT_NEGATIVE, EXIT_OK, UsageError, dumps_json
 
 
 def add_parser(subparsers) -> None:
@@ -74,7 +73,7 @@ def run(args) -> int:
     ok = all(sum(m["allreduces_per_step"].values()) == expected for m in result["modes"])
     result["allreduce_count_ok"] = ok
     if args.json:
-        print(json.dumps(result, indent=2, default=str))
+        print(dumps_json(result, default=str))
     else:
         _print(result)
     return EXIT_OK if ok else EXIT_NEGATIVE

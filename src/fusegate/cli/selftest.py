@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
-from fusegate.cli.main import EXIT_NEGATIVE, EXIT_OK, UsageError
+from fusegate.cli.main import EXIT_NEGATIVE, EXIT_OK, UsageError, dumps_json
 
 
 def add_parser(sub) -> None:
@@ -79,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - started
     ok = bool(rows) and all(r.passed for r in rows)
     if args.json:
-        print(json.dumps({
+        print(dumps_json({
             "world_size": args.world_size, "backend": backend, "device": device or ("cuda" if backend == "nccl" else "cpu"),
             "passed": ok, "seconds": round(elapsed, 2), "not_admitted": skipped,
             "results": [r.to_dict() for r in rows],

@@ -41,7 +41,7 @@ def _tune_rank(rank, world_size, spec, device, save, fresh, show_progress):
     import torch.distributed as dist
 
     from fusegate.probe import probe
-    from fusegate.tune.table import fingerprint, load, save as save_table, table_path, versions_of
+    from fusegate.tune.table import load, save as save_table, table_path, versions_of
     from fusegate.tune.tuner import tune_in_group
 
     share_cpu_threads(world_size, device)
@@ -58,7 +58,7 @@ def _tune_rank(rank, world_size, spec, device, save, fresh, show_progress):
 
 
 def run(args) -> int:
-    from fusegate.cli.main import UsageError
+    from fusegate.cli.main import UsageError, dumps_json
     from fusegate.launch import RankFailure, run_ranks
     from fusegate.tune.table import DEFAULT_MARGIN, parse, token_buckets
     from fusegate.tune.tuner import ALL_OPS, TuneSpec
@@ -94,7 +94,7 @@ def run(args) -> int:
         fresh = [e for e in table.entries if (e.hidden in sizes and e.dtype == args.dtype and e.op in ops)]
         append_rows(args.results, rows_from_table(dataclasses.replace(table, entries=tuple(fresh)), backend=backend, device=device))
     if args.json:
-        print(json.dumps({"path": None if args.no_save else path, "world_size": world_size, "backend": backend,
+        print(dumps_json({"path": None if args.no_save else path, "world_size": world_size, "backend": backend,
                           "device": device, "table": json.loads(text)}, indent=1))
     else:
         _print_summary(table, path if not args.no_save else None, world_size, backend, device)

@@ -11,7 +11,6 @@ environment errors.
 
 from __future__ import annotations
 
-import json
 
 from fusegate.tune.cli_common import add_launch_args, add_shape_args, hiddens, launch, progress_bar, share_cpu_threads
 
@@ -45,7 +44,7 @@ def _verify_rank(rank, world_size, strategy, baseline, sizes, buckets, dtype, op
 
 def run(args) -> int:
     from fusegate.backends import strategy_names
-    from fusegate.cli.main import EXIT_NEGATIVE, EXIT_OK, UsageError
+    from fusegate.cli.main import EXIT_NEGATIVE, EXIT_OK, UsageError, dumps_json
     from fusegate.launch import RankFailure, run_ranks
     from fusegate.tune.table import token_buckets
 
@@ -74,7 +73,7 @@ def run(args) -> int:
 
         append_rows(args.results, rows_from_verify(report))
     if args.json:
-        print(json.dumps(report, indent=1))
+        print(dumps_json(report, indent=1))
     else:
         _print_report(report)
     return EXIT_NEGATIVE if report["verdict"] == "REVERT" else EXIT_OK
