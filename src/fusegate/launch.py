@@ -41,10 +41,13 @@ def _worker(rank, world_size, backend, port, fn, args, results, env) -> None:
         import torch
         import torch.distributed as dist
 
+        # NCCL ranks are bound to their GPU up front, so collectives and barriers need not guess it.
+        device_id = None
         if backend == "nccl":
-            torch.cuda.set_device(rank % torch.cuda.device_count())
+            device_id = torch.device("cuda", rank % torch.cuda.device_count())
+            torch.cuda.set_device(device_id)
         dist.init_process_group(
-            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, device_id=device_id
         )
         try:
             value = fn(rank, world_size, *args)

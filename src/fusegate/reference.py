@@ -10,10 +10,19 @@ dtype:
     s          = round_dt( sum_{r=0..W-1} acc(x_r) )        # the allreduce output, as unfused code has it
     new_res    = round_dt( acc(s) + acc(residual) )         # or s itself when residual is None
     h          = acc(new_res)                               # normalise from the rounded residual
-    normed     = round_dt( h * rsqrt(mean(h^2) + eps) * acc(weight) )
+    normed     = round_dt( h * (1 / sqrt(sum(h^2) / H + eps)) * acc(weight) )
 
-Exactly three roundings to `dt`. Summation order over ranks is 0..W-1; strategies may reduce in
-another order only where that cannot change the result (fp32 sums of small integers are exact).
+Exactly three roundings to `dt`. Inside the norm each step (the division by H, the square root,
+the reciprocal) is one correctly rounded IEEE operation in `acc`, which is what the Triton epilogue
+computes (div_rn, sqrt_rn), so CPU, CUDA and the kernels agree bit for bit. Plain torch does not
+give that: on CUDA `torch.rsqrt` is approximate and `tensor / python_float` multiplies by the
+reciprocal; on CPU, float32 `torch.sqrt` is not correctly rounded for about a fifth of inputs
+(torch 2.13, AVX512). So for fp32 `acc` these three steps run in float64 and are rounded once,
+which is exact: float64 has more than 2 x 24 + 2 bits, so sqrt and division rounded twice still
+give the correctly rounded fp32 result.
+
+Summation order over ranks is 0..W-1; strategies may reduce in another order only where that
+cannot change the result (fp32 sums of small integers are exact).
 
 Tolerances: `TOLERANCE[dtype]` bounds the norm-wise relative error ||out - ref64|| / ||ref64||
 against the float64 reference. Error model: three roundings to the dtype, each at most half an ulp
@@ -66,9 +75,20 @@ def residual_rmsnorm_ref(
     acc = acc_dtype or accumulation_dtype(dtype)
     new_residual = s if residual is None else (s.to(acc) + residual.to(acc)).to(dtype)
     h = new_residual.to(acc)
-    inv_rms = torch.rsqrt(h.pow(2).mean(dim=-1, keepdim=True) + eps)
+    inv_rms = _inverse_rms(h, eps)
     normed = (h * inv_rms * weight.to(acc)).to(dtype)
     return normed, new_residual
+
+
+def _inverse_rms(h: torch.Tensor, eps: float) -> torch.Tensor:
+    """1 / sqrt(sum(h^2) / H + eps) per row, each step correctly rounded in h's dtype (module docstring)."""
+    sum_sq = h.pow(2).sum(dim=-1, keepdim=True)
+    wide = torch.float64
+    # H as a tensor on h's device: dividing by a Python number may multiply by its reciprocal.
+    hidden = torch.tensor(float(h.shape[-1]), dtype=wide, device=h.device)
+    mean_sq = (sum_sq.to(wide) / hidden).to(h.dtype)
+    root = torch.sqrt((mean_sq + eps).to(wide)).to(h.dtype)
+    return torch.reciprocal(root.to(wide)).to(h.dtype)
 
 
 def all_reduce_residual_rmsnorm_ref(

@@ -42,6 +42,20 @@ def test_float64_ref_matches_float64_math_to_rounding():
     torch.testing.assert_close(normed, ref_normed, rtol=1e-13, atol=0)
 
 
+def test_fp32_norm_steps_are_correctly_rounded():
+    # Independent IEEE float32 math in numpy (correctly rounded sqrt and division), row by row:
+    # the reference must equal it bit for bit, as the Triton epilogue (sqrt_rn, div_rn) does.
+    # Plain float32 torch.sqrt on CPU misses on about a fifth of such inputs.
+    np = pytest.importorskip("numpy")
+    h = small_integer_inputs(0, 64, 96, torch.float32) + small_integer_inputs(1, 64, 96, torch.float32)
+    weight = small_integer_inputs(2, 1, 96, torch.float32)[0]
+    normed, _ = residual_rmsnorm_ref(h, None, weight, 1e-6)
+    hn, wn = h.numpy(), weight.numpy()
+    mean_sq = (hn * hn).sum(axis=-1, keepdims=True, dtype=np.float32) / np.float32(96)
+    inv = np.float32(1) / np.sqrt(mean_sq + np.float32(1e-6))
+    assert torch.equal(normed, torch.from_numpy(hn * inv * wn))
+
+
 def test_rounding_points_are_the_documented_ones():
     # bf16 has an ulp of 2^-7 at 1. The allreduce output is rounded before the residual add:
     # s = round(1 + 2^-9) = 1, then new_res = round(1 + 2^-8) = 1 (a tie, to even). Adding the

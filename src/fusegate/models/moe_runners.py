@@ -11,8 +11,9 @@ fusegate.reference.accumulation_dtype (fp32; float64 for float64 models), over t
 - `dense`: every local expert on every token, weighted by a dense (T, E) combine matrix. No host
   sync, so capturable; reads every local expert's weights whatever the routing.
 - `grouped_mm`: tokens sorted by expert, two `torch._grouped_mm` calls with device-side group
-  offsets. Capturable; admitted only where torch has the op and a probe call on this device and
-  dtype matches the reference.
+  offsets. Admitted only where torch has the op and a probe call on this device and dtype matches
+  the reference; when the model captures CUDA graphs, the probe call is itself captured and
+  replayed (torch falls back to a host-synchronising path for some dtypes).
 
 Shape legend: T tokens, K top-k, H hidden, I expert width, E local experts.
 Weights: w13 (E, 2I, H) = [gate; up] per expert, w2 (E, H, I), like nn.Linear weights.
@@ -173,7 +174,8 @@ _probe_cache: dict[tuple, Verdict] = {}
 
 
 def _probe_call(runner: MoERunner, problem: RunnerProblem, device) -> Verdict:
-    key = (runner.name, problem.device_type, str(device), problem.dtype, problem.hidden, problem.expert_inter)
+    key = (runner.name, problem.device_type, str(device), problem.dtype, problem.hidden, problem.expert_inter,
+           problem.capture)
     if key in _probe_cache:
         return _probe_cache[key]
     dtype = getattr(torch, problem.dtype)
@@ -185,12 +187,14 @@ def _probe_call(runner: MoERunner, problem: RunnerProblem, device) -> Verdict:
     ids = torch.tensor([[0, 2], [2, 5], [0, 2], [5, 0], [2, 0], [0, 5]])  # expert 1 gets no tokens
     weights = torch.rand(6, 2, generator=gen) + 0.5
     args = [t.to(device) for t in (x.to(dtype), ids, weights, w13.to(dtype), w2.to(dtype))]
+    capture = problem.capture and args[0].device.type == "cuda"
     try:
-        out = runner(*args, 0)
+        out = _captured_call(runner, args) if capture else runner(*args, 0)
         if args[0].device.type == "cuda":
             torch.cuda.synchronize()
     except Exception as exc:  # the probe exists to turn "cannot run here" into a reason
-        verdict = Verdict.no(f"probe call failed on {problem.device_type} {problem.dtype}: {type(exc).__name__}: {str(exc)[:160]}")
+        how = "captured in a CUDA graph" if capture else "probe call"
+        verdict = Verdict.no(f"{how} failed on {problem.device_type} {problem.dtype}: {type(exc).__name__}: {str(exc)[:160]}")
     else:
         ref = moe_experts_ref(*[t.cpu() for t in args], 0)
         err = float((out.double().cpu() - ref).norm() / ref.norm())
@@ -199,6 +203,24 @@ def _probe_call(runner: MoERunner, problem: RunnerProblem, device) -> Verdict:
                    else Verdict.no(f"probe call disagrees with the reference: rel. error {err:.1e} > {tol:.0e}"))
     _probe_cache[key] = verdict
     return verdict
+
+
+def _captured_call(runner: MoERunner, args: list) -> torch.Tensor:
+    """The runner's output from a CUDA-graph replay (warm-up on a side stream, as capture requires).
+
+    Capturability is a property of the op on this torch, device and dtype (torch._grouped_mm, for
+    one, falls back to a host-synchronising path for some dtypes), so it is tried, not assumed."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        runner(*args, 0)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = runner(*args, 0)
+    out.fill_(float("nan"))  # poisoned: the replay must write every element again
+    graph.replay()
+    return out
 
 
 def admits(runner: MoERunner, problem: RunnerProblem, caps: "Capabilities | None" = None, *, device=None) -> Verdict:

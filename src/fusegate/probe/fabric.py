@@ -58,8 +58,9 @@ def _kernels():
     @triton.jit
     def copy_kernel(src_addr, dst_addr, n, BLOCK: tl.constexpr):
         # Addresses arrive as integers, so one kernel serves local, peer-read and peer-write copies.
-        src = src_addr.to(tl.pointer_type(tl.int32))
-        dst = dst_addr.to(tl.pointer_type(tl.int32))
+        # Widened to int64 first: Triton types an integer argument below 2^31 as int32.
+        src = src_addr.to(tl.int64).to(tl.pointer_type(tl.int32))
+        dst = dst_addr.to(tl.int64).to(tl.pointer_type(tl.int32))
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
@@ -70,15 +71,15 @@ def _kernels():
         # source into destination p // blocks_per_dst, so one launch writes to every peer at once.
         pid = tl.program_id(0)
         d = pid // blocks_per_dst
-        src = src_addr.to(tl.pointer_type(tl.int32))
-        dst = tl.load(dst_table + d).to(tl.pointer_type(tl.int32))
+        src = src_addr.to(tl.int64).to(tl.pointer_type(tl.int32))
+        dst = tl.load(dst_table + d).to(tl.int64).to(tl.pointer_type(tl.int32))
         offs = (pid % blocks_per_dst).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
 
     @triton.jit
     def chase_kernel(buf_addr, out_ptr, steps):
-        buf = buf_addr.to(tl.pointer_type(tl.int32))
+        buf = buf_addr.to(tl.int64).to(tl.pointer_type(tl.int32))
         idx = tl.load(buf, volatile=True)
         for _ in range(steps):
             idx = tl.load(buf + idx, volatile=True)
