@@ -1,18 +1,21 @@
 #!/usr/bin/env bash
-# One device call for a one-GPU machine: the foundation's doctor and selftest, then the three
-# per-part device scripts, each under its own time limit so that one slow part cannot starve the
-# rest. Everything lands under $OUT (default ./gpu_check_out):
+# One device call for a one-GPU machine: the foundation's doctor and selftest, the GPU tests of
+# every part, then the per-part device scripts, each under its own time limit so that one slow
+# part cannot starve the rest. Results go to a scratch directory and come back packed as
+# $OUT/gpu_check.tar.gz (the device returns only a few files) plus $OUT/all.log:
 #   foundation/  doctor.txt, doctor.json, selftest_ws1.txt, selftest_ws2_shared.json
+#   gputests/    pytest -m gpu for every part (kernels and tune under MPS: ranks share the GPU)
 #   tune/        benchmarks/gpu_check_tune.py (fabric tests, doctor --measure, tune + verify, 2 ranks on 1 GPU)
-#   e2e/         benchmarks/gpu_check_e2e.py (bench e2e on a GLM-5 cut, profile, model GPU tests)
+#   e2e/         benchmarks/gpu_check_e2e.py (bench e2e on a GLM-5 cut, profile)
 #   diagnose/    benchmarks/diagnose_device_check.sh (diagnose over a 3-phase workload)
-# Usage on the device machine, from the repository root:  bash benchmarks/gpu_check_all.sh
+# Usage on the device machine, from the repository root:  OUT=/some/dir bash benchmarks/gpu_check_all.sh
 set -o pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" COLUMNS=160
 OUT="${OUT:-$PWD/gpu_check_out}"
+WORK="$(mktemp -d)"
 FG="python3 -m fusegate.cli"
-mkdir -p "$OUT/foundation" "$OUT/tune" "$OUT/e2e" "$OUT/diagnose"
+mkdir -p "$OUT" "$WORK/foundation" "$WORK/gputests" "$WORK/tune" "$WORK/e2e" "$WORK/diagnose"
 started=$SECONDS
 step() {  # step NAME LIMIT_S COMMAND...: run with a time limit, say how it ended
   local name=$1 limit=$2; shift 2
@@ -20,16 +23,26 @@ step() {  # step NAME LIMIT_S COMMAND...: run with a time limit, say how it ende
   timeout "$limit" "$@"
   echo "=== $name: exit $? after $((SECONDS - started))s"
 }
+pack() { tar -czf "$OUT/gpu_check.tar.gz" -C "$WORK" --exclude='trace*.json' . ; }
+trap pack EXIT
 
-F="$OUT/foundation"
+F="$WORK/foundation"
 step "doctor" 60 bash -c "$FG doctor > $F/doctor.txt 2>&1"
 step "doctor --json" 60 bash -c "$FG doctor --json > $F/doctor.json 2> $F/doctor_json.err"
 step "selftest --world-size 1" 90 bash -c "$FG selftest --world-size 1 > $F/selftest_ws1.txt 2>&1"
 step "selftest --world-size 2 --shared-gpu" 90 \
   bash -c "$FG selftest --world-size 2 --shared-gpu --json > $F/selftest_ws2_shared.json 2> $F/selftest_ws2.err"
 cat "$F/doctor.txt" "$F/selftest_ws1.txt"
+python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('selftest ws2 shared-gpu passed:', d['passed'], [(r['strategy'], r['op'], r['dtype'], r['check']) for r in d['results'] if not r['passed']])" "$F/selftest_ws2_shared.json"
 
-step "tune + verify" 160 python3 benchmarks/gpu_check_tune.py --out-dir "$OUT/tune" --budget-s 150
-step "bench e2e + profile" 215 python3 benchmarks/gpu_check_e2e.py --out-dir "$OUT/e2e" --budget-s 205
-step "diagnose" 90 env OUT="$OUT/diagnose" bash benchmarks/diagnose_device_check.sh
+G="$WORK/gputests"
+nvidia-cuda-mps-control -d && echo "MPS on"
+step "gpu tests: kernels, tune" 150 bash -c "python3 -m pytest -q -rs -m 'gpu or multi_gpu' -p no:cacheprovider tests/kernels tests/tune > $G/kernels_tune.txt 2>&1"
+echo quit | nvidia-cuda-mps-control && echo "MPS off"
+step "gpu tests: models, bench, diagnose, foundation" 120 bash -c "python3 -m pytest -q -rs -m 'gpu or multi_gpu' -p no:cacheprovider tests/models tests/bench tests/diagnose tests/foundation tests/cli tests/probe > $G/others.txt 2>&1"
+tail -n 15 "$G/kernels_tune.txt" "$G/others.txt"
+
+step "tune + verify" 130 python3 benchmarks/gpu_check_tune.py --out-dir "$WORK/tune" --budget-s 120
+step "bench e2e + profile" 120 python3 benchmarks/gpu_check_e2e.py --out-dir "$WORK/e2e" --budget-s 110 --no-tests
+step "diagnose" 90 env OUT="$WORK/diagnose" bash benchmarks/diagnose_device_check.sh
 echo "total $((SECONDS - started))s"

@@ -7,7 +7,7 @@
    256 experts, about 81 GB of bf16 weights: one GPU, TP1);
 2. `fusegate profile` of the same cut at batch 64, fusion on and off: rows to
    <out>/results/profile.jsonl, Chrome traces and a PNG bar chart under <out>;
-3. `pytest -m gpu tests/models tests/bench`.
+3. `pytest -m gpu tests/models tests/bench` (unless --no-tests).
 Each step runs in its own process under a time limit taken from --budget-s (steps that do not fit
 are skipped and say so). Prints a short summary table last.
 """
@@ -66,6 +66,7 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--experts", type=int, default=256)
     parser.add_argument("--budget-s", type=float, default=215.0, help="wall-clock budget for all steps")
+    parser.add_argument("--no-tests", action="store_true", help="skip step 3 (the GPU tests run elsewhere)")
     args = parser.parse_args()
     out = Path(args.out_dir)
     (out / "results").mkdir(parents=True, exist_ok=True)
@@ -80,7 +81,7 @@ def main() -> int:
                            "--results", str(out / "results")], 60),
         ("gpu tests", [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
                        "tests/models", "tests/bench"], 70),
-    ]
+    ][: 2 if args.no_tests else 3]
     if shutil.which("nvidia-smi"):
         subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,power.limit,clocks.sm", "--format=csv"])
     status = []
