@@ -85,7 +85,8 @@ def _inverse_rms(h: torch.Tensor, eps: float) -> torch.Tensor:
     sum_sq = h.pow(2).sum(dim=-1, keepdim=True)
     wide = torch.float64
     # H as a tensor on h's device: dividing by a Python number may multiply by its reciprocal.
-    hidden = torch.tensor(float(h.shape[-1]), dtype=wide, device=h.device)
+    # Filled on the device (new_full), not copied from the host, so CUDA graphs can capture it.
+    hidden = h.new_full((1,), float(h.shape[-1]), dtype=wide)
     mean_sq = (sum_sq.to(wide) / hidden).to(h.dtype)
     root = torch.sqrt((mean_sq + eps).to(wide)).to(h.dtype)
     return torch.reciprocal(root.to(wide)).to(h.dtype)

@@ -78,7 +78,7 @@ def _inputs(case: Case, rank: int, world_size: int, device):
     xs = [make(r, case.num_tokens, case.hidden, dtype, seed=1) for r in range(world_size)]
     residual = make(1000, case.num_tokens, case.hidden, dtype, seed=2) if case.has_residual else None
     # Weights: exact cases use small integers too (so normed is a product of exact factors
-    # and one rsqrt); random cases use values near 1, like trained RMSNorm weights.
+    # and one correctly rounded 1/sqrt); random cases use values near 1, like trained RMSNorm weights.
     gen = torch.Generator().manual_seed(3)
     if case.kind == "exact":
         weight = torch.randint(1, 4, (case.hidden,), generator=gen).to(dtype)

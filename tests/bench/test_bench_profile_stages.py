@@ -94,7 +94,7 @@ def test_cpu_trace_attribution_follows_the_model(cpu_trace, fusion):
     assert _per_step(records, "c10d::allreduce_", "communication") == 2 * layers
     assert _per_step(records, "c10d::allgather_", "communication") == 1
     # One RMSNorm per reduce-norm call plus the first layer's input norm.
-    assert _per_step(records, "aten::rsqrt", "norm") == 2 * layers + 1
+    assert _per_step(records, "aten::sqrt", "norm") == 2 * layers + 1
     # Decode attention: two matmuls per layer inside attention_core, attributed to attention.
     assert _per_step(records, "aten::matmul", "attention") == 2 * layers
     stages = mode["stages"]

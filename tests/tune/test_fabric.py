@@ -36,7 +36,7 @@ def test_copy_scatter_and_chase_kernels_compute_what_they_time(interpreted):
     host, order = fabric._chain(97, seed=3)
     assert sorted(order) == list(range(97))
     out = torch.full((1,), -1, dtype=torch.int32)
-    chase_kernel[(1,)](host.data_ptr(), out, 250)
+    chase_kernel[(1,)](host.data_ptr(), out, STEPS=250)
     idx = int(host[0])
     for _ in range(250):
         idx = int(host[idx])

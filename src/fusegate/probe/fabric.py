@@ -78,10 +78,12 @@ def _kernels():
         tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
 
     @triton.jit
-    def chase_kernel(buf_addr, out_ptr, steps):
+    def chase_kernel(buf_addr, out_ptr, STEPS: tl.constexpr):
+        # STEPS is a compile-time constant (two values are used): Triton 3.6's interpreter cannot
+        # loop over a runtime scalar under numpy 2.5, and the compiled loop is the same.
         buf = buf_addr.to(tl.int64).to(tl.pointer_type(tl.int32))
         idx = tl.load(buf, volatile=True)
-        for _ in range(steps):
+        for _ in range(STEPS):
             idx = tl.load(buf + idx, volatile=True)
         tl.store(out_ptr, idx)
 
@@ -169,7 +171,7 @@ def _latency_us(a: int, b: int, steps: int, reps: int) -> float:
 
     def run():
         with torch.cuda.device(a):
-            chase_kernel[(1,)](buf.data_ptr(), out, steps, num_warps=1)
+            chase_kernel[(1,)](buf.data_ptr(), out, STEPS=steps, num_warps=1)
 
     run()
     torch.cuda.synchronize(a)
@@ -180,7 +182,7 @@ def _latency_us(a: int, b: int, steps: int, reps: int) -> float:
 
     def empty():
         with torch.cuda.device(a):
-            chase_kernel[(1,)](buf.data_ptr(), out, 0, num_warps=1)
+            chase_kernel[(1,)](buf.data_ptr(), out, STEPS=0, num_warps=1)
 
     base = _event_time_us(empty, a, reps)
     return max(full - base, 0.0) / steps

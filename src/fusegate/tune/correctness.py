@@ -6,8 +6,8 @@ Checks, for one strategy instance and one (op, tokens, hidden, dtype):
 1. exact: rank-tagged small-integer inputs (`reference.small_integer_inputs`), small-integer
    residual and weight. Their sums are exact in fp32 and in every 16-bit dtype up to 64 ranks, in
    any summation order, so the all_reduce output and new_residual must equal the reference bit for
-   bit even for strategies that reduce in the input dtype; normed must equal it too (one rsqrt of
-   an exact sum of squares, as `fusegate selftest` also requires). Run with and without residual.
+   bit even for strategies that reduce in the input dtype; normed must equal it too (one correctly
+   rounded 1/sqrt of an exact sum of squares, as `fusegate selftest` also requires). Run with and without residual.
 2. random: standard-normal inputs; norm-wise relative error against the float64 reference within
    `reference.TOLERANCE[dtype]`.
 3. every rank returned the same bits (digests gathered and compared).
