@@ -17,9 +17,10 @@ the reciprocal) is one correctly rounded IEEE operation in `acc`, which is what 
 computes (div_rn, sqrt_rn), so CPU, CUDA and the kernels agree bit for bit. Plain torch does not
 give that: on CUDA `torch.rsqrt` is approximate and `tensor / python_float` multiplies by the
 reciprocal; on CPU, float32 `torch.sqrt` is not correctly rounded for about a fifth of inputs
-(torch 2.13, AVX512). So for fp32 `acc` these three steps run in float64 and are rounded once,
-which is exact: float64 has more than 2 x 24 + 2 bits, so sqrt and division rounded twice still
-give the correctly rounded fp32 result.
+(torch 2.13, AVX512). So the division by H is by a tensor, the root is `sqrt` then `reciprocal`
+(both IEEE in fp32 on CUDA, where torch is built without fast math), and on CPU these steps run in
+float64 and are rounded once, which is exact: float64 has more than 2 x 24 + 2 bits, so sqrt and
+division rounded twice still give the correctly rounded fp32 result.
 
 Summation order over ranks is 0..W-1; strategies may reduce in another order only where that
 cannot change the result (fp32 sums of small integers are exact).
@@ -83,7 +84,9 @@ def residual_rmsnorm_ref(
 def _inverse_rms(h: torch.Tensor, eps: float) -> torch.Tensor:
     """1 / sqrt(sum(h^2) / H + eps) per row, each step correctly rounded in h's dtype (module docstring)."""
     sum_sq = h.pow(2).sum(dim=-1, keepdim=True)
-    wide = torch.float64
+    # float64 only where float32 sqrt is not IEEE (CPU); on CUDA the casts below are no-ops, so
+    # the unfused GPU path costs no extra kernels.
+    wide = torch.float64 if h.device.type == "cpu" else h.dtype
     # H as a tensor on h's device: dividing by a Python number may multiply by its reciprocal.
     # Filled on the device (new_full), not copied from the host, so CUDA graphs can capture it.
     hidden = h.new_full((1,), float(h.shape[-1]), dtype=wide)
