@@ -11,7 +11,6 @@ environment errors.
 
 from __future__ import annotations
 
-
 from fusegate.tune.cli_common import add_launch_args, add_shape_args, hiddens, launch, progress_bar, share_cpu_threads
 
 
