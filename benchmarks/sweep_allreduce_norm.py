@@ -1,0 +1,454 @@
+"""Allreduce + residual-add + RMSNorm over N ranks: every admitted fusegate strategy against the
+unfused and third-party baselines, per hidden size and token bucket, in one run.
+
+    python benchmarks/sweep_allreduce_norm.py                       # one NCCL rank per GPU (up to 8)
+    python benchmarks/sweep_allreduce_norm.py --peer-gbps 370 --plot sweep.png   # with the floor
+    python benchmarks/sweep_allreduce_norm.py --cpu-smoke --out /tmp/sweep.jsonl # 2 gloo CPU ranks
+    python benchmarks/sweep_allreduce_norm.py --shared-gpu --out /tmp/sweep.jsonl # 2 ranks on GPU 0
+
+Providers: `fusegate/<strategy>` for every strategy the registry admits for the problem (one not
+admitted is listed with its admission reason); `fusegate/nccl_fused` is the nccl+epilogue baseline.
+Baselines: `nccl+eager` (torch.distributed.all_reduce, then add + RMSNorm in plain eager torch),
+`symm_mem_{oneshot,twoshot}+epilogue` (PyTorch symmetric-memory all_reduce, then fusegate's
+epilogue kernel) and `flashinfer_trtllm` (trtllm_allreduce_fusion), where they set up and run;
+otherwise the reason is recorded. Never multicast: every rank runs with NCCL_NVLS_ENABLE=0,
+TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and NVSHMEM_DISABLE_NVLS=1.
+
+Method, per (hidden, tokens): (1) correctness first, on rank-tagged small-integer inputs: fusegate
+strategies must equal `reference.all_reduce_residual_rmsnorm_ref` bit for bit, other providers
+too or else stay within `reference.TOLERANCE` of the float64 reference (the row's `check` says
+which); a provider failing on any rank is timed on none. (2) each passing call is captured in a
+CUDA graph, replayed `--reps` times per sample. (3) `fusegate.tune.measure.time_interleaved`:
+providers visited in an order rotated every round, device sync and a barrier before each sample,
+CUDA events around it, each sample the maximum over ranks (a collective ends when its slowest rank
+does); median, p20, p80 in us per call. `--cpu-smoke` times eager calls with perf_counter,
+`--shared-gpu` eager calls with CUDA events (gloo cannot be captured), rows marked functional only.
+Ratios are median / nccl+eager median (below 1 is faster). `--peer-gbps B` (`fusegate doctor
+--measure`) adds the floor 2.5 us + 2(W-1)/W x T x H x itemsize / B and each provider's ratio to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import warnings
+
+OP = "all_reduce_residual_rmsnorm"
+EAGER = "nccl+eager"
+RANK_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+FLOOR_LATENCY_US = 2.5  # one peer round trip plus a kernel launch: the floor's fixed term, as specified
+EPS = 1e-6
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepSpec:
+    """What every rank sweeps. mode: "nccl" (one GPU per rank), "cpu-smoke" or "shared-gpu"."""
+
+    mode: str
+    device: str  # "cpu" or "cuda"
+    hiddens: tuple[int, ...]
+    buckets: tuple[int, ...]
+    dtype: str
+    trials: int
+    reps: int
+    warmup: int
+
+
+def token_buckets(max_tokens: int) -> tuple[int, ...]:
+    """1, 2, 4, ... below max_tokens, then max_tokens itself."""
+    return tuple(sorted({min(2**i, max_tokens) for i in range(max_tokens.bit_length() + 1)}))
+
+
+def floor_us(tokens: int, hidden: int, itemsize: int, world_size: int, peer_gbps: float) -> float:
+    """The bandwidth floor of one allreduce: fixed latency plus 2(W-1)/W of the bytes over a peer link."""
+    return FLOOR_LATENCY_US + 2 * (world_size - 1) / world_size * tokens * hidden * itemsize / (peer_gbps * 1e3)
+
+
+def fusegate_factory(comm):
+    """A factory of calls through the public API, on the Communicator bound to one strategy."""
+    def factory(x, residual, weight):
+        return lambda: comm.all_reduce_residual_rmsnorm(x, residual, weight, EPS)
+    return factory
+
+
+def eager_factory(group, eps: float):
+    """nccl+eager: all_reduce in the input dtype, then add + RMSNorm as unfused code writes it."""
+    import torch
+    import torch.distributed as dist
+
+    def factory(x, residual, weight):
+        def call():
+            s = x.clone()
+            dist.all_reduce(s, group=group)
+            h = s + residual
+            var = h.float().pow(2).mean(-1, keepdim=True)
+            return weight * (h.float() * torch.rsqrt(var + eps)).to(h.dtype), h
+        return call
+    return factory
+
+
+def symm_mem_factories(group, hidden: int, dtype, max_tokens: int, eps: float, device) -> dict:
+    """{name: factory}: one-shot and two-shot symmetric-memory all_reduce, then fusegate's epilogue.
+
+    Collective (rendezvous); raises where symmetric memory cannot be set up. The input is copied
+    into one symmetric buffer per call, as engines do, and reduced there.
+    """
+    import torch
+    import torch.distributed._symmetric_memory as symm_mem
+
+    from fusegate.kernels.epilogue import residual_rmsnorm
+
+    name = group.group_name
+    if hasattr(symm_mem, "enable_symm_mem_for_group"):  # required before torch 2.9, deprecated since
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            symm_mem.enable_symm_mem_for_group(name)
+    buf = symm_mem.empty(max_tokens * hidden, dtype=dtype, device=device)
+    symm_mem.rendezvous(buf, name)
+
+    def make(op):
+        def factory(x, residual, weight):
+            view = buf[: x.numel()]
+            def call():
+                view.copy_(x.view(-1))
+                s = op(view, "sum", name)  # two_shot_all_reduce_ works in place and returns `view`
+                return residual_rmsnorm(s.view(x.shape), residual, weight, eps)
+            return call
+        return factory
+    return {"symm_mem_oneshot+epilogue": make(torch.ops.symm_mem.one_shot_all_reduce),
+            "symm_mem_twoshot+epilogue": make(torch.ops.symm_mem.two_shot_all_reduce_)}
+
+
+def flashinfer_factory(group, rank: int, world_size: int, hidden: int, max_tokens: int, eps: float):
+    """(factory, cleanup) for FlashInfer's trtllm_allreduce_fusion, residual + RMSNorm pattern."""
+    import torch
+    import flashinfer.comm as fc
+
+    handles, workspace = fc.trtllm_create_ipc_workspace_for_all_reduce_fusion(rank, world_size, max_tokens, hidden, group=group)
+
+    def factory(x, residual, weight):
+        normed, new_res = torch.empty_like(x), torch.empty_like(x)
+        def call():
+            fc.trtllm_allreduce_fusion(
+                allreduce_in=x, world_size=world_size, world_rank=rank, token_num=x.shape[0], hidden_dim=hidden,
+                workspace_ptrs=workspace, launch_with_pdl=False, trigger_completion_at_end=True, fp32_acc=True,
+                pattern_code=fc.AllReduceFusionPattern.kARResidualRMSNorm, use_oneshot=None, allreduce_out=None,
+                residual_in=residual, residual_out=new_res, norm_out=normed, quant_out=None, scale_out=None,
+                rms_gamma=weight, rms_eps=eps, scale_factor=None, layout_code=None)
+            return normed, new_res
+        return call
+    return factory, lambda: fc.trtllm_destroy_ipc_workspace_for_all_reduce_fusion(handles, group)
+
+
+class CheckFailed(Exception):
+    """A provider computed a wrong answer (as opposed to raising on its own)."""
+
+
+def attempt(fn, group, world_size: int, what: str):
+    """Collective: (fn(), "") when fn succeeds on every rank, else (None, reasons by rank) on all.
+
+    Every rank must reach the same verdict: a rank that goes on into a collective its peers skip hangs.
+    """
+    import torch.distributed as dist
+
+    try:
+        value, why = fn(), ""
+    except Exception as exc:  # a failure is a recorded reason; the sweep goes on
+        detail = str(exc)[:300] if isinstance(exc, CheckFailed) else f"{type(exc).__name__}: {str(exc)[:200]}"
+        value, why = None, f"{what}: {detail}"
+    everyone: list = [None] * world_size
+    dist.all_gather_object(everyone, why, group=group)
+    reasons = "; ".join(f"rank {r}: {w}" for r, w in enumerate(everyone) if w)
+    return (None, reasons) if reasons else (value, "")
+
+
+def third_party(spec: SweepSpec, group, rank: int, world_size: int, hidden: int, device):
+    """Collective: ({name: factory}, {name: why not run}, cleanups) of the symmetric-memory and FlashInfer baselines."""
+    import torch
+
+    names = ("symm_mem_oneshot+epilogue", "symm_mem_twoshot+epilogue", "flashinfer_trtllm")
+    if spec.mode != "nccl":
+        return {}, {n: f"needs one GPU per rank over NCCL; this is the {spec.mode} run" for n in names}, []
+    dtype, max_tokens = getattr(torch, spec.dtype), max(spec.buckets)
+    made, why = attempt(lambda: symm_mem_factories(group, hidden, dtype, max_tokens, EPS, device), group, world_size,
+                        "symmetric memory setup failed")
+    factories, notes = dict(made or {}), {n: why for n in names[:2] if why}
+    # flashinfer is imported inside the attempt: "not importable" is recorded like any set-up failure.
+    made, why = attempt(lambda: flashinfer_factory(group, rank, world_size, hidden, max_tokens, EPS), group, world_size,
+                        "flashinfer not available or its workspace set-up failed")
+    if why:
+        notes[names[2]] = why
+        return factories, notes, []
+    factories[names[2]] = made[0]
+    return factories, notes, [made[1]]
+
+
+def check_provider(call, xs, residual, weight, *, exact_only: bool) -> str:
+    """The check note of one provider's outputs on small-integer inputs; CheckFailed when wrong."""
+    import torch
+
+    from fusegate.reference import TOLERANCE, all_reduce_residual_rmsnorm_ref, relative_error
+
+    outs = call()
+    refs = all_reduce_residual_rmsnorm_ref(xs, residual, weight, EPS)
+    if all(torch.equal(o, r) for o, r in zip(outs, refs)):
+        return "bit-exact vs all_reduce_residual_rmsnorm_ref (small integers)"
+    if exact_only:  # NaN != NaN, so poisoned (unwritten) elements count
+        bad = [f"{n} differs in {int((o != r).sum())} of {r.numel()}" for n, o, r in zip(("normed", "new_residual"), outs, refs)]
+        raise CheckFailed("not bit-exact on small integers: " + ", ".join(bad))
+    refs64 = all_reduce_residual_rmsnorm_ref([x.double() for x in xs], residual.double(), weight.double(), EPS,
+                                             acc_dtype=torch.float64)
+    tol, err = TOLERANCE[xs[0].dtype], max(relative_error(o, r) for o, r in zip(outs, refs64))
+    if not err <= tol:
+        raise CheckFailed(f"relative error {err:.3g} exceeds {tol:.3g} against the float64 reference")
+    return f"within tolerance {tol:.3g} of the float64 reference (small integers; rel err {err:.3g}), not bit-exact"
+
+
+def graph_replays(call, reps: int):
+    """A no-argument function replaying a CUDA graph of `call` `reps` times (captured after a warm-up)."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # first calls outside capture: JIT, NCCL and workspace set-up
+        for _ in range(2):
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    torch.cuda.synchronize()
+    return lambda: [graph.replay() for _ in range(reps)]
+
+
+def sweep_bucket(spec, ctx, hidden: int, tokens: int, factories: dict, not_timed: dict) -> dict:
+    """Collective: check then time every provider at (hidden, tokens); this rank's view of the result."""
+    import torch
+
+    from fusegate.reference import random_inputs, small_integer_inputs
+    from fusegate.tune.correctness import poison_allocator
+    from fusegate.tune.measure import time_interleaved
+
+    group, rank, world_size, device = ctx
+    dtype = getattr(torch, spec.dtype)
+    xs = [small_integer_inputs(r, tokens, hidden, dtype, seed=11, device=device) for r in range(world_size)]
+    residual = small_integer_inputs(world_size + 1000, tokens, hidden, dtype, seed=12, device=device)
+    weight = torch.randint(1, 4, (hidden,), generator=torch.Generator().manual_seed(13)).to(dtype).to(device)
+    not_timed, checks, calls = dict(not_timed), {}, {}
+    for name, factory in factories.items():
+        def run_check():
+            poison_allocator((tokens, hidden), dtype, device)  # an unwritten output element reads NaN
+            return check_provider(factory(xs[rank], residual, weight), xs, residual, weight,
+                                  exact_only=name.startswith("fusegate/"))
+        checks[name], why = attempt(run_check, group, world_size, "failed the correctness check")
+        if why:
+            not_timed[name] = why
+            del checks[name]
+    x = random_inputs(rank, tokens, hidden, dtype, seed=21, device=device)
+    res = random_inputs(10_000, tokens, hidden, dtype, seed=22, device=device)
+    w = (1 + 0.1 * torch.randn(hidden, generator=torch.Generator().manual_seed(23))).to(dtype).to(device)
+    graphs = spec.mode == "nccl"  # gloo collectives (CPU smoke, shared GPU) cannot be captured: eager calls
+    for name in list(checks):
+        call = factories[name](x, res, w)
+        if not graphs:
+            calls[name] = call
+            continue
+        calls[name], why = attempt(lambda: graph_replays(call, spec.reps), group, world_size, "CUDA graph capture failed")
+        if why:
+            not_timed[name] = why
+            del checks[name], calls[name]
+    per_call = spec.reps if graphs else 1
+    samples = {}
+    if calls:
+        raw = time_interleaved(calls, group=group, device=torch.device(device), rounds=spec.trials, warmup=spec.warmup)
+        samples = {name: [t / per_call for t in s] for name, s in raw.items()}
+    return {"hidden": hidden, "tokens": tokens, "samples": samples, "checks": checks, "not_timed": not_timed}
+
+
+def rank_main(rank: int, world_size: int, spec: SweepSpec):
+    """One rank of the sweep (collective over WORLD); rank 0 returns the list of bucket results."""
+    import torch
+    import torch.distributed as dist
+
+    from fusegate import Communicator
+    from fusegate.backends import admission, strategy_names
+    from fusegate.spec import Op, Problem
+    from fusegate.tune.cli_common import share_cpu_threads
+
+    share_cpu_threads(world_size, spec.device)
+    group = dist.group.WORLD
+    base = Communicator(group, strategy="reference", device=spec.device)
+    device = base.device
+    ctx = (group, rank, world_size, device)
+    comms, results = {}, []
+
+    def setup(name: str, hidden: int, max_tokens: int):
+        """This strategy's Communicator (one per strategy for the whole run), prepared for `hidden`."""
+        if name not in comms:
+            comms[name] = Communicator(group, strategy=name, device=spec.device)
+        comms[name].prepare(hidden=hidden, dtype=getattr(torch, spec.dtype), max_tokens=max_tokens)
+        return comms[name]
+
+    try:
+        for hidden in spec.hiddens:
+            verdicts = {t: admission(Problem(Op.ALL_REDUCE_RESIDUAL_RMSNORM, t, hidden, spec.dtype, base.info), base.caps)
+                        for t in spec.buckets}
+            ready = {}
+            for name in strategy_names():  # same order on every rank: construction and prepare are collective
+                admitted = [t for t in spec.buckets if verdicts[t][name].ok]
+                if admitted:
+                    ready[name] = attempt(lambda: setup(name, hidden, max(admitted)), group, world_size, "set-up failed")
+            extra, extra_notes, cleanups = third_party(spec, group, rank, world_size, hidden, device)
+            for tokens in spec.buckets:
+                factories, not_timed = {}, dict(extra_notes)
+                for name, verdict in verdicts[tokens].items():
+                    provider = f"fusegate/{name}"
+                    if not verdict.ok:
+                        not_timed[provider] = f"not admitted: {verdict.reason}"
+                    elif ready[name][1]:
+                        not_timed[provider] = ready[name][1]
+                    else:
+                        factories[provider] = fusegate_factory(ready[name][0])
+                factories[EAGER] = eager_factory(group, EPS)
+                factories.update(extra)
+                results.append(sweep_bucket(spec, ctx, hidden, tokens, factories, not_timed))
+                for comm in comms.values():
+                    comm.check()  # a device-side failure during graph replays surfaces here
+            for cleanup in cleanups:
+                cleanup()
+    finally:
+        for comm in comms.values():
+            comm.close()
+        base.close()
+    return results if rank == 0 else None
+
+
+def build_rows(results: list[dict], spec: SweepSpec, world_size: int, peer_gbps: float | None) -> list:
+    """Result rows (fusegate.bench.results) of every timed provider, with ratios and the floor."""
+    from fusegate.bench.results import make_row
+    from fusegate.spec import DTYPE_BYTES
+
+    timing = {"nccl": f"CUDA graph replayed {spec.reps}x per sample, CUDA events", "cpu-smoke": "eager, perf_counter",
+              "shared-gpu": "eager, CUDA events"}[spec.mode]
+    rows = []
+    for b in results:
+        shape = {"tokens": b["tokens"], "hidden": b["hidden"]}
+        made = {name: make_row(OP, name, shape, spec.dtype, world_size, s, "us") for name, s in b["samples"].items()}
+        eager = made[EAGER].median if EAGER in made else None
+        floor = floor_us(b["tokens"], b["hidden"], DTYPE_BYTES[spec.dtype], world_size, peer_gbps) if peer_gbps else None
+        for name, row in made.items():
+            row.extra.update(mode=spec.mode, functional_only=spec.mode != "nccl", timing=timing, max_over_ranks=True,
+                             check=b["checks"][name], ratio_vs_nccl_eager=row.median / eager if eager else None,
+                             not_timed=b["not_timed"], **({"baseline": "nccl+epilogue"} if name.endswith("nccl_fused") else {}))
+            if floor is not None:
+                row.extra.update(floor_us=floor, peer_gbps=peer_gbps, ratio_vs_floor=row.median / floor)
+            rows.append(row)
+    return rows
+
+
+def print_table(rows: list, results: list[dict]) -> None:
+    """Per (hidden, tokens): each provider's median us and its ratio to nccl+eager (and the floor)."""
+    providers = list(dict.fromkeys(r.strategy for r in rows))
+    has_floor = any("floor_us" in r.extra for r in rows)
+    width = max([14] + [len(p) for p in providers])
+    print(f"\n{'hidden':>6} {'tokens':>6}" + (f" {'floor us':>9}" if has_floor else "") +
+          "".join(f" | {p:>{width}}" for p in providers))
+    cells = {(r.shape["hidden"], r.shape["tokens"], r.strategy): r for r in rows}
+    floors = {(r.shape["hidden"], r.shape["tokens"]): r.extra.get("floor_us") for r in rows}
+    for b in results:
+        key = (b["hidden"], b["tokens"])
+        line = f"{key[0]:>6} {key[1]:>6}" + (f" {floors.get(key) or float('nan'):>9.2f}" if has_floor else "")
+        for p in providers:
+            r, cell = cells.get(key + (p,)), "-"
+            if r:
+                ratio = r.extra["ratio_vs_nccl_eager"]
+                cell = f"{r.median:.1f}" + (f" x{ratio:.2f}" if ratio else "") + (f" f{r.extra['ratio_vs_floor']:.1f}" if has_floor else "")
+            line += f" | {cell:>{width}}"
+        print(line)
+    print("cells: median us per call, x = ratio to nccl+eager" + (", f = ratio to the floor" if has_floor else ""))
+    notes: dict = {}  # (provider, reason) -> buckets, so a reason shared by every bucket prints once
+    for b in results:
+        for name, why in b["not_timed"].items():
+            notes[(name, why)] = notes.get((name, why), 0) + 1
+    for (name, why), count in notes.items():
+        print(f"not timed: {name} ({count} of {len(results)} buckets): {why}")
+
+
+def plot(rows: list, path: str) -> None:
+    """PNG: median us vs tokens, log-log, one line per provider, one panel per hidden size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    hiddens = sorted({r.shape["hidden"] for r in rows})
+    fig, axes = plt.subplots(1, len(hiddens), figsize=(6 * len(hiddens), 4.5), squeeze=False)
+    for ax, hidden in zip(axes[0], hiddens):
+        mine = [r for r in rows if r.shape["hidden"] == hidden]
+        for name in dict.fromkeys(r.strategy for r in mine):
+            pts = sorted((r.shape["tokens"], r.median) for r in mine if r.strategy == name)
+            ax.plot(*zip(*pts), marker="o", label=name)
+        floors = sorted({(r.shape["tokens"], r.extra["floor_us"]) for r in mine if "floor_us" in r.extra})
+        if floors:
+            ax.plot(*zip(*floors), "k--", label="floor")
+        ax.set(xscale="log", yscale="log", xlabel="tokens", ylabel="median us per call", title=f"hidden {hidden}")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def parse_args(argv):
+    """The command line; defaults that depend on the mode stay None here."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--hidden", default=None, help="comma-separated hidden sizes (default 6144,7168; 64 with --cpu-smoke)")
+    p.add_argument("--max-tokens", type=int, default=None, help="largest bucket (default 16384; 4 with --cpu-smoke)")
+    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    p.add_argument("--world-size", type=int, default=None, help="ranks (default: the GPU count; 2 for the smoke runs)")
+    p.add_argument("--trials", type=int, default=None, help="interleaved samples per provider (default 30; 5 smoke)")
+    p.add_argument("--reps", type=int, default=20, help="calls per timed graph replay batch")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--peer-gbps", type=float, default=None, help="measured peer bandwidth, GB/s (fusegate doctor --measure)")
+    p.add_argument("--out", default="benchmarks/results/sweep_allreduce_norm.jsonl")
+    p.add_argument("--plot", default=None, metavar="PNG")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds before hung ranks are killed")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--cpu-smoke", action="store_true", help="2 gloo CPU ranks, tiny sizes, no GPU needed")
+    mode.add_argument("--shared-gpu", action="store_true", help="2 gloo ranks sharing GPU 0: functional check only")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    from fusegate.bench.results import append_rows
+    from fusegate.launch import run_ranks
+
+    smoke = args.cpu_smoke
+    mode = "cpu-smoke" if smoke else "shared-gpu" if args.shared_gpu else "nccl"
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    world_size = args.world_size or (2 if mode != "nccl" else gpus)
+    if not smoke and not 1 <= world_size <= (gpus if mode == "nccl" else 64 * bool(gpus)):
+        print(f"sweep_allreduce_norm: {world_size} ranks over NCCL need as many GPUs (torch sees {gpus}); lower "
+              "--world-size, or use --shared-gpu (one GPU) or --cpu-smoke (none)", file=sys.stderr)
+        return 2
+    spec = SweepSpec(
+        mode=mode, device="cpu" if smoke else "cuda", dtype=args.dtype, reps=args.reps, warmup=args.warmup,
+        hiddens=tuple(int(h) for h in (args.hidden or ("64" if smoke else "6144,7168")).split(",")),
+        buckets=token_buckets(args.max_tokens or (4 if smoke else 16384)),
+        trials=args.trials or (5 if mode != "nccl" else 30))
+    results = run_ranks(rank_main, world_size, backend="nccl" if mode == "nccl" else "gloo", args=(spec,),
+                        env=RANK_ENV, timeout_s=args.timeout)[0]
+    rows = build_rows(results, spec, world_size, args.peer_gbps)
+    append_rows(args.out, rows)
+    if args.plot:
+        plot(rows, args.plot)
+    print(f"{len(rows)} rows appended to {args.out} ({mode}, {world_size} ranks, {spec.dtype})")
+    print_table(rows, results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

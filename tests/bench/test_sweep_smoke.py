@@ -1,0 +1,87 @@
+"""`benchmarks/sweep_allreduce_norm.py --cpu-smoke` for real: 2 gloo CPU ranks, tiny sizes.
+
+The script runs in a subprocess, as a user runs it (its ranks are spawned from its __main__). A
+test-only strategy that is wrong on rank 1 (tests/tune/tune_test_strategies.py, registered through
+FUSEGATE_STRATEGIES) must be rejected by the correctness check on every rank and never timed.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fusegate.bench.results import read_rows
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "sweep_allreduce_norm.py"
+HIDDENS, BUCKETS, PEER_GBPS = (32, 48), (1, 2, 3), 10.0
+TIMED = {"fusegate/reference", "fusegate/ring", "nccl+eager"}
+GPU_ONLY = {"fusegate/nccl_fused", "fusegate/nccl_eager", "fusegate/oneshot", "fusegate/twoshot"}
+THIRD_PARTY = {"symm_mem_oneshot+epilogue", "symm_mem_twoshot+epilogue", "flashinfer_trtllm"}
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sweep") / "sweep.jsonl"
+    env = dict(os.environ, FUSEGATE_STRATEGIES="wrong_on_rank_one=tune_test_strategies:WrongOnRankOne",
+               PYTHONPATH=os.pathsep.join([str(ROOT / "tests" / "tune"), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--cpu-smoke", "--hidden", ",".join(map(str, HIDDENS)), "--max-tokens", "3",
+         "--trials", "3", "--warmup", "1", "--peer-gbps", str(PEER_GBPS), "--out", str(out)],
+        capture_output=True, text=True, timeout=120, env=env, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return read_rows(out), proc.stdout
+
+
+def test_every_bucket_has_the_cpu_providers(smoke):
+    rows, _ = smoke
+    got = sorted((r["shape"]["hidden"], r["shape"]["tokens"], r["strategy"]) for r in rows)
+    assert got == sorted((h, t, p) for h in HIDDENS for t in BUCKETS for p in TIMED)
+    for r in rows:
+        assert r["op"] == "all_reduce_residual_rmsnorm" and r["unit"] == "us" and r["dtype"] == "bfloat16"
+        assert r["world_size"] == 2 and 0 < r["p20"] <= r["median"] <= r["p80"]
+        assert r["extra"]["mode"] == "cpu-smoke" and r["extra"]["functional_only"] is True
+        # fusegate strategies are held to bit-exactness, the eager baseline at least to the tolerance
+        want = "bit-exact" if r["strategy"].startswith("fusegate/") else ("bit-exact", "within tolerance")
+        assert r["extra"]["check"].startswith(want)
+
+
+def test_ratios_and_floor_recomputed(smoke):
+    rows, _ = smoke
+    eager = {(r["shape"]["hidden"], r["shape"]["tokens"]): r["median"] for r in rows if r["strategy"] == "nccl+eager"}
+    for r in rows:
+        h, t = r["shape"]["hidden"], r["shape"]["tokens"]
+        assert r["extra"]["ratio_vs_nccl_eager"] == pytest.approx(r["median"] / eager[(h, t)], rel=1e-12)
+        # floor by hand: 2.5 us + 2(W-1)/W x T x H x 2 bytes over 10 GB/s, W = 2
+        floor = 2.5 + t * h * 2 / (PEER_GBPS * 1e9) * 1e6
+        assert r["extra"]["floor_us"] == pytest.approx(floor, rel=1e-12)
+        assert r["extra"]["ratio_vs_floor"] == pytest.approx(r["median"] / floor, rel=1e-12)
+
+
+def test_not_timed_providers_have_reasons(smoke):
+    rows, _ = smoke
+    for r in rows:
+        not_timed = r["extra"]["not_timed"]
+        assert set(not_timed) == GPU_ONLY | THIRD_PARTY | {"fusegate/wrong_on_rank_one"}
+        for name in GPU_ONLY:
+            assert not_timed[name].startswith("not admitted: needs CUDA tensors")
+        for name in THIRD_PARTY:
+            assert "needs one GPU per rank over NCCL" in not_timed[name]
+        wrong = not_timed["fusegate/wrong_on_rank_one"]
+        assert wrong.startswith("rank 1: failed the correctness check: not bit-exact") and "rank 0" not in wrong
+    assert not any(r["strategy"] == "fusegate/wrong_on_rank_one" for r in rows)
+
+
+def test_table_printed_last(smoke):
+    _, stdout = smoke
+    lines = stdout.strip().splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("hidden tokens"))
+    body = lines[header + 1: header + 1 + len(HIDDENS) * len(BUCKETS)]
+    assert [tuple(map(int, line.split()[:2])) for line in body] == [(h, t) for h in HIDDENS for t in BUCKETS]
+    assert all(" x1.00 " in line for line in body)  # nccl+eager against itself
+    assert any(line.startswith("not timed: fusegate/oneshot") for line in lines[header:])
