@@ -55,11 +55,6 @@ class SweepSpec:
     warmup: int
 
 
-def token_buckets(max_tokens: int) -> tuple[int, ...]:
-    """1, 2, 4, ... below max_tokens, then max_tokens itself."""
-    return tuple(sorted({min(2**i, max_tokens) for i in range(max_tokens.bit_length() + 1)}))
-
-
 def floor_us(tokens: int, hidden: int, itemsize: int, world_size: int, peer_gbps: float) -> float:
     """The bandwidth floor of one allreduce: fixed latency plus 2(W-1)/W of the bytes over a peer link."""
     return FLOOR_LATENCY_US + 2 * (world_size - 1) / world_size * tokens * hidden * itemsize / (peer_gbps * 1e3)
@@ -425,6 +420,7 @@ def main(argv=None) -> int:
 
     from fusegate.bench.results import append_rows
     from fusegate.launch import run_ranks
+    from fusegate.tune.table import token_buckets
 
     smoke = args.cpu_smoke
     mode = "cpu-smoke" if smoke else "shared-gpu" if args.shared_gpu else "nccl"
@@ -437,7 +433,7 @@ def main(argv=None) -> int:
     spec = SweepSpec(
         mode=mode, device="cpu" if smoke else "cuda", dtype=args.dtype, reps=args.reps, warmup=args.warmup,
         hiddens=tuple(int(h) for h in (args.hidden or ("64" if smoke else "6144,7168")).split(",")),
-        buckets=token_buckets(args.max_tokens or (4 if smoke else 16384)),
+        buckets=tuple(token_buckets(args.max_tokens or (4 if smoke else 16384))),
         trials=args.trials or (5 if mode != "nccl" else 30))
     results = run_ranks(rank_main, world_size, backend="nccl" if mode == "nccl" else "gloo", args=(spec,),
                         env=RANK_ENV, timeout_s=args.timeout)[0]
