@@ -38,13 +38,29 @@ def test_tune_writes_a_table_that_loads(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_verify_exits_1_on_revert(monkeypatch, capsys):
+def test_verify_exits_1_on_revert(monkeypatch, capsys, tmp_path):
     monkeypatch.setenv("FUSEGATE_STRATEGIES", PLUGINS)
     rc = main(["verify", "--strategy", "slow_broadcast", "--baseline", "reference", "--hidden", "64",
-               "--max-tokens", "1", "--world-size", "2", "--rounds", "15", "--json"])
+               "--max-tokens", "1", "--world-size", "2", "--rounds", "15", "--json", "--results", str(tmp_path)])
     report = json.loads(capsys.readouterr().out)
     assert rc == 1 and report["verdict"] == "REVERT"
     assert report["buckets"][0]["ratio"] > report["buckets"][0]["threshold"]
+    # --results given a directory: the rows go to DIR/verify.jsonl, one per side of the A/B.
+    rows = read_rows(tmp_path / "verify.jsonl")
+    assert {(r["strategy"], r["extra"]["role"], r["extra"]["verdict"]) for r in rows} == {
+        ("slow_broadcast", "candidate", "REVERT"), ("reference", "baseline", "REVERT")}
+
+
+def test_verify_json_is_strict_when_nothing_was_measured(capsys):
+    # oneshot is not admitted on CPU ranks: the bucket is REVERT with the reason and no times,
+    # which --json prints as null (Python's json would otherwise write NaN, which is not JSON).
+    rc = main(["verify", "--strategy", "oneshot", "--hidden", "64", "--max-tokens", "1", "--world-size", "2",
+               "--device", "cpu", "--rounds", "2", "--json"])
+    out = capsys.readouterr().out
+    assert rc == 1 and "NaN" not in out
+    bucket = json.loads(out)["buckets"][0]
+    assert bucket["ratio"] is None and bucket["candidate_us"] is None
+    assert "oneshot is not admitted: needs CUDA tensors" in bucket["reason"]
 
 
 @pytest.mark.parametrize("argv, message", [

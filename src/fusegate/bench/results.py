@@ -82,6 +82,13 @@ def make_row(op: str, strategy: str, shape: dict, dtype: str, world_size: int, s
     )
 
 
+def results_file(target: str | Path, default_name: str) -> Path:
+    """Where `--results TARGET` rows go: TARGET itself when it names a .jsonl file, else the file
+    `default_name` inside the directory TARGET (every command takes either form)."""
+    target = Path(target)
+    return target if target.suffix == ".jsonl" else target / default_name
+
+
 def append_rows(path: str | Path, rows: list[ResultRow]) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

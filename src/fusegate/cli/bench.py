@@ -40,7 +40,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context", type=int, default=64, help="KV-cache slots per sequence (default 64)")
     p.add_argument("--seed", type=int, default=0, help="weight and prompt seed (default 0)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    p.add_argument("--results", default="benchmarks/results", help="directory for result rows (default benchmarks/results)")
+    p.add_argument("--results", default="benchmarks/results", help="where result rows go: a .jsonl file, or a directory (then DIR/e2e.jsonl for bench e2e, "
+                        "DIR/profile.jsonl for profile); default benchmarks/results")
     p.add_argument("--no-results", action="store_true", help="do not append result rows")
 
 
@@ -100,7 +101,7 @@ def run(args) -> int:
                      min_seconds=args.min_seconds, graphs=not args.no_graphs, progress=True)
     check_model(spec)
     from fusegate.bench.e2e import e2e_rows, run_e2e
-    from fusegate.bench.results import append_rows
+    from fusegate.bench.results import append_rows, results_file
     from fusegate.launch import RankFailure
 
     try:
@@ -112,9 +113,7 @@ def run(args) -> int:
         raise UsageError(str(exc)) from None
     path = None
     if not args.no_results:
-        from pathlib import Path
-
-        path = str(append_rows(Path(args.results) / "e2e.jsonl", e2e_rows(spec, result)))
+        path = str(append_rows(results_file(args.results, "e2e.jsonl"), e2e_rows(spec, result)))
     counts_ok = all(sum(p["allreduces_per_step"].values()) == p["expected_allreduces_per_step"] for p in result["points"])
     if args.json:
         out = dict(result, results_file=path, allreduce_count_ok=counts_ok)

@@ -11,7 +11,6 @@ to `<results>/profile.jsonl`. Exit 0 when each step made 2 allreduces per layer,
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 from fusegate.cli.main import EXIT_NEGATIVE, EXIT_OK, UsageError, dumps_json
 
@@ -66,9 +65,9 @@ def run(args) -> int:
         result["trace"] = args.trace
     if not args.no_results:
         from fusegate.bench.profile import profile_rows
-        from fusegate.bench.results import append_rows
+        from fusegate.bench.results import append_rows, results_file
 
-        result["results_file"] = str(append_rows(Path(args.results) / "profile.jsonl", profile_rows(spec, result)))
+        result["results_file"] = str(append_rows(results_file(args.results, "profile.jsonl"), profile_rows(spec, result)))
     expected = 2 * result["config"]["num_layers"]
     ok = all(sum(m["allreduces_per_step"].values()) == expected for m in result["modes"])
     result["allreduce_count_ok"] = ok

@@ -88,11 +88,11 @@ def run(args) -> int:
     text, path = results[0]
     table = parse(text)
     if args.results:
-        from fusegate.bench.results import append_rows
+        from fusegate.bench.results import append_rows, results_file
         from fusegate.tune.results import rows_from_table
 
         fresh = [e for e in table.entries if (e.hidden in sizes and e.dtype == args.dtype and e.op in ops)]
-        append_rows(args.results, rows_from_table(dataclasses.replace(table, entries=tuple(fresh)), backend=backend, device=device))
+        append_rows(results_file(args.results, "tune.jsonl"), rows_from_table(dataclasses.replace(table, entries=tuple(fresh)), backend=backend, device=device))
     if args.json:
         print(dumps_json({"path": None if args.no_save else path, "world_size": world_size, "backend": backend,
                           "device": device, "table": json.loads(text)}, indent=1))

@@ -67,10 +67,10 @@ def run(args) -> int:
     report = results[0]
     report.update(world_size=world_size, backend=backend, device=device, dtype=args.dtype)
     if args.results:
-        from fusegate.bench.results import append_rows
+        from fusegate.bench.results import append_rows, results_file
         from fusegate.tune.results import rows_from_verify
 
-        append_rows(args.results, rows_from_verify(report))
+        append_rows(results_file(args.results, "verify.jsonl"), rows_from_verify(report))
     if args.json:
         print(dumps_json(report, indent=1))
     else:
