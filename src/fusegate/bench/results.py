@@ -83,10 +83,10 @@ def make_row(op: str, strategy: str, shape: dict, dtype: str, world_size: int, s
 
 
 def results_file(target: str | Path, default_name: str) -> Path:
-    """Where `--results TARGET` rows go: TARGET itself when it names a .jsonl file, else the file
-    `default_name` inside the directory TARGET (every command takes either form)."""
+    """Where `--results TARGET` rows go: the file `default_name` inside TARGET when TARGET is an
+    existing directory or has no suffix, else TARGET itself (every command takes either form)."""
     target = Path(target)
-    return target if target.suffix == ".jsonl" else target / default_name
+    return target / default_name if target.is_dir() or not target.suffix else target
 
 
 def append_rows(path: str | Path, rows: list[ResultRow]) -> Path:

@@ -40,7 +40,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context", type=int, default=64, help="KV-cache slots per sequence (default 64)")
     p.add_argument("--seed", type=int, default=0, help="weight and prompt seed (default 0)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    p.add_argument("--results", default="benchmarks/results", help="where result rows go: a .jsonl file, or a directory (then DIR/e2e.jsonl for bench e2e, "
+    p.add_argument("--results", default="benchmarks/results", help="where result rows go: a file, or a directory (then DIR/e2e.jsonl for bench e2e, "
                         "DIR/profile.jsonl for profile); default benchmarks/results")
     p.add_argument("--no-results", action="store_true", help="do not append result rows")
 

@@ -42,7 +42,7 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--timeout", type=float, default=1800.0, help="seconds before a hung rank is killed")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument("--results", default=None, metavar="PATH",
-                   help="also append the measured times as result rows to PATH: a .jsonl file, or a directory "
+                   help="also append the measured times as result rows to PATH: a file, or a directory "
                         "(then PATH/<command>.jsonl)")
 
 
