@@ -92,7 +92,8 @@ def _calls_rank(rank, world_size, name, dtype, h, calls):
         res = make(100, m, h, dtype, seed=i) if mode == "res" else None
         w = make(101, 1, h, dtype, seed=i)[0]
         ws.before_call()
-        got = launch(x, res, w, 1e-6, ws, timeout_s=5.0, max_programs=2, has_norm=mode != "ar", out=_nan_pair(x))
+        got = launch(x, res, w, 1e-6, ws, timeout_s=5.0, max_programs=2, plan_programs=strategy.plan_programs,
+                     has_norm=mode != "ar", out=_nan_pair(x))
         out.append(got)
     # the same first call once more through the torch.library op, which finds the strategy by handle
     from fusegate.kernels.custom_ops import all_reduce_residual_rmsnorm_op
@@ -172,7 +173,7 @@ def _timeout_rank(rank, world_size, name, absent):
         try:
             strategy.check()
         except PeerTimeoutError as exc:
-            outcome = (exc.ranks, str(exc), bool(torch.isnan(normed).all()))
+            outcome = (exc.code, exc.ranks, str(exc), bool(torch.isnan(normed).all()))
             try:  # the next call refuses to run on the broken workspace
                 strategy.all_reduce_residual_rmsnorm(x, x, torch.ones(32), 1e-6)
             except PeerTimeoutError:
@@ -185,12 +186,20 @@ def _timeout_rank(rank, world_size, name, absent):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["oneshot", "twoshot"])
 def test_absent_rank_times_out_with_its_name(name):
+    from fusegate.kernels.protocol import ERR_ABORTED, ERR_TIMEOUT
+
     results = run_ranks(_timeout_rank, 3, args=(name, 2), env=INTERP, timeout_s=120)
+    timed_out = {rank for rank in (0, 1) if results[rank][0] == ERR_TIMEOUT}
+    assert timed_out, "at least one survivor must report the absent rank itself"
     for rank in (0, 1):
-        ranks, message, all_nan, refused = results[rank]
-        assert 2 in ranks and "rank(s) " in message and "2" in message.split("rank(s) ")[1], message
-        if name == "oneshot":  # one-shot waits on the absent rank only; two-shot may also name an owner that gave up
-            assert ranks == [2], ranks
-        assert all_nan, "a timed-out call must not return plausible data"
+        code, ranks, message, all_nan, refused = results[rank]
+        if code == ERR_TIMEOUT:  # it waited the whole timeout: it names the absent rank
+            assert 2 in ranks and rank not in ranks and "2" in message.split("rank(s) ")[1], message
+            if name == "oneshot":  # one-shot waits on the absent rank only; two-shot may also name an owner
+                assert ranks == [2], ranks
+        else:  # a survivor that gave up first told this rank, which stopped without waiting it out
+            assert code == ERR_ABORTED and ranks and set(ranks) <= timed_out, message
+            assert "gave up waiting first" in message
+        assert all_nan, "a failed call must not return plausible data"
         assert refused == "next call refused"
     assert results[2] is None

@@ -10,9 +10,11 @@ Options (Communicator keyword options): `timeout_s` (spin bound, default FUSEGAT
 the GPU's SM count, divided by the number of ranks sharing that GPU so that all ranks' programs
 can be resident together).
 
-Workspace lifetime: allocated in prepare() (before graph capture) for that (hidden, dtype,
-max_tokens); an eager call that does not fit grows it (a collective: all ranks make the same call,
-so all grow alike); growing during graph capture raises. One workspace per dtype. Timeouts raise
+Workspace lifetime: allocated once, in prepare() (before graph capture) for that (hidden, dtype,
+max_tokens), or by the first eager call. It is never reallocated: a later call that does not fit
+(decided from the shape alone, so identically on every rank) is served by the unfused path of the
+group (`nccl_fused` on NCCL groups, `reference` otherwise), which is also safe inside a CUDA graph
+that was captured on the workspace. One workspace per dtype, bound to one stream. Failures raise
 PeerTimeoutError on the next eager call, or from `check()` (which synchronises).
 """
 
@@ -25,13 +27,16 @@ import torch
 
 from fusegate import env
 from fusegate.backends.base import Strategy
+from fusegate.kernels.protocol import (
+    MAX_HIDDEN,
+    MAX_INPUT_BYTES,
+    MAX_WORLD,
+    make_plan,
+    plan_programs,
+    region_elems_for,
+)
 from fusegate.spec import Needs, Problem, Verdict
 
-MAX_HIDDEN = 16384  # fusegate.kernels.epilogue.MAX_HIDDEN (not imported: admission needs no Triton)
-MAX_WORLD = 16  # the timeout record is a 31-bit peer mask; W is a compile-time constant
-# Per-rank input cap: TensorRT-LLM's custom allreduce workspace limit for TP <= 2 (16 MB,
-# customAllReduceUtils.h); the one-shot workspace is 3 x W x this per rank.
-MAX_INPUT_BYTES = 16 * 1024 * 1024
 FUSED_DTYPES = ("float16", "bfloat16", "float32")
 
 
@@ -65,7 +70,10 @@ class PeerStrategy(Strategy):
         self.timeout_s = float(ctx.options.get("timeout_s") or env.spin_timeout_s())
         self.max_programs = int(ctx.options.get("max_programs") or self._default_programs())
         self._max_tokens = ctx.options.get("max_tokens")
+        self.plan_programs = plan_programs(ctx.world_size, bool(getattr(ctx.problem_group, "shares_device", False)))
         self._workspaces: dict = {}
+        self._fallback: Strategy | None = None
+        self._prepare_tokens = 0
         self._compiled: set = set()  # kernel variants this process has compiled (see _precompile)
         self.handle = register_instance(self)
 
@@ -79,65 +87,99 @@ class PeerStrategy(Strategy):
     def _launcher(self) -> Callable:
         raise NotImplementedError
 
-    def _workspace(self, dtype: torch.dtype, elems: int, *, size: int = 0):
-        """The workspace for `dtype`, (re)allocated to max(elems, size) elements if `elems` do not fit."""
+    def _plan(self, num_tokens: int, hidden: int, dtype: torch.dtype):
+        return make_plan(num_tokens, hidden, dtype.itemsize, self.plan_programs)
+
+    def _need(self, num_tokens: int, hidden: int, dtype: torch.dtype) -> int:
+        """Region elements a call of this shape needs (a pure function of the shape)."""
+        plan = self._plan(num_tokens, hidden, dtype)
+        return region_elems_for(num_tokens, hidden, self.ctx.world_size, plan, twoshot=self.extra_regions > 0)
+
+    def _workspace(self, dtype: torch.dtype, num_tokens: int, hidden: int):
+        """The workspace for `dtype` if this call fits it, else None (the call takes the unfused path).
+
+        Created once, for every call of up to max(this call, the max_tokens option) tokens, before
+        any capture.
+        """
         from fusegate.backends.workspace import LamportWorkspace
 
+        need = self._need(num_tokens, hidden, dtype)
         ws = self._workspaces.get(dtype)
-        if ws is not None and ws.fits(elems):
-            return ws
+        if ws is not None:
+            return ws if ws.fits(need) else None
         if self.ctx.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
-                f"{self.name}: a call of {elems} elements does not fit the workspace during CUDA graph "
-                "capture; call Communicator.prepare(hidden=..., dtype=..., max_tokens=...) before capturing"
+                f"{self.name}: no workspace for {dtype} during CUDA graph capture; call "
+                "Communicator.prepare(hidden=..., dtype=..., max_tokens=...) before capturing"
             )
-        if ws is not None:
-            ws.close()
+        cap = MAX_INPUT_BYTES // dtype.itemsize // hidden  # admission caps one rank's input
+        tokens = min(max(num_tokens, int(self._max_tokens or 0), self._prepare_tokens), max(cap, num_tokens))
         ws = LamportWorkspace(
             group=self.ctx.group, rank=self.ctx.rank, world_size=self.ctx.world_size, device=self.ctx.device,
-            dtype=dtype, region_elems=max(elems, size), num_regions=self.ctx.world_size + self.extra_regions,
-            timeout_s=self.timeout_s, where=self.name,
+            dtype=dtype, region_elems=max(self._need(t, hidden, dtype) for t in range(1, tokens + 1)),
+            num_regions=self.ctx.world_size + self.extra_regions, timeout_s=self.timeout_s, where=self.name,
             shares_device=bool(getattr(self.ctx.problem_group, "shares_device", False)),
         )
         self._workspaces[dtype] = ws
         return ws
 
+    def _unfused(self) -> Strategy:
+        """The group's unfused path, for calls that do not fit the workspace."""
+        if self._fallback is None:
+            from fusegate.backends import get_strategy
+
+            name = "nccl_fused" if self.ctx.problem_group.backend == "nccl" else "reference"
+            self._fallback = get_strategy(name)(self.ctx)
+        return self._fallback
+
     def prepare(self, *, hidden: int, dtype: torch.dtype, max_tokens: int) -> None:
-        """Allocate the workspace for max_tokens x hidden and compile every kernel variant."""
-        # Admission caps one rank's input at MAX_INPUT_BYTES, so a larger max_tokens buys nothing.
-        ws = self._workspace(dtype, min(max_tokens * hidden, MAX_INPUT_BYTES // dtype.itemsize))
-        for has_res, has_norm in ((True, True), (False, True), (False, False)):
-            self._precompile(ws, dtype, hidden, has_res, has_norm)
+        """Allocate the workspace for max_tokens x hidden and compile every kernel variant those calls use."""
+        cap = max(1, MAX_INPUT_BYTES // dtype.itemsize // hidden)
+        tokens = min(max_tokens, cap)  # admission caps one rank's input, so more tokens buy nothing
+        self._prepare_tokens = tokens
+        ws = self._workspaces.get(dtype) or self._workspace(dtype, 1, hidden)
+        plans = {self._plan(m, hidden, dtype) for m in range(1, tokens + 1)}
+        for plan in sorted(plans, key=lambda p: (p.chunk, p.num_chunks)):
+            for has_res, has_norm in ((True, True), (False, True), (False, False)):
+                self._precompile(ws, dtype, hidden, plan, has_res, has_norm)
+        if self._fallback is None and max_tokens > tokens:
+            self._unfused().prepare(hidden=hidden, dtype=dtype, max_tokens=max_tokens)
         ws._barrier()  # every rank has compiled before any rank's first launch can start spinning
 
-    def _precompile(self, ws, dtype, hidden, has_res, has_norm) -> None:
+    def _precompile(self, ws, dtype, hidden, plan, has_res, has_norm) -> None:
         """Compile a kernel variant without launching it (once per process and variant).
 
         prepare() follows it with a barrier: a rank that compiled faster would otherwise start
         spinning while a peer still compiles, and a cold compile takes a good part of a timeout.
         """
-        key = (dtype, hidden, has_res, has_norm)
+        key = (dtype, hidden, plan, has_res, has_norm)
         if key in self._compiled:
             return
         x = torch.zeros(1, hidden, dtype=dtype, device=self.ctx.device)
         self._launcher()(x, x if has_res else None, x[0], 1e-6, ws, timeout_s=self.timeout_s,
-                         max_programs=self.max_programs, has_norm=has_norm, warmup=True)
+                         max_programs=self.max_programs, plan_programs=self.plan_programs, has_norm=has_norm,
+                         warmup=True, plan=plan)
         self._compiled.add(key)
 
     def _run(self, x, residual, weight, eps, has_norm):
         m, h = x.shape
-        size = min(max(m, int(self._max_tokens or 0)) * h, MAX_INPUT_BYTES // x.element_size())
-        ws = self._workspace(x.dtype, m * h, size=size)
+        ws = self._workspace(x.dtype, m, h)
+        if ws is None:
+            fallback = self._unfused()
+            if has_norm:
+                return fallback.all_reduce_residual_rmsnorm(x, residual, weight, eps)
+            return fallback.all_reduce(x), None
         ws.before_call()
         capturing = self.ctx.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        plan = self._plan(m, h, x.dtype)
         if not capturing:
             # A variant prepare() did not compile: compile it before launching, so this rank's
             # spin deadline starts after its own compile. No barrier here (a rank that never calls
             # must produce a bounded timeout, not a blocked host); prepare() is the way to have
             # every rank compiled before the first launch.
-            self._precompile(ws, x.dtype, h, residual is not None, has_norm)
-        out = self._launcher()(x, residual, weight, eps, ws, timeout_s=self.timeout_s,
-                               max_programs=self.max_programs, has_norm=has_norm)
+            self._precompile(ws, x.dtype, h, plan, residual is not None, has_norm)
+        out = self._launcher()(x, residual, weight, eps, ws, timeout_s=self.timeout_s, max_programs=self.max_programs,
+                               plan_programs=self.plan_programs, has_norm=has_norm, plan=plan)
         ws.after_call()
         return out
 
@@ -158,6 +200,8 @@ class PeerStrategy(Strategy):
         for ws in self._workspaces.values():
             ws.close()
         self._workspaces.clear()
+        if self._fallback is not None:
+            self._fallback.close()
         unregister_instance(self.handle)
 
 

@@ -9,28 +9,27 @@ process group only carries handles and setup/teardown barriers; the data path is
 pointers. Only this module's buffers and state are used (never torch's signal pads, which use
 remote compare-and-swap).
 
-Protocol (Lamport, "the data is the flag"; kernels in fusegate.kernels.{oneshot,twoshot,sync}):
-- The buffer holds 3 slots; a slot holds `num_regions` regions of `region_elems` elements. Every
-  element of every slot starts as the sentinel (-0.0). Writers canonicalise -0.0 to +0.0, then
-  store data into peers' slots with plain remote stores; readers poll their *own* buffer with
-  volatile loads until no element of the row is the sentinel. No flags, no remote atomics: only
-  posted writes cross the fabric, which PCIe P2P supports.
-- Call k uses slot k % 3 and re-arms (refills with the sentinel) this rank's slot (k-1) % 3,
-  exactly the extent call k-1 wrote. A peer writes into that slot again only at call k+2, which it
-  cannot start before it has read this rank's call-k+1 data, which is pushed after this rank's
-  call k (re-arm included) finished on its stream. So no buffer is overwritten while it may be read.
-- Device state (int32, local, advanced by the kernels so CUDA graphs replay correctly):
-  [slot, extent A of the last call, extent B of the last call, arrival counter, call counter].
-  The program that arrives last (atomic counter) advances it; no program waits for another
-  program of its own launch. The call counter grows by one per call (monotonic epoch; modulo 2^31).
-- Bounded waits: a poll gives up at a deadline (FUSEGATE_TIMEOUT_S, or the `timeout_s` option).
-  It then records err = [1, bitmask of peers that never arrived, row, call], writes NaN into the
-  rows it could not finish (never silently wrong data) and exits. The error is sticky: the
-  workspace is unusable afterwards, and the next eager call (or `check()`, which synchronises)
-  raises PeerTimeoutError naming the ranks. Under CUDA graph replay call `check()` yourself.
+Protocol (Lamport, "the data is the flag"; kernels in fusegate.kernels.{oneshot,twoshot,sync},
+constants, layout and the argument for two slots in fusegate.kernels.protocol):
+- Every element of both slots starts as the sentinel (-0.0). Writers canonicalise -0.0 to +0.0,
+  then store data into peers' slots with plain remote stores; readers poll their *own* buffer with
+  volatile loads until no element is the sentinel, then re-arm exactly what they read. No flags,
+  no remote atomics: only posted writes cross the fabric, which PCIe P2P supports.
+- Device state (int32, local): [epoch (calls), arrivals]; the last program to arrive advances
+  the epoch, so CUDA graphs replay correctly. Split rows exchange their norm partials through
+  `partials` (int64, local), tagged with the epoch.
+- Bounded waits, fail-stop: a wait gives up at a deadline (FUSEGATE_TIMEOUT_S, or `timeout_s`),
+  records err = [code, ranks, row, call], sets every rank's abort word and writes NaN. From then on
+  this rank's kernels push nothing and wait for nothing, and every peer's wait ends as soon as it
+  sees the abort word (recording which rank gave up), so a rank that was only slow cannot sum data
+  of different calls: it gets NaN and an error. The error is sticky: the workspace is unusable,
+  and the next eager call (or `check()`, which synchronises) raises PeerTimeoutError. Under CUDA
+  graph replay call `check()` yourself.
 
-Concurrency: one workspace serves one stream; every rank must issue the same calls in the same
-order (a collective). Allocation, rendezvous and the sentinel fill happen outside graph capture.
+Concurrency: one workspace serves one stream: the first eager call binds it, and an eager call
+from another stream raises (two kernels on one workspace at once would mix calls); calls being
+captured into a CUDA graph are not checked, and replays must be ordered with that stream. Every
+rank must issue the same calls in the same order (a collective). Allocation, rendezvous and the sentinel fill happen outside graph capture.
 `close()` is collective and explicit; nothing is released in `__del__`.
 """
 
@@ -44,24 +43,46 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-NUM_SLOTS = 3  # Lamport rotation: current, being re-armed, clean for the next call
-STATE_SLOT, STATE_EXTENT_A, STATE_EXTENT_B, STATE_ARRIVE, STATE_CALLS = range(5)
-STATE_WORDS = 8
-ERR_WORDS = 4
-SENTINEL_BITS = {2: -(1 << 15), 4: -(1 << 31)}  # -0.0 by element size; see fusegate.kernels.sync
+from fusegate.kernels.protocol import (
+    ERR_ABORTED,
+    ERR_CALL,
+    ERR_CODE,
+    ERR_RANKS,
+    ERR_ROW,
+    ERR_STALL,
+    ERR_WORDS,
+    HEADER_BYTES,
+    MAX_CHUNK_BYTES,
+    MIN_CHUNK_BYTES,
+    NUM_SLOTS,
+    SENTINEL_BITS,
+    STATE_WORDS,
+    round_region,
+)
 
 
 class PeerTimeoutError(RuntimeError):
-    """A peer's data never arrived within the spin timeout; `ranks` are the peers waited on."""
+    """A call could not complete: peers never delivered, a peer gave up first, or this rank stalled.
 
-    def __init__(self, where: str, rank: int, ranks: list[int], row: int, call: int, timeout_s: float) -> None:
-        self.ranks = ranks
+    `ranks` are the peers waited on (ERR_TIMEOUT) or the rank that gave up (ERR_ABORTED).
+    """
+
+    def __init__(self, where: str, rank: int, code: int, ranks: list[int], row: int, call: int, timeout_s: float) -> None:
+        self.ranks, self.code = ranks, code
         names = ", ".join(str(r) for r in ranks)
+        if code == ERR_ABORTED:
+            what = (f"rank {rank} stopped at call {call}: rank(s) {names} gave up waiting first (a peer of theirs "
+                    f"was late by more than {timeout_s:g} s or dead), so this call cannot complete")
+        elif code == ERR_STALL:
+            what = (f"rank {rank}'s own programs did not all run within {timeout_s:g} s (row {row}, call {call}): "
+                    "other work held the GPU")
+        else:
+            what = (f"rank {rank} waited {timeout_s:g} s for data from rank(s) {names} (row {row}, call {call}) "
+                    "that never arrived; every rank must make the same calls in the same order")
         super().__init__(
-            f"{where}: rank {rank} waited {timeout_s:g} s for data from rank(s) {names} "
-            f"(row {row}, call {call}) that never arrived; every rank must make the same calls in the "
-            "same order. The workspace is now unusable: close the Communicator on every rank and "
-            "create a new one (raise FUSEGATE_TIMEOUT_S if the peers are only slow)."
+            f"{where}: {what}. The outputs of that call and of every later call on this workspace are NaN. "
+            "Close the Communicator on every rank and create a new one (raise FUSEGATE_TIMEOUT_S if the "
+            "peers are only slow)."
         )
 
 
@@ -124,19 +145,26 @@ class LamportWorkspace:
             raise TypeError(f"{where}: dtype {dtype} has no sentinel; use bfloat16, float16 or float32")
         self.group, self.rank, self.world_size, self.device = group, rank, world_size, device
         self.dtype, self.timeout_s, self.where = dtype, float(timeout_s), where
-        align = 64  # elements: keeps every region 128-byte aligned for 16-byte vector accesses
-        self.region_elems = -(-int(region_elems) // align) * align
+        self.region_elems = round_region(region_elems)
         self.num_regions = num_regions
+        self.header_elems = HEADER_BYTES // dtype.itemsize
         if device.type == "cuda" and shares_device:
             # symmetric memory refuses two ranks on one GPU unless told that it is intended
             os.environ.setdefault("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES", "1")
-        numel = NUM_SLOTS * num_regions * self.region_elems
+        numel = self.header_elems + NUM_SLOTS * num_regions * self.region_elems
         self.peers = open_peer_buffers(numel, dtype, group=group, rank=rank, world_size=world_size, device=device)
         bits = torch.int16 if dtype.itemsize == 2 else torch.int32
         self.peers.local.view(bits).fill_(SENTINEL_BITS[dtype.itemsize])
+        self.peers.local[: self.header_elems].view(torch.int32).zero_()  # the abort word
+        # Norm partials of split rows, one int64 per item: at most two items per chunk-sized piece
+        # of a region (a row's last chunk may be partial), chunks being at least MIN_CHUNK_BYTES.
+        min_chunk = MIN_CHUNK_BYTES // dtype.itemsize
+        self.partials = torch.full((2 * self.region_elems // min_chunk + MAX_CHUNK_BYTES // MIN_CHUNK_BYTES,), -1,
+                                   dtype=torch.int64, device=device)
         self.state = torch.zeros(STATE_WORDS, dtype=torch.int32, device=device)
         self.err = torch.zeros(ERR_WORDS, dtype=torch.int32, device=device)
         self._err_host = torch.zeros(ERR_WORDS, dtype=torch.int32, pin_memory=device.type == "cuda")
+        self._stream = None
         self._closed = False
         self._barrier()
 
@@ -152,6 +180,19 @@ class LamportWorkspace:
         if self._closed:
             raise RuntimeError(f"{self.where}: workspace used after close(); create a new Communicator")
         self._raise_from(self.err if self.device.type == "cpu" else self._err_host)
+        if self.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
+            self._bind_stream(torch.cuda.current_stream(self.device))
+
+    def _bind_stream(self, stream) -> None:
+        if self._stream is None:
+            self._stream = stream
+        elif stream != self._stream:
+            raise RuntimeError(
+                f"{self.where}: called on CUDA stream {stream.cuda_stream:#x}, but this workspace serves stream "
+                f"{self._stream.cuda_stream:#x} (its first eager call); two streams on one workspace could run "
+                "two calls at once and mix their data. Call from that stream (torch.cuda.stream(...)), or use "
+                "one Communicator per stream"
+            )
 
     def after_call(self) -> None:
         """Queue a copy of the error words to pinned host memory (eager calls; no host sync)."""
@@ -166,9 +207,10 @@ class LamportWorkspace:
 
     def _raise_from(self, err: torch.Tensor) -> None:
         words = err.tolist()
-        if words[0] != 0:
-            ranks = [r for r in range(self.world_size) if words[1] >> r & 1]
-            raise PeerTimeoutError(self.where, self.rank, ranks, words[2], words[3], self.timeout_s)
+        if words[ERR_CODE] != 0:
+            ranks = [r for r in range(self.world_size) if words[ERR_RANKS] >> r & 1]
+            raise PeerTimeoutError(self.where, self.rank, words[ERR_CODE], ranks, words[ERR_ROW], words[ERR_CALL],
+                                   self.timeout_s)
 
     def _barrier(self) -> None:
         if self.device.type == "cuda":

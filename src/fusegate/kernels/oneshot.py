@@ -1,17 +1,24 @@
 """One-shot allreduce fused with residual-add + RMSNorm, over peer buffers (Lamport protocol).
 
-Per call, program p of G handles rows p, p+G, ... of the (M, H) input:
-  1. push: load the row, canonicalise -0.0, store it into region `rank` of the current slot of
-     every rank's buffer (plain stores; 128-bit when H x itemsize is a multiple of 16);
-  2. re-arm: refill this rank's previous slot with the sentinel (exactly last call's extent);
-  3. poll this rank's own slot for every source rank 0..W-1, sum in fp32 in that fixed order
-     (so every rank produces identical bits), round to the dtype and run the epilogue;
-  4. arrive on a local counter; the last program advances the device state.
-Program p depends only on program p of the peers (same row set on every rank), never on another
-program of its own launch. Workspace layout and protocol: `fusegate.backends.workspace`.
+Rows are cut into items (row, chunk) by `fusegate.kernels.protocol.make_plan`; program p handles
+items p, p + G, ... in every phase:
+  1. push: load the chunk, canonicalise -0.0, store it into region `rank` of the current slot of
+     every *other* rank's buffer (plain stores, 16 bytes per thread);
+  2. reduce: issue the loads of all W - 1 sources at once, poll until none holds the sentinel
+     (`sync.poll_block`), re-arm exactly what was read, sum in fp32 in rank order 0..W-1 with this
+     rank's own chunk taken from its input (so every rank adds the same values in the same order:
+     identical bits), round to the dtype, add the residual, store new_residual;
+  3. norm: a row of one chunk is finished at once; a row of several chunks publishes its sum of
+     squares as an epoch-tagged partial, and (after all of this program's items are published, so
+     no program waits on one that waits on it) every program reads its rows' partials in chunk
+     order and writes normed;
+  4. arrive: the last program advances the epoch.
+A rank that failed earlier, or whose abort word is set, pushes nothing and writes NaN. Layout,
+slots, epochs and error words: `fusegate.kernels.protocol`.
 
-`ws` (the workspace) provides peers.views (W 1-D tensors), peers.local, state, err,
-region_elems, sentinel and rank. CUDA-graph capturable: the state lives in device memory.
+`ws` (the workspace) provides peers.views (W 1-D tensors), peers.local, state, err, partials,
+region_elems, header_elems, sentinel and rank. CUDA-graph capturable: the state lives in device
+memory.
 """
 
 from __future__ import annotations
@@ -20,76 +27,156 @@ import torch
 import triton
 import triton.language as tl
 
-from fusegate.kernels.epilogue import MAX_HIDDEN, epilogue_row, interpreting, load_weight, round_like
-from fusegate.kernels.sync import canonicalize, poll_ready, record_timeout, sentinel_like, start_deadline
+from fusegate.kernels.epilogue import interpreting, round_like
+from fusegate.kernels.protocol import MAX_HIDDEN, NUM_SLOTS, STATE_ARRIVE, STATE_CALLS, make_plan, region_elems_for
+from fusegate.kernels.sync import (
+    and_scalar,
+    canonicalize,
+    entry_state,
+    fail,
+    int32_ptr,
+    pending_ranks,
+    poll_block,
+    publish_partial,
+    sentinel_like,
+    stall,
+    start_deadline,
+    wait_partials,
+)
 
-# State word indices (fusegate.backends.workspace: STATE_*).
-_SLOT, _EXTENT_A, _ARRIVE, _CALLS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(3), tl.constexpr(4)
+_CALLS, _ARRIVE, _SLOTS = tl.constexpr(STATE_CALLS), tl.constexpr(STATE_ARRIVE), tl.constexpr(NUM_SLOTS)
 # Interpreter spin bound per second of timeout: one interpreted poll of a 32-element row took
 # about 1 ms on the 2-core CI-class machine (tests/kernels/test_interpreter.py timeout test).
 INTERPRETER_SPINS_PER_S = 1_000
 
 
+@triton.jit
+def finish_norm(h, w, ss, H, eps, out_ptr, offs, cmask, like, SOFT_BF16: tl.constexpr):
+    """normed = round(h * (1 / sqrt(ss / H + eps)) * w), correctly rounded steps (see epilogue)."""
+    ms = tl.math.div_rn(ss, H.to(tl.float32))
+    inv = tl.math.div_rn(1.0, tl.math.sqrt_rn(ms + eps))
+    tl.store(out_ptr + offs, round_like(h * inv * w, like, SOFT_BF16), mask=cmask)
+
+
+@triton.jit
+def norm_partials_pass(
+    newres_ptr, w_ptr, out_ptr, part_ptr, pid, nprog, items, H, eps, calls, deadline, max_spins, dead, err_ptr,
+    CHUNK: tl.constexpr, NCHUNK: tl.constexpr, NCP: tl.constexpr, USE_ASM: tl.constexpr, SOFT_BF16: tl.constexpr,
+):
+    """Phase 3 of split rows: wait for each row's partials, sum them in chunk order, write normed."""
+    cols = tl.arange(0, CHUNK)
+    parts = tl.arange(0, NCP)
+    i = pid
+    while i < items:
+        row = i // NCHUNK
+        col = (i % NCHUNK) * CHUNK + cols
+        cmask = col < H
+        offs = row.to(tl.int64) * H + col
+        w = tl.load(w_ptr + col, mask=cmask, other=0.0).to(tl.float32)
+        nr = tl.load(newres_ptr + offs, mask=cmask, other=0.0)
+        p, ok = wait_partials(part_ptr + row * NCHUNK + parts, parts < NCHUNK, calls, deadline, max_spins, dead, USE_ASM)
+        if (ok == 0) & (dead == 0):
+            stall(err_ptr, row, calls)
+        dead = dead | (ok == 0)
+        ss = tl.sum(p, axis=0)
+        ss = tl.where(dead, float("nan"), ss)
+        finish_norm(nr.to(tl.float32), w, ss, H, eps, out_ptr, offs, cmask, nr, SOFT_BF16)
+        i += nprog
+
+
+@triton.jit
+def residual_step(
+    s, row, col, cmask, offs, r, w, newres_ptr, out_ptr, part_ptr, i, H, eps, calls,
+    HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr, SPLIT: tl.constexpr, SOFT_BF16: tl.constexpr,
+):
+    """After the reduced chunk `s` (data dtype): new_residual, and normed or its partial."""
+    if HAS_NORM:
+        if HAS_RES:
+            nr = round_like(s.to(tl.float32) + r.to(tl.float32), s, SOFT_BF16)
+        else:
+            nr = s
+        tl.store(newres_ptr + offs, nr, mask=cmask)
+        h = nr.to(tl.float32)
+        ss = tl.sum(tl.where(cmask, h * h, 0.0), axis=0)
+        if SPLIT:
+            publish_partial(part_ptr, i, ss, calls)
+        else:
+            finish_norm(h, w, ss, H, eps, out_ptr, offs, cmask, s, SOFT_BF16)
+    else:
+        tl.store(out_ptr + offs, s, mask=cmask)
+
+
 @triton.jit(do_not_specialize=["rank", "M", "timeout_ns", "max_spins"])
 def oneshot_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, newres_ptr, bufs, local_ptr, state_ptr, err_ptr,
-    rank, M, H, region, eps, timeout_ns, max_spins,
-    W: tl.constexpr, BLOCK_H: tl.constexpr, SENT: tl.constexpr, ELEM_BITS: tl.constexpr,
-    HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr, USE_ASM: tl.constexpr, SOFT_BF16: tl.constexpr,
+    x_ptr, res_ptr, w_ptr, out_ptr, newres_ptr, bufs, local_ptr, part_ptr, state_ptr, err_ptr,
+    rank, M, H, region, header, eps, timeout_ns, max_spins,
+    W: tl.constexpr, WP: tl.constexpr, CHUNK: tl.constexpr, NCHUNK: tl.constexpr, NCP: tl.constexpr,
+    SENT: tl.constexpr, ELEM_BITS: tl.constexpr, HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr,
+    SPLIT: tl.constexpr, USE_ASM: tl.constexpr, SOFT_BF16: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    slot = tl.load(state_ptr + _SLOT)
-    prev_extent = tl.multiple_of(tl.load(state_ptr + _EXTENT_A), 64)  # stored rounded up: 128-bit re-arm stores
     calls = tl.load(state_ptr + _CALLS)
-    dead = tl.load(err_ptr) != 0
+    abort_ptr = int32_ptr(local_ptr)
+    dead = entry_state(err_ptr, abort_ptr, rank, calls)
     deadline = start_deadline(timeout_ns, USE_ASM)
-    cols = tl.arange(0, BLOCK_H)
-    cmask = cols < H
-    w = load_weight(w_ptr, cols, cmask, HAS_NORM)
-    slot_base = slot.to(tl.int64) * W * region
+    cols = tl.arange(0, CHUNK)
+    srcs = tl.arange(0, WP)
+    slot_base = header + (calls % _SLOTS).to(tl.int64) * W * region
+    items = M * NCHUNK
 
-    # 1. push this rank's rows into every rank's current slot, region `rank`
-    row = pid
-    while row < M:
-        x = tl.load(x_ptr + row.to(tl.int64) * H + cols, mask=cmask, other=0.0)
-        x = canonicalize(x, SENT, ELEM_BITS)
-        dst = slot_base + rank * region + row.to(tl.int64) * H + cols
-        for r in tl.static_range(W):
-            tl.store(bufs[r] + dst, x, mask=cmask)
-        row += nprog
+    # 1. push this rank's chunks into every other rank's current slot, region `rank`
+    if dead == 0:
+        i = pid
+        while i < items:
+            col = (i % NCHUNK) * CHUNK + cols
+            cmask = col < H
+            offs = (i // NCHUNK).to(tl.int64) * H + col
+            x = canonicalize(tl.load(x_ptr + offs, mask=cmask, other=0.0), SENT, ELEM_BITS)
+            dst = slot_base + rank * region + offs
+            for r in tl.static_range(W):
+                tl.store(bufs[r] + dst, x, mask=and_scalar(cmask, r != rank))
+            i += nprog
 
-    # 2. re-arm the previous slot of this rank's buffer (what the last call wrote)
-    prev_base = ((slot + 2) % 3).to(tl.int64) * W * region
-    fill = sentinel_like(tl.zeros([BLOCK_H], dtype=local_ptr.dtype.element_ty), SENT, ELEM_BITS)
-    for r in tl.static_range(W):
-        c = pid * BLOCK_H
-        while c < prev_extent:
-            offs = c + cols
-            tl.store(local_ptr + prev_base + r * region + offs, fill, mask=offs < prev_extent)
-            c += nprog * BLOCK_H
-
-    # 3. wait for every source's row, sum in rank order, epilogue
-    row = pid
-    while row < M:
-        acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-        src = local_ptr + slot_base + row.to(tl.int64) * H + cols
-        for r in tl.static_range(W):
-            v, ok = poll_ready(src + r * region, cmask, deadline, max_spins, dead, SENT, ELEM_BITS, USE_ASM)
-            if ok == 0:
-                record_timeout(err_ptr, r, row, calls)
-            dead = dead | (ok == 0)
-            acc += v.to(tl.float32)
+    # 2. reduce every source in rank order; new_residual; normed or its partial
+    fill = sentinel_like(tl.zeros([WP, CHUNK], dtype=local_ptr.dtype.element_ty), SENT, ELEM_BITS)
+    i = pid
+    while i < items:
+        row = i // NCHUNK
+        col = (i % NCHUNK) * CHUNK + cols
+        cmask = col < H
+        offs = row.to(tl.int64) * H + col
+        # loads that do not depend on the peers go first, so they are in flight during the wait
+        x = canonicalize(tl.load(x_ptr + offs, mask=cmask, other=0.0), SENT, ELEM_BITS)
+        r = tl.load(res_ptr + offs, mask=cmask & HAS_RES, other=0.0)
+        w = tl.load(w_ptr + col, mask=cmask & HAS_NORM & (NCHUNK == 1), other=0.0).to(tl.float32)
+        ptrs = local_ptr + slot_base + srcs[:, None] * region + offs[None, :]
+        m2 = (srcs[:, None] != rank) & (srcs[:, None] < W) & cmask[None, :]
+        v, pending = poll_block(ptrs, m2, deadline, max_spins, dead, abort_ptr, SENT, ELEM_BITS, USE_ASM)
+        missing = pending_ranks(pending, srcs)
+        if (missing != 0) & (dead == 0):
+            fail(err_ptr, abort_ptr, bufs, rank, missing, row, calls, W)
+        dead = dead | (missing != 0)
+        tl.store(ptrs, fill, mask=m2 & ~pending)  # re-arm exactly what was read
+        acc = tl.zeros([CHUNK], dtype=tl.float32)
+        vf = v.to(tl.float32)
+        for src in tl.static_range(W):
+            mine = tl.sum(tl.where(srcs[:, None] == src, vf, 0.0), axis=0)
+            acc += tl.where(rank == src, x.to(tl.float32), mine)
         acc = tl.where(dead, float("nan"), acc)  # a failed call never returns plausible data
-        s = round_like(acc, v, SOFT_BF16)
-        epilogue_row(s, row, cols, cmask, res_ptr, w, out_ptr, newres_ptr, H, eps, HAS_RES, HAS_NORM, SOFT_BF16)
-        row += nprog
+        s = round_like(acc, x, SOFT_BF16)
+        residual_step(s, row, col, cmask, offs, r, w, newres_ptr, out_ptr, part_ptr, i, H, eps, calls,
+                      HAS_RES, HAS_NORM, SPLIT, SOFT_BF16)
+        i += nprog
 
-    # 4. the last program to arrive advances the state for the next call
+    # 3. split rows: every partial of this program is published; now finish the norm
+    if SPLIT:
+        norm_partials_pass(newres_ptr, w_ptr, out_ptr, part_ptr, pid, nprog, items, H, eps, calls, deadline,
+                           max_spins, dead, err_ptr, CHUNK, NCHUNK, NCP, USE_ASM, SOFT_BF16)
+
+    # 4. the last program to arrive advances the epoch
     old = tl.atomic_add(state_ptr + _ARRIVE, 1)
     if old == nprog - 1:
-        tl.store(state_ptr + _SLOT, (slot + 1) % 3)
-        tl.store(state_ptr + _EXTENT_A, (M * H + 63) // 64 * 64)
         tl.store(state_ptr + _ARRIVE, 0)
         tl.store(state_ptr + _CALLS, (calls + 1) & 0x7FFFFFFF)
 
@@ -99,41 +186,63 @@ def spin_bounds(timeout_s: float) -> tuple[int, int]:
     return int(timeout_s * 1e9), max(1, int(timeout_s * INTERPRETER_SPINS_PER_S))
 
 
-def oneshot_launch(x, residual, weight, eps, ws, *, timeout_s: float, max_programs: int, has_norm: bool = True,
-                 warmup: bool = False, out: tuple | None = None):
-    """Run one call on the current stream; returns (out, new_residual) (new_residual is None without norm).
-
-    x (M, H) contiguous with M x H <= ws.region_elems; weight (H,) (ignored without norm).
-    `warmup=True` compiles the kernel without launching it (call before any collective use).
-    `out=(out, new_residual)` writes into given buffers (new_residual ignored without norm).
-    """
+def check_fits(where: str, x, ws, plan, *, twoshot: bool) -> None:
     m, h = x.shape
     if h > MAX_HIDDEN:
-        raise ValueError(f"oneshot: hidden size {h} exceeds {MAX_HIDDEN}; use strategy='nccl_fused'")
-    if m * h > ws.region_elems:
-        raise ValueError(f"oneshot: {m}x{h} elements exceed the workspace region of {ws.region_elems}; call prepare() with a larger max_tokens")
+        raise ValueError(f"{where}: hidden size {h} exceeds {MAX_HIDDEN}; use strategy='nccl_fused'")
+    need = region_elems_for(m, h, len(ws.peers.views), plan, twoshot=twoshot)
+    if need > ws.region_elems or (plan.split and plan.items > ws.partials.numel()):
+        raise ValueError(f"{where}: {m}x{h} elements exceed the workspace region of {ws.region_elems}; "
+                         "call prepare() with a larger max_tokens")
+
+
+def launch_args(x, residual, weight, ws, out, has_norm):
+    """Outputs and the pointer arguments both peer kernels share."""
     if out is not None:  # caller's buffers (tests poison them with NaN)
         out, new_res = out[0], (out[1] if has_norm else out[0])
     else:
         out = torch.empty_like(x)
         new_res = torch.empty_like(x) if has_norm else out
+    ptrs = (x, residual if residual is not None else x, weight if weight is not None else x, out, new_res,
+            tuple(ws.peers.views), ws.peers.local, ws.partials, ws.state, ws.err)
+    return out, new_res, ptrs
+
+
+def kernel_meta(x, residual, ws, plan, has_norm) -> dict:
+    world = len(ws.peers.views)
+    return dict(W=world, WP=triton.next_power_of_2(world), CHUNK=plan.chunk, NCHUNK=plan.num_chunks,
+                NCP=triton.next_power_of_2(plan.num_chunks), SENT=ws.sentinel, ELEM_BITS=8 * x.element_size(),
+                HAS_RES=residual is not None, HAS_NORM=has_norm, SPLIT=has_norm and plan.split, USE_ASM=not interpreting(),
+                SOFT_BF16=interpreting(), num_warps=plan.num_warps)
+
+
+def grid_for(plan, max_programs: int) -> tuple[int]:
+    programs = max(1, min(plan.items, max_programs))
+    if interpreting() and plan.split:
+        programs = 1  # the interpreter runs programs one after another: one program owns every row
+    return (programs,)
+
+
+def oneshot_launch(x, residual, weight, eps, ws, *, timeout_s: float, max_programs: int, plan_programs: int,
+                   has_norm: bool = True, warmup: bool = False, out: tuple | None = None, plan=None):
+    """Run one call on the current stream; returns (out, new_residual) (new_residual is None without norm).
+
+    x (M, H) contiguous and fitting the workspace; weight (H,) (ignored without norm).
+    `plan_programs` sizes the work plan (identical on every rank); `max_programs` caps the grid.
+    `warmup=True` compiles the kernel without launching it (call before any collective use).
+    `out=(out, new_residual)` writes into given buffers (new_residual ignored without norm).
+    """
+    m, h = x.shape
+    plan = plan or make_plan(m, h, x.element_size(), plan_programs)
+    check_fits("oneshot", x, ws, plan, twoshot=False)
+    out, new_res, ptrs = launch_args(x, residual, weight, ws, out, has_norm)
     timeout_ns, max_spins = spin_bounds(timeout_s)
-    grid = (max(1, min(m, max_programs)),)
-    block = triton.next_power_of_2(h)
-    args = (x, residual if residual is not None else x, weight if weight is not None else x, out, new_res,
-            tuple(ws.peers.views), ws.peers.local, ws.state, ws.err,
-            ws.rank, m, h, ws.region_elems, float(eps), timeout_ns, max_spins)
-    meta = dict(W=len(ws.peers.views), BLOCK_H=block, SENT=ws.sentinel, ELEM_BITS=8 * x.element_size(),
-                HAS_RES=residual is not None, HAS_NORM=has_norm, USE_ASM=not interpreting(),
-                SOFT_BF16=interpreting(), num_warps=num_warps_for(block, x.element_size()))
+    args = ptrs + (ws.rank, m, h, ws.region_elems, ws.header_elems, float(eps), timeout_ns, max_spins)
+    meta = kernel_meta(x, residual, ws, plan, has_norm)
+    grid = grid_for(plan, max_programs)
     if warmup:
         if not interpreting():
             oneshot_kernel.warmup(*args, grid=grid, **meta)
         return None
     oneshot_kernel[grid](*args, **meta)
     return out, (new_res if has_norm else None)
-
-
-def num_warps_for(block: int, itemsize: int) -> int:
-    """About 16 bytes per thread per row access (one 128-bit vector), between 1 and 16 warps."""
-    return max(1, min(16, block * itemsize // (16 * 32)))

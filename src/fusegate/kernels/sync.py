@@ -12,14 +12,20 @@ add or RMSNorm output distinguishes (they compare equal).
 
 Every spin is bounded. On a GPU (`USE_ASM=True`) the bound is wall time read from the
 `%globaltimer` register (nanoseconds) against a deadline fixed at kernel entry; the Triton
-interpreter has no inline assembly, so there (`USE_ASM=False`) the bound is a spin count. A poll
-that gives up returns `ok=False`; the caller records which peer never arrived and exits.
+interpreter has no inline assembly, so there (`USE_ASM=False`) the bound is a spin count. A wait
+also ends when the rank's abort word is set (`fusegate.kernels.protocol`): a rank that gives up
+(`fail`) tells every rank with a plain store, so no rank waits for a call that cannot complete
+and none pushes into it afterwards (`entry_state`).
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from fusegate.kernels.protocol import ERR_ABORTED, ERR_STALL, ERR_TIMEOUT
+
+ERR_TIMEOUT_C, ERR_ABORTED_C, ERR_STALL_C = tl.constexpr(ERR_TIMEOUT), tl.constexpr(ERR_ABORTED), tl.constexpr(ERR_STALL)
 
 @triton.jit
 def globaltimer_ns():
@@ -74,35 +80,127 @@ def start_deadline(timeout_ns, USE_ASM: tl.constexpr):
 
 
 @triton.jit
-def poll_ready(
-    ptrs, mask, deadline_ns, max_spins, dead,
-    SENT: tl.constexpr, ELEM_BITS: tl.constexpr, USE_ASM: tl.constexpr,
-):
-    """Volatile-load `ptrs` (local memory) until no element under `mask` holds the sentinel.
-
-    Returns (values, ok). `dead` (a kernel-wide earlier failure) skips the wait: the row is
-    returned as it is and ok is False, so a failed call finishes fast instead of waiting once per
-    row. Volatile loads bypass L1, so every iteration sees stores that have reached memory.
-    """
-    v = tl.load(ptrs, mask=mask, other=0.0, volatile=True)
-    busy = tl.sum((mask & (as_bits(v, ELEM_BITS) == SENT)).to(tl.int32), axis=0) > 0
-    failed = dead
-    spins = 0
-    while busy & (failed == 0):
-        v = tl.load(ptrs, mask=mask, other=0.0, volatile=True)
-        busy = tl.sum((mask & (as_bits(v, ELEM_BITS) == SENT)).to(tl.int32), axis=0) > 0
-        spins += 1
-        failed = deadline_passed(deadline_ns, spins, max_spins, USE_ASM)
-    return v, busy == 0
+def int32_ptr(ptr):
+    """`ptr` (any element type) reinterpreted as a pointer to int32 words."""
+    return ptr.to(tl.pointer_type(tl.int32), bitcast=True)
 
 
 @triton.jit
-def record_timeout(err_ptr, peer, row, calls):
-    """Record that `peer`'s data for `row` never arrived: err[0]=1, err[1] |= 1<<peer, err[2]=row, err[3]=call.
+def and_scalar(mask, cond):
+    """`mask & cond` for a scalar `cond`, broadcast first (Triton 3.9's interpreter rejects the
+    mixed form as a mask; compiled, both forms are the same predicate)."""
+    return mask & ((mask.to(tl.int32) * 0 + cond.to(tl.int32)) != 0)
 
-    Only this rank's own (local) error words are touched; the atomics are device-local.
+
+@triton.jit
+def poll_block(
+    ptrs, mask, deadline_ns, max_spins, dead, abort_ptr,
+    SENT: tl.constexpr, ELEM_BITS: tl.constexpr, USE_ASM: tl.constexpr,
+):
+    """Volatile-load every element of `ptrs` under `mask` (local memory) until none holds the sentinel.
+
+    All sources' loads are issued at once (`ptrs` is a [sources, chunk] block), and a retry
+    reloads only the elements still pending; one reduction per retry decides whether to go on.
+    Returns (values, pending): `pending` is all False on success. The wait ends early, with
+    elements still pending, when `dead` (an earlier failure of this rank) is set, when the abort
+    word says that some rank gave up, or at the deadline.
     """
-    tl.atomic_or(err_ptr + 1, 1 << peer)
-    tl.store(err_ptr + 2, row)
-    tl.store(err_ptr + 3, calls)
-    tl.atomic_xchg(err_ptr, 1)
+    v = tl.load(ptrs, mask=and_scalar(mask, dead == 0), other=0.0, volatile=True)
+    pending = mask & (as_bits(v, ELEM_BITS) == SENT)
+    busy = tl.max(tl.max(pending.to(tl.int32), axis=1), axis=0) > 0
+    failed = dead
+    spins = 0
+    while busy & (failed == 0):
+        again = tl.load(ptrs, mask=pending, other=0.0, volatile=True)
+        v = tl.where(pending, again, v)
+        pending = pending & (as_bits(v, ELEM_BITS) == SENT)
+        busy = tl.max(tl.max(pending.to(tl.int32), axis=1), axis=0) > 0
+        spins += 1
+        aborted = tl.load(abort_ptr, volatile=True) != 0
+        failed = deadline_passed(deadline_ns, spins, max_spins, USE_ASM) | aborted
+    return v, pending
+
+
+@triton.jit
+def pending_ranks(pending, srcs):
+    """Bitmask of the sources (rows of `pending`) with an element still pending."""
+    return tl.sum(tl.max(pending.to(tl.int32), axis=1) << srcs, axis=0)
+
+
+@triton.jit
+def fail(err_ptr, abort_ptr, bufs, rank, ranks, row, calls, W: tl.constexpr):
+    """This rank gave up waiting on `ranks`: record it (first failure wins) and tell every rank.
+
+    The error words are local (device-scope atomics on local memory); each rank's abort word,
+    this rank's own included, gets `rank + 1` by a plain store, which PCIe peers support.
+    """
+    is_abort = tl.load(abort_ptr, volatile=True) != 0
+    code = tl.where(is_abort, ERR_ABORTED_C, ERR_TIMEOUT_C)
+    if tl.atomic_cas(err_ptr, 0, code) == 0:
+        tl.store(err_ptr + 2, row)
+        tl.store(err_ptr + 3, calls)
+    if is_abort:
+        who = tl.load(abort_ptr, volatile=True) - 1
+        if who != rank:
+            tl.atomic_or(err_ptr + 1, 1 << who)
+    else:
+        tl.atomic_or(err_ptr + 1, ranks)
+        for r in tl.static_range(W):
+            tl.store(int32_ptr(bufs[r]), rank + 1)
+
+
+@triton.jit
+def entry_state(err_ptr, abort_ptr, rank, calls):
+    """True when this rank must not take part in the call: an earlier failure, or a rank gave up.
+
+    The first time a peer's abort is seen, it is recorded as this rank's error (ERR_ABORTED with
+    that rank), so `check()` raises here too and names who gave up.
+    """
+    err = tl.load(err_ptr)
+    aborted = tl.load(abort_ptr, volatile=True)
+    if (err == 0) & (aborted != 0) & (aborted - 1 != rank):
+        if tl.atomic_cas(err_ptr, 0, ERR_ABORTED_C) == 0:
+            tl.atomic_or(err_ptr + 1, 1 << (aborted - 1))
+            tl.store(err_ptr + 3, calls)
+    return (err != 0) | (aborted != 0)
+
+
+@triton.jit
+def publish_partial(part_ptr, item, value, calls):
+    """Store one fp32 norm partial tagged with the call's epoch: (calls << 32) | bits(value).
+
+    Epoch tags make the partials self-cleaning: a reader waits for its own epoch, so nothing is
+    ever re-armed, and a stale value from an earlier call can never be taken for this call's.
+    """
+    bits = value.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
+    tl.store(part_ptr + item, (calls.to(tl.int64) << 32) | bits)
+
+
+@triton.jit
+def wait_partials(ptrs, mask, calls, deadline_ns, max_spins, dead, USE_ASM: tl.constexpr):
+    """The fp32 partials at `ptrs` once all carry this call's epoch; (values, ok).
+
+    On `dead` the wait is skipped and ok is False. Producers are programs of this rank's own
+    launch, all resident together (the grid never exceeds the SMs available to this rank), so a
+    timeout here means the GPU was held by other work (ERR_STALL).
+    """
+    want = calls.to(tl.int64)
+    p = tl.load(ptrs, mask=and_scalar(mask, dead == 0), other=0, volatile=True)
+    busy = tl.max((mask & ((p >> 32) != want)).to(tl.int32), axis=0) > 0
+    failed = dead
+    spins = 0
+    while busy & (failed == 0):
+        p = tl.load(ptrs, mask=mask, other=0, volatile=True)
+        busy = tl.max((mask & ((p >> 32) != want)).to(tl.int32), axis=0) > 0
+        spins += 1
+        failed = deadline_passed(deadline_ns, spins, max_spins, USE_ASM)
+    vals = (p & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
+    return tl.where(mask, vals, 0.0), busy == 0
+
+
+@triton.jit
+def stall(err_ptr, row, calls):
+    """Record ERR_STALL (this rank's own programs did not all run in time)."""
+    if tl.atomic_cas(err_ptr, 0, ERR_STALL_C) == 0:
+        tl.store(err_ptr + 2, row)
+        tl.store(err_ptr + 3, calls)

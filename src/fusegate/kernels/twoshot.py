@@ -1,146 +1,171 @@
 """Two-shot allreduce fused with residual-add + RMSNorm, over peer buffers (Lamport protocol).
 
-Rank o owns the contiguous token rows [o*R, (o+1)*R), R = ceil(M / W). Per call, program p of G:
-  1. scatter: for each owner o, push this rank's rows o*R + j (j = p, p+G, ...) into region `rank`
-     of the owner's scatter slot (each byte crosses the fabric once, not W-1 times);
-  2. re-arm this rank's previous slot (scatter regions and gather region, last call's extents);
-  3. reduce: for the owned rows j = p, p+G, ..., poll the W scatter regions, sum in fp32 in rank
-     order 0..W-1, round to the dtype, canonicalise -0.0 (a rounded sum can be -0.0, which is
-     the sentinel) and push the sum into every rank's gather region;
-  4. gather + epilogue: poll the gather region for every row o*R + j (j = p, p+G, ...) and apply
-     residual-add + RMSNorm locally; 5. arrive; the last program advances the device state.
-What is gathered is the reduced sum, not the normed rows: every rank needs new_residual anyway,
-so gathering the finished rows would move twice the bytes (kernel-design note, section 4.3).
-Program p depends only on program p of the peers. Layout of a slot: W scatter regions, then one
-gather region (`num_regions = W + 1`); protocol in `fusegate.backends.workspace`.
+The call's items (row, chunk; `fusegate.kernels.protocol.make_plan`) are dealt to owners in
+contiguous runs: owner o reduces items [o*K, (o+1)*K), K = ceil(items / W), so even one token is
+spread over W ranks and many programs. Program p handles items p, p + G, ... in every phase:
+  1. scatter: push each chunk into region `rank` of its owner's scatter area (own chunks stay in
+     the input): each byte crosses the fabric once;
+  2. reduce: for owned items, issue the loads of all W - 1 sources at once, poll, re-arm what was
+     read, sum in fp32 in rank order with this rank's own chunk from its input, round to the
+     dtype, canonicalise -0.0 (a rounded sum can be -0.0, which is the sentinel) and push the sum
+     into every rank's gather area (this rank's own included);
+  3. gather + epilogue: for every item, poll its owner's sum (one source), re-arm it, add the
+     residual, store new_residual, then normed directly or through the norm partials (as in
+     one-shot); 4. arrive; the last program advances the epoch.
+Own sums are produced by the same program that later reads them (item i goes to program i % G
+in both phases), so a wait never names this rank itself. A rank that failed, or whose abort word
+is set, pushes nothing (no sums, no NaN) and writes NaN. What is gathered is the reduced sum,
+not the normed rows: every rank needs new_residual anyway, so gathering finished rows would move
+twice the bytes. Slot layout: W scatter regions, then one gather region (`num_regions = W + 1`).
 """
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
-from fusegate.kernels.epilogue import MAX_HIDDEN, epilogue_row, interpreting, load_weight, round_like
-from fusegate.kernels.oneshot import num_warps_for, spin_bounds
-from fusegate.kernels.sync import canonicalize, poll_ready, record_timeout, sentinel_like, start_deadline
+from fusegate.kernels.epilogue import interpreting, round_like
+from fusegate.kernels.oneshot import (
+    check_fits,
+    grid_for,
+    kernel_meta,
+    launch_args,
+    norm_partials_pass,
+    residual_step,
+    spin_bounds,
+)
+from fusegate.kernels.protocol import NUM_SLOTS, STATE_ARRIVE, STATE_CALLS, make_plan
+from fusegate.kernels.sync import (
+    and_scalar,
+    canonicalize,
+    entry_state,
+    fail,
+    int32_ptr,
+    pending_ranks,
+    poll_block,
+    sentinel_like,
+    start_deadline,
+)
 
-_SLOT, _EXTENT_A, _EXTENT_B, _ARRIVE, _CALLS = (tl.constexpr(i) for i in range(5))
+_CALLS, _ARRIVE, _SLOTS = tl.constexpr(STATE_CALLS), tl.constexpr(STATE_ARRIVE), tl.constexpr(NUM_SLOTS)
 
 
 @triton.jit
-def _rearm(local_ptr, base, extent, cols, pid, nprog, fill, BLOCK_H: tl.constexpr):
-    c = pid * BLOCK_H
-    while c < extent:
-        offs = c + cols
-        tl.store(local_ptr + base + offs, fill, mask=offs < extent)
-        c += nprog * BLOCK_H
+def first_of(start, pid, nprog):
+    """The first index >= start that is congruent to pid modulo nprog (the items of program pid)."""
+    return start + ((pid - start) % nprog + nprog) % nprog
 
 
 @triton.jit(do_not_specialize=["rank", "M", "timeout_ns", "max_spins"])
 def twoshot_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, newres_ptr, bufs, local_ptr, state_ptr, err_ptr,
-    rank, M, H, region, eps, timeout_ns, max_spins,
-    W: tl.constexpr, BLOCK_H: tl.constexpr, SENT: tl.constexpr, ELEM_BITS: tl.constexpr,
-    HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr, USE_ASM: tl.constexpr, SOFT_BF16: tl.constexpr,
+    x_ptr, res_ptr, w_ptr, out_ptr, newres_ptr, bufs, local_ptr, part_ptr, state_ptr, err_ptr,
+    rank, M, H, region, header, eps, timeout_ns, max_spins,
+    W: tl.constexpr, WP: tl.constexpr, CHUNK: tl.constexpr, NCHUNK: tl.constexpr, NCP: tl.constexpr,
+    SENT: tl.constexpr, ELEM_BITS: tl.constexpr, HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr,
+    SPLIT: tl.constexpr, USE_ASM: tl.constexpr, SOFT_BF16: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    slot = tl.load(state_ptr + _SLOT)
-    prev_a = tl.multiple_of(tl.load(state_ptr + _EXTENT_A), 64)
-    prev_b = tl.multiple_of(tl.load(state_ptr + _EXTENT_B), 64)
     calls = tl.load(state_ptr + _CALLS)
-    dead = tl.load(err_ptr) != 0
+    abort_ptr = int32_ptr(local_ptr)
+    dead = entry_state(err_ptr, abort_ptr, rank, calls)
     deadline = start_deadline(timeout_ns, USE_ASM)
-    cols = tl.arange(0, BLOCK_H)
-    cmask = cols < H
-    w = load_weight(w_ptr, cols, cmask, HAS_NORM)
-    rows_per = tl.cdiv(M, W)
-    slot_base = slot.to(tl.int64) * (W + 1) * region
+    cols = tl.arange(0, CHUNK)
+    srcs = tl.arange(0, WP)
+    items = M * NCHUNK
+    per_owner = tl.cdiv(items, W)
+    slot_base = header + (calls % _SLOTS).to(tl.int64) * (W + 1) * region
     gather_base = slot_base + W * region
 
-    # 1. scatter this rank's rows to their owners
-    for o in tl.static_range(W):
-        j = pid
-        while (j < rows_per) & (o * rows_per + j < M):
-            row = o * rows_per + j
-            x = tl.load(x_ptr + row.to(tl.int64) * H + cols, mask=cmask, other=0.0)
-            x = canonicalize(x, SENT, ELEM_BITS)
-            tl.store(bufs[o] + slot_base + rank * region + j.to(tl.int64) * H + cols, x, mask=cmask)
-            j += nprog
+    # 1. scatter this rank's chunks to their owners
+    if dead == 0:
+        i = pid
+        while i < items:
+            owner = i // per_owner
+            col = (i % NCHUNK) * CHUNK + cols
+            cmask = col < H
+            x = canonicalize(tl.load(x_ptr + (i // NCHUNK).to(tl.int64) * H + col, mask=cmask, other=0.0), SENT, ELEM_BITS)
+            dst = slot_base + rank * region + (i - owner * per_owner).to(tl.int64) * CHUNK + cols
+            for o in tl.static_range(W):
+                tl.store(bufs[o] + dst, x, mask=and_scalar(cmask, (o == owner) & (o != rank)))
+            i += nprog
 
-    # 2. re-arm the previous slot of this rank's buffer
-    prev_base = ((slot + 2) % 3).to(tl.int64) * (W + 1) * region
-    fill = sentinel_like(tl.zeros([BLOCK_H], dtype=local_ptr.dtype.element_ty), SENT, ELEM_BITS)
-    for r in tl.static_range(W):
-        _rearm(local_ptr, prev_base + r * region, prev_a, cols, pid, nprog, fill, BLOCK_H)
-    _rearm(local_ptr, prev_base + W * region, prev_b, cols, pid, nprog, fill, BLOCK_H)
-
-    # 3. reduce the owned rows in rank order and publish the sums to every rank
-    j = pid
-    while (j < rows_per) & (rank * rows_per + j < M):
-        row = rank * rows_per + j
-        acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-        src = local_ptr + slot_base + j.to(tl.int64) * H + cols
-        for r in tl.static_range(W):
-            v, ok = poll_ready(src + r * region, cmask, deadline, max_spins, dead, SENT, ELEM_BITS, USE_ASM)
-            if ok == 0:
-                record_timeout(err_ptr, r, row, calls)
-            dead = dead | (ok == 0)
-            acc += v.to(tl.float32)
-        acc = tl.where(dead, float("nan"), acc)
-        s = canonicalize(round_like(acc, v, SOFT_BF16), SENT, ELEM_BITS)
+    # 2. reduce the owned chunks in rank order and publish the sums to every rank
+    fill = sentinel_like(tl.zeros([WP, CHUNK], dtype=local_ptr.dtype.element_ty), SENT, ELEM_BITS)
+    own_end = tl.minimum((rank + 1) * per_owner, items)
+    i = first_of(rank * per_owner, pid, nprog)
+    while i < own_end:
+        row = i // NCHUNK
+        col = (i % NCHUNK) * CHUNK + cols
+        cmask = col < H
+        x = canonicalize(tl.load(x_ptr + row.to(tl.int64) * H + col, mask=cmask, other=0.0), SENT, ELEM_BITS)
+        ptrs = local_ptr + slot_base + srcs[:, None] * region + ((i - rank * per_owner).to(tl.int64) * CHUNK + cols)[None, :]
+        m2 = (srcs[:, None] != rank) & (srcs[:, None] < W) & cmask[None, :]
+        v, pending = poll_block(ptrs, m2, deadline, max_spins, dead, abort_ptr, SENT, ELEM_BITS, USE_ASM)
+        missing = pending_ranks(pending, srcs)
+        if (missing != 0) & (dead == 0):
+            fail(err_ptr, abort_ptr, bufs, rank, missing, row, calls, W)
+        dead = dead | (missing != 0)
+        tl.store(ptrs, fill, mask=m2 & ~pending)  # re-arm exactly what was read
+        acc = tl.zeros([CHUNK], dtype=tl.float32)
+        vf = v.to(tl.float32)
+        for src in tl.static_range(W):
+            mine = tl.sum(tl.where(srcs[:, None] == src, vf, 0.0), axis=0)
+            acc += tl.where(rank == src, x.to(tl.float32), mine)
+        s = canonicalize(round_like(acc, x, SOFT_BF16), SENT, ELEM_BITS)
+        dst = gather_base + row.to(tl.int64) * H + col
         for o in tl.static_range(W):
-            tl.store(bufs[o] + gather_base + row.to(tl.int64) * H + cols, s, mask=cmask)
-        j += nprog
+            tl.store(bufs[o] + dst, s, mask=and_scalar(cmask, dead == 0))
+        i += nprog
 
-    # 4. wait for every owner's sums and run the epilogue on all rows
-    for o in tl.static_range(W):
-        j = pid
-        while (j < rows_per) & (o * rows_per + j < M):
-            row = o * rows_per + j
-            s, ok = poll_ready(local_ptr + gather_base + row.to(tl.int64) * H + cols, cmask, deadline, max_spins,
-                               dead, SENT, ELEM_BITS, USE_ASM)
-            if ok == 0:
-                record_timeout(err_ptr, o, row, calls)
-            dead = dead | (ok == 0)
-            s = tl.where(dead, float("nan"), s.to(tl.float32)).to(s.dtype)
-            epilogue_row(s, row, cols, cmask, res_ptr, w, out_ptr, newres_ptr, H, eps, HAS_RES, HAS_NORM, SOFT_BF16)
-            j += nprog
+    # 3. wait for each item's sum from its owner, then residual + norm (or its partial)
+    one = tl.arange(0, 1)
+    fill1 = sentinel_like(tl.zeros([1, CHUNK], dtype=local_ptr.dtype.element_ty), SENT, ELEM_BITS)
+    i = pid
+    while i < items:
+        row = i // NCHUNK
+        owner = i // per_owner
+        col = (i % NCHUNK) * CHUNK + cols
+        cmask = col < H
+        offs = row.to(tl.int64) * H + col
+        r = tl.load(res_ptr + offs, mask=cmask & HAS_RES, other=0.0)
+        w = tl.load(w_ptr + col, mask=cmask & HAS_NORM & (NCHUNK == 1), other=0.0).to(tl.float32)
+        ptrs = local_ptr + gather_base + offs[None, :] + 0 * one[:, None]  # a [1, CHUNK] block: one source
+        m1 = (one[:, None] == 0) & cmask[None, :]
+        v, pending = poll_block(ptrs, m1, deadline, max_spins, dead, abort_ptr, SENT, ELEM_BITS, USE_ASM)
+        missing = pending_ranks(pending, one)
+        if (missing != 0) & (dead == 0):
+            fail(err_ptr, abort_ptr, bufs, rank, 1 << owner, row, calls, W)
+        dead = dead | (missing != 0)
+        tl.store(ptrs, fill1, mask=m1 & ~pending)  # re-arm what was read
+        s = tl.sum(v.to(tl.float32), axis=0)  # the one source's values, exactly
+        s = tl.where(dead, float("nan"), s).to(local_ptr.dtype.element_ty)
+        residual_step(s, row, col, cmask, offs, r, w, newres_ptr, out_ptr, part_ptr, i, H, eps, calls,
+                      HAS_RES, HAS_NORM, SPLIT, SOFT_BF16)
+        i += nprog
 
-    # 5. the last program to arrive advances the state for the next call
+    if SPLIT:
+        norm_partials_pass(newres_ptr, w_ptr, out_ptr, part_ptr, pid, nprog, items, H, eps, calls, deadline,
+                           max_spins, dead, err_ptr, CHUNK, NCHUNK, NCP, USE_ASM, SOFT_BF16)
+
+    # 4. the last program to arrive advances the epoch
     old = tl.atomic_add(state_ptr + _ARRIVE, 1)
     if old == nprog - 1:
-        tl.store(state_ptr + _SLOT, (slot + 1) % 3)
-        tl.store(state_ptr + _EXTENT_A, (rows_per * H + 63) // 64 * 64)
-        tl.store(state_ptr + _EXTENT_B, (M * H + 63) // 64 * 64)
         tl.store(state_ptr + _ARRIVE, 0)
         tl.store(state_ptr + _CALLS, (calls + 1) & 0x7FFFFFFF)
 
 
-def twoshot_launch(x, residual, weight, eps, ws, *, timeout_s: float, max_programs: int, has_norm: bool = True,
-                 warmup: bool = False, out: tuple | None = None):
+def twoshot_launch(x, residual, weight, eps, ws, *, timeout_s: float, max_programs: int, plan_programs: int,
+                   has_norm: bool = True, warmup: bool = False, out: tuple | None = None, plan=None):
     """Run one call on the current stream; returns (out, new_residual); see oneshot_launch."""
     m, h = x.shape
-    if h > MAX_HIDDEN:
-        raise ValueError(f"twoshot: hidden size {h} exceeds {MAX_HIDDEN}; use strategy='nccl_fused'")
-    if m * h > ws.region_elems:
-        raise ValueError(f"twoshot: {m}x{h} elements exceed the workspace region of {ws.region_elems}; call prepare() with a larger max_tokens")
-    world = len(ws.peers.views)
-    if out is not None:  # caller's buffers (tests poison them with NaN)
-        out, new_res = out[0], (out[1] if has_norm else out[0])
-    else:
-        out = torch.empty_like(x)
-        new_res = torch.empty_like(x) if has_norm else out
+    plan = plan or make_plan(m, h, x.element_size(), plan_programs)
+    check_fits("twoshot", x, ws, plan, twoshot=True)
+    out, new_res, ptrs = launch_args(x, residual, weight, ws, out, has_norm)
     timeout_ns, max_spins = spin_bounds(timeout_s)
-    grid = (max(1, min(triton.cdiv(m, world), max_programs)),)
-    block = triton.next_power_of_2(h)
-    args = (x, residual if residual is not None else x, weight if weight is not None else x, out, new_res,
-            tuple(ws.peers.views), ws.peers.local, ws.state, ws.err,
-            ws.rank, m, h, ws.region_elems, float(eps), timeout_ns, max_spins)
-    meta = dict(W=world, BLOCK_H=block, SENT=ws.sentinel, ELEM_BITS=8 * x.element_size(),
-                HAS_RES=residual is not None, HAS_NORM=has_norm, USE_ASM=not interpreting(),
-                SOFT_BF16=interpreting(), num_warps=num_warps_for(block, x.element_size()))
+    args = ptrs + (ws.rank, m, h, ws.region_elems, ws.header_elems, float(eps), timeout_ns, max_spins)
+    meta = kernel_meta(x, residual, ws, plan, has_norm)
+    grid = grid_for(plan, max_programs)
     if warmup:
         if not interpreting():
             twoshot_kernel.warmup(*args, grid=grid, **meta)

@@ -1,0 +1,42 @@
+"""The peer protocol's work plan and region sizes: pure functions every rank must agree on."""
+
+import pytest
+
+from fusegate.kernels.protocol import (
+    MAX_CHUNK_BYTES,
+    MIN_CHUNK_BYTES,
+    make_plan,
+    plan_programs,
+    region_elems_for,
+)
+
+
+@pytest.mark.parametrize("itemsize", [2, 4])
+@pytest.mark.parametrize("hidden", [32, 100, 4096, 6144, 7168, 8192, 16384])
+@pytest.mark.parametrize("tokens", [1, 3, 16, 64, 257])
+@pytest.mark.parametrize("programs", [1, 16, 64, 128])
+def test_plan_covers_every_element_once_with_whole_vectors(itemsize, hidden, tokens, programs):
+    plan = make_plan(tokens, hidden, itemsize, programs)
+    chunk_bytes = plan.chunk * itemsize
+    assert MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES and plan.chunk & (plan.chunk - 1) == 0
+    assert (plan.num_chunks - 1) * plan.chunk < hidden <= plan.num_chunks * plan.chunk  # no empty chunk
+    assert plan.items == tokens * plan.num_chunks
+    assert plan.num_warps * 32 * 16 == chunk_bytes  # one 16-byte vector per thread
+    assert make_plan(tokens, hidden, itemsize, programs) == plan  # a pure function of its inputs
+
+
+def test_small_calls_spread_a_row_over_programs():
+    # 1 token of 6144 bf16 on 16 programs (8 ranks sharing one GPU): 12 chunks of 512, not one program
+    plan = make_plan(1, 6144, 2, plan_programs(8, True))
+    assert plan_programs(8, True) == 16 and plan.split and plan.items == 12 and plan.chunk == 512
+    # large calls use the largest chunk (whole vectors per thread, fewest partials)
+    assert make_plan(256, 6144, 2, 16).chunk == 2048
+    assert plan_programs(8, False) == 128
+
+
+def test_twoshot_region_holds_one_owner_share():
+    for tokens, hidden, world in ((1, 6144, 8), (1, 100, 2), (5, 96, 4), (64, 7168, 8)):
+        plan = make_plan(tokens, hidden, 2, 16)
+        need = region_elems_for(tokens, hidden, world, plan, twoshot=True)
+        assert need >= tokens * hidden and need >= -(-plan.items // world) * plan.chunk
+        assert region_elems_for(tokens, hidden, world, plan, twoshot=False) == tokens * hidden
