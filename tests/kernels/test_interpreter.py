@@ -203,3 +203,90 @@ def test_absent_rank_times_out_with_its_name(name):
         assert all_nan, "a failed call must not return plausible data"
         assert refused == "next call refused"
     assert results[2] is None
+
+
+# ---- -0.0 payloads and calls that do not fit ---------------------------------------------------
+
+def _zeros_and_overflow_rank(rank, world_size, name):
+    strategy = _strategy(name, rank, world_size, timeout_s=5.0)
+    strategy.prepare(hidden=32, dtype=torch.float32, max_tokens=4)
+    (ws,) = strategy._workspaces.values()
+    x = small_integer_inputs(rank, 3, 32, torch.float32, seed=1)
+    x[:, ::2] = -0.0  # the sentinel's bit pattern as data, on every rank
+    res = small_integer_inputs(100, 3, 32, torch.float32, seed=1)
+    res[:, 1::4] = -0.0
+    w = small_integer_inputs(101, 1, 32, torch.float32, seed=1)[0]
+    zeros = strategy.all_reduce_residual_rmsnorm(x, res, w, 1e-6)
+    big = small_integer_inputs(rank, 9, 32, torch.float32, seed=2)  # 9 tokens > the prepared 4
+    over = strategy.all_reduce_residual_rmsnorm(big, small_integer_inputs(100, 9, 32, torch.float32, seed=2), w, 1e-6)
+    again = strategy.all_reduce_residual_rmsnorm(x, res, w, 1e-6)  # the workspace still serves small calls
+    strategy.check()
+    same_workspace = strategy._workspaces[torch.float32] is ws
+    strategy.close()
+    return zeros, over, again, same_workspace
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["oneshot", "twoshot"])
+def test_negative_zero_payloads_and_calls_that_do_not_fit(name):
+    results = run_ranks(_zeros_and_overflow_rank, 2, args=(name,), env=INTERP, timeout_s=300)
+    xs = []
+    for r in range(2):
+        x = small_integer_inputs(r, 3, 32, torch.float32, seed=1)
+        x[:, ::2] = -0.0
+        xs.append(x)
+    res = small_integer_inputs(100, 3, 32, torch.float32, seed=1)
+    res[:, 1::4] = -0.0
+    w = small_integer_inputs(101, 1, 32, torch.float32, seed=1)[0]
+    ref = all_reduce_residual_rmsnorm_ref(xs, res, w)
+    bigs = [small_integer_inputs(r, 9, 32, torch.float32, seed=2) for r in range(2)]
+    ref_big = all_reduce_residual_rmsnorm_ref(bigs, small_integer_inputs(100, 9, 32, torch.float32, seed=2), w)
+    for zeros, over, again, same_workspace in results:
+        for got in (zeros, again):  # -0.0 data was delivered (no timeout), equal by value to the reference
+            assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+        assert torch.equal(over[0], ref_big[0]) and torch.equal(over[1], ref_big[1])  # served unfused
+        assert same_workspace  # never reallocated
+
+
+# ---- rows split into several chunks (the norm's partials) --------------------------------------
+
+def _split_rank(rank, world_size, name, h, chunk):
+    from fusegate.kernels.oneshot import oneshot_launch
+    from fusegate.kernels.protocol import Plan
+    from fusegate.kernels.twoshot import twoshot_launch
+
+    launch = oneshot_launch if name == "oneshot" else twoshot_launch
+    strategy = _strategy(name, rank, world_size, timeout_s=5.0)
+    strategy.prepare(hidden=h, dtype=torch.bfloat16, max_tokens=3)
+    (ws,) = strategy._workspaces.values()
+    outs = []
+    for i, kind in enumerate(("int", "rand", "int")):
+        make = small_integer_inputs if kind == "int" else random_inputs
+        x, res, w = make(rank, 3, h, torch.bfloat16, seed=i), make(100, 3, h, torch.bfloat16, seed=i), make(101, 1, h, torch.bfloat16, seed=i)[0]
+        num_chunks = -(-h // chunk)
+        plan = Plan(chunk=chunk, num_chunks=num_chunks, items=3 * num_chunks, num_warps=1)
+        outs.append(launch(x, res, w, 1e-6, ws, timeout_s=5.0, max_programs=4, plan_programs=4, out=_nan_pair(x), plan=plan))
+    strategy.check()
+    strategy.close()
+    return outs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["oneshot", "twoshot"])
+def test_rows_split_over_chunks_match_the_reference(name):
+    h, chunk = 40, 16  # three chunks a row, the last one partial
+    results = run_ranks(_split_rank, 2, args=(name, h, chunk), env=INTERP, timeout_s=300)
+    for i, kind in enumerate(("int", "rand", "int")):
+        make = small_integer_inputs if kind == "int" else random_inputs
+        xs = [make(r, 3, h, torch.bfloat16, seed=i) for r in range(2)]
+        res, w = make(100, 3, h, torch.bfloat16, seed=i), make(101, 1, h, torch.bfloat16, seed=i)[0]
+        ref = all_reduce_residual_rmsnorm_ref(xs, res, w)
+        ref64 = all_reduce_residual_rmsnorm_ref(xs, res, w, acc_dtype=torch.float64)
+        for rank in range(2):
+            normed, new_res = results[rank][i]
+            assert torch.equal(normed.view(torch.int16), results[0][i][0].view(torch.int16))
+            assert torch.equal(new_res, ref[1])
+            if kind == "int":
+                assert torch.equal(normed, ref[0])
+            else:
+                assert relative_error(normed, ref64[0]) <= TOLERANCE[torch.bfloat16]

@@ -14,7 +14,8 @@ Workspace lifetime: allocated once, in prepare() (before graph capture) for that
 max_tokens), or by the first eager call. It is never reallocated: a later call that does not fit
 (decided from the shape alone, so identically on every rank) is served by the unfused path of the
 group (`nccl_fused` on NCCL groups, `reference` otherwise), which is also safe inside a CUDA graph
-that was captured on the workspace. One workspace per dtype, bound to one stream. Failures raise
+that was captured on the workspace. One workspace per dtype; calls from several streams are
+ordered one after another (`LamportWorkspace._bind_stream`). Failures raise
 PeerTimeoutError on the next eager call, or from `check()` (which synchronises).
 """
 

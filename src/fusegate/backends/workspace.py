@@ -26,9 +26,10 @@ constants, layout and the argument for two slots in fusegate.kernels.protocol):
   and the next eager call (or `check()`, which synchronises) raises PeerTimeoutError. Under CUDA
   graph replay call `check()` yourself.
 
-Concurrency: one workspace serves one stream: the first eager call binds it, and an eager call
-from another stream raises (two kernels on one workspace at once would mix calls); calls being
-captured into a CUDA graph are not checked, and replays must be ordered with that stream. Every
+Concurrency: calls on one workspace never overlap: an eager call from a stream other than the
+last one used first waits for that stream's work (`_bind_stream`). Calls being captured into a
+CUDA graph cannot wait on work outside the capture, so graph replays must be ordered with the
+workspace's other calls by the caller (replay on the stream that makes the eager calls). Every
 rank must issue the same calls in the same order (a collective). Allocation, rendezvous and the sentinel fill happen outside graph capture.
 `close()` is collective and explicit; nothing is released in `__del__`.
 """
@@ -184,15 +185,16 @@ class LamportWorkspace:
             self._bind_stream(torch.cuda.current_stream(self.device))
 
     def _bind_stream(self, stream) -> None:
-        if self._stream is None:
-            self._stream = stream
-        elif stream != self._stream:
-            raise RuntimeError(
-                f"{self.where}: called on CUDA stream {stream.cuda_stream:#x}, but this workspace serves stream "
-                f"{self._stream.cuda_stream:#x} (its first eager call); two streams on one workspace could run "
-                "two calls at once and mix their data. Call from that stream (torch.cuda.stream(...)), or use "
-                "one Communicator per stream"
-            )
+        """Order this call after every earlier call on the workspace, whatever stream issued those.
+
+        Two kernels on one workspace at once would mix two calls' data, so when the caller's
+        stream differs from the last one used, the new stream waits for the old one's work first
+        (`wait_stream` records an event there now: it covers the last launch). Nothing is added
+        while the stream stays the same.
+        """
+        if self._stream is not None and stream != self._stream:
+            stream.wait_stream(self._stream)
+        self._stream = stream
 
     def after_call(self) -> None:
         """Queue a copy of the error words to pinned host memory (eager calls; no host sync)."""
