@@ -53,11 +53,10 @@ from fusegate.kernels.protocol import (
     ERR_STALL,
     ERR_WORDS,
     HEADER_BYTES,
-    MAX_CHUNK_BYTES,
-    MIN_CHUNK_BYTES,
     NUM_SLOTS,
     SENTINEL_BITS,
     STATE_WORDS,
+    partials_len,
     round_region,
 )
 
@@ -157,11 +156,8 @@ class LamportWorkspace:
         bits = torch.int16 if dtype.itemsize == 2 else torch.int32
         self.peers.local.view(bits).fill_(SENTINEL_BITS[dtype.itemsize])
         self.peers.local[: self.header_elems].view(torch.int32).zero_()  # the abort word
-        # Norm partials of split rows, one int64 per item: at most two items per chunk-sized piece
-        # of a region (a row's last chunk may be partial), chunks being at least MIN_CHUNK_BYTES.
-        min_chunk = MIN_CHUNK_BYTES // dtype.itemsize
-        self.partials = torch.full((2 * self.region_elems // min_chunk + MAX_CHUNK_BYTES // MIN_CHUNK_BYTES,), -1,
-                                   dtype=torch.int64, device=device)
+        # norm partials of split rows, one int64 per item, tagged with no epoch yet (-1)
+        self.partials = torch.full((partials_len(self.region_elems, dtype.itemsize),), -1, dtype=torch.int64, device=device)
         self.state = torch.zeros(STATE_WORDS, dtype=torch.int32, device=device)
         self.err = torch.zeros(ERR_WORDS, dtype=torch.int32, device=device)
         self._err_host = torch.zeros(ERR_WORDS, dtype=torch.int32, pin_memory=device.type == "cuda")

@@ -157,7 +157,7 @@ def oneshot_kernel(
         if (missing != 0) & (dead == 0):
             fail(err_ptr, abort_ptr, bufs, rank, missing, row, calls, W)
         dead = dead | (missing != 0)
-        tl.store(ptrs, fill, mask=m2 & ~pending)  # re-arm exactly what was read
+        tl.store(ptrs, fill, mask=m2)  # re-arm exactly what was read (a failed workspace is never read again)
         acc = tl.zeros([CHUNK], dtype=tl.float32)
         vf = v.to(tl.float32)
         for src in tl.static_range(W):

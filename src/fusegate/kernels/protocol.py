@@ -114,3 +114,9 @@ def region_elems_for(num_tokens: int, hidden: int, world_size: int, plan: Plan, 
 
 def round_region(elems: int) -> int:
     return -(-int(elems) // ALIGN_ELEMS) * ALIGN_ELEMS
+
+
+def partials_len(region_elems: int, itemsize: int) -> int:
+    """int64 norm partials a workspace needs: at most two items per chunk-sized piece of a region
+    (a row's last chunk may be partial), chunks being at least MIN_CHUNK_BYTES."""
+    return 2 * region_elems // (MIN_CHUNK_BYTES // itemsize) + MAX_CHUNK_BYTES // MIN_CHUNK_BYTES

@@ -99,8 +99,8 @@ def poll_block(
 ):
     """Volatile-load every element of `ptrs` under `mask` (local memory) until none holds the sentinel.
 
-    All sources' loads are issued at once (`ptrs` is a [sources, chunk] block), and a retry
-    reloads only the elements still pending; one reduction per retry decides whether to go on.
+    All sources' loads are issued at once (`ptrs` is a [sources, chunk] block, 16 bytes per
+    thread and source); one reduction per retry decides whether to go on.
     Returns (values, pending): `pending` is all False on success. The wait ends early, with
     elements still pending, when `dead` (an earlier failure of this rank) is set, when the abort
     word says that some rank gave up, or at the deadline.
@@ -111,9 +111,10 @@ def poll_block(
     failed = dead
     spins = 0
     while busy & (failed == 0):
-        again = tl.load(ptrs, mask=pending, other=0.0, volatile=True)
-        v = tl.where(pending, again, v)
-        pending = pending & (as_bits(v, ELEM_BITS) == SENT)
+        # reload the whole block: a mask of only the pending elements would break the 16-byte
+        # vector loads into 2-byte ones, and arrived data stays put until this rank re-arms it
+        v = tl.load(ptrs, mask=mask, other=0.0, volatile=True)
+        pending = mask & (as_bits(v, ELEM_BITS) == SENT)
         busy = tl.max(tl.max(pending.to(tl.int32), axis=1), axis=0) > 0
         spins += 1
         aborted = tl.load(abort_ptr, volatile=True) != 0

@@ -106,7 +106,7 @@ def twoshot_kernel(
         if (missing != 0) & (dead == 0):
             fail(err_ptr, abort_ptr, bufs, rank, missing, row, calls, W)
         dead = dead | (missing != 0)
-        tl.store(ptrs, fill, mask=m2 & ~pending)  # re-arm exactly what was read
+        tl.store(ptrs, fill, mask=m2)  # re-arm exactly what was read (a failed workspace is never read again)
         acc = tl.zeros([CHUNK], dtype=tl.float32)
         vf = v.to(tl.float32)
         for src in tl.static_range(W):
@@ -137,7 +137,7 @@ def twoshot_kernel(
         if (missing != 0) & (dead == 0):
             fail(err_ptr, abort_ptr, bufs, rank, 1 << owner, row, calls, W)
         dead = dead | (missing != 0)
-        tl.store(ptrs, fill1, mask=m1 & ~pending)  # re-arm what was read
+        tl.store(ptrs, fill1, mask=m1)  # re-arm what was read
         s = tl.sum(v.to(tl.float32), axis=0)  # the one source's values, exactly
         s = tl.where(dead, float("nan"), s).to(local_ptr.dtype.element_ty)
         residual_step(s, row, col, cmask, offs, r, w, newres_ptr, out_ptr, part_ptr, i, H, eps, calls,
