@@ -210,7 +210,6 @@ def run_case(strategy, world, tokens_seq, hidden, dtype, mode, n, reps, chunk=No
 
 def baseline_empty(world, n, reps):
     import triton
-    import triton.language as tl
 
     @triton.jit
     def empty_kernel(p):
