@@ -346,7 +346,7 @@ def plot(rows, path) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("tokens")
     ax.set_ylabel("us per call (steady, CUDA graph)")
-    ax.set_title("Peer kernels, bf16 hidden 6144, one H200, W ranks emulated as streams (no fabric)")
+    ax.set_title("Peer kernels, bf16 6144, one H200, W ranks as streams (no fabric)", fontsize=10)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8, ncol=2)
     fig.tight_layout()

@@ -37,6 +37,7 @@ from fusegate.kernels.sync import (
     int32_ptr,
     pending_ranks,
     poll_block,
+    poll_from,
     publish_partial,
     sentinel_like,
     stall,
@@ -106,6 +107,25 @@ def residual_step(
         tl.store(out_ptr + offs, s, mask=cmask)
 
 
+@triton.jit
+def item_at(i, H, cols, CHUNK: tl.constexpr, NCHUNK: tl.constexpr):
+    """(row, columns, column mask, element offsets) of item i."""
+    row = i // NCHUNK
+    col = (i % NCHUNK) * CHUNK + cols
+    return row, col, col < H, row.to(tl.int64) * H + col
+
+
+@triton.jit
+def sum_in_rank_order(v, x, srcs, rank, W: tl.constexpr):
+    """fp32 sum over ranks 0..W-1 in that order: rows of `v` for peers, `x` for this rank itself."""
+    acc = tl.zeros(x.shape, dtype=tl.float32)
+    vf = v.to(tl.float32)
+    for src in tl.static_range(W):
+        mine = tl.sum(tl.where(srcs[:, None] == src, vf, 0.0), axis=0)  # one row: in-thread adds
+        acc += tl.where(rank == src, x.to(tl.float32), mine)
+    return acc
+
+
 @triton.jit(do_not_specialize=["rank", "M", "timeout_ns", "max_spins"])
 def oneshot_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, newres_ptr, bufs, local_ptr, part_ptr, state_ptr, err_ptr,
@@ -124,55 +144,93 @@ def oneshot_kernel(
     srcs = tl.arange(0, WP)
     slot_base = header + (calls % _SLOTS).to(tl.int64) * W * region
     items = M * NCHUNK
-
-    # 1. push this rank's chunks into every other rank's current slot, region `rank`
-    if dead == 0:
-        i = pid
-        while i < items:
-            col = (i % NCHUNK) * CHUNK + cols
-            cmask = col < H
-            offs = (i // NCHUNK).to(tl.int64) * H + col
-            x = canonicalize(tl.load(x_ptr + offs, mask=cmask, other=0.0), SENT, ELEM_BITS)
-            dst = slot_base + rank * region + offs
-            for r in tl.static_range(W):
-                tl.store(bufs[r] + dst, x, mask=and_scalar(cmask, r != rank))
-            i += nprog
-
-    # 2. reduce every source in rank order; new_residual; normed or its partial
     fill = sentinel_like(tl.zeros([WP, CHUNK], dtype=local_ptr.dtype.element_ty), SENT, ELEM_BITS)
-    i = pid
-    while i < items:
-        row = i // NCHUNK
-        col = (i % NCHUNK) * CHUNK + cols
-        cmask = col < H
-        offs = row.to(tl.int64) * H + col
-        # loads that do not depend on the peers go first, so they are in flight during the wait
-        x = canonicalize(tl.load(x_ptr + offs, mask=cmask, other=0.0), SENT, ELEM_BITS)
-        r = tl.load(res_ptr + offs, mask=cmask & HAS_RES, other=0.0)
-        w = tl.load(w_ptr + col, mask=cmask & HAS_NORM & (NCHUNK == 1), other=0.0).to(tl.float32)
-        ptrs = local_ptr + slot_base + srcs[:, None] * region + offs[None, :]
-        m2 = (srcs[:, None] != rank) & (srcs[:, None] < W) & cmask[None, :]
-        v, pending = poll_block(ptrs, m2, deadline, max_spins, dead, abort_ptr, SENT, ELEM_BITS, USE_ASM)
-        missing = pending_ranks(pending, srcs)
-        if (missing != 0) & (dead == 0):
-            fail(err_ptr, abort_ptr, bufs, rank, missing, row, calls, W)
-        dead = dead | (missing != 0)
-        tl.store(ptrs, fill, mask=m2)  # re-arm exactly what was read (a failed workspace is never read again)
-        acc = tl.zeros([CHUNK], dtype=tl.float32)
-        vf = v.to(tl.float32)
-        for src in tl.static_range(W):
-            mine = tl.sum(tl.where(srcs[:, None] == src, vf, 0.0), axis=0)
-            acc += tl.where(rank == src, x.to(tl.float32), mine)
-        acc = tl.where(dead, float("nan"), acc)  # a failed call never returns plausible data
-        s = round_like(acc, x, SOFT_BF16)
-        residual_step(s, row, col, cmask, offs, r, w, newres_ptr, out_ptr, part_ptr, i, H, eps, calls,
-                      HAS_RES, HAS_NORM, SPLIT, SOFT_BF16)
-        i += nprog
+    peer_rows = (srcs[:, None] != rank) & (srcs[:, None] < W)
 
-    # 3. split rows: every partial of this program is published; now finish the norm
-    if SPLIT:
-        norm_partials_pass(newres_ptr, w_ptr, out_ptr, part_ptr, pid, nprog, items, H, eps, calls, deadline,
-                           max_spins, dead, err_ptr, CHUNK, NCHUNK, NCP, USE_ASM, SOFT_BF16)
+    if items <= nprog:
+        # One item per program (decode sizes): every phase in one pass, nothing loaded twice.
+        if pid < items:
+            row, col, cmask, offs = item_at(pid, H, cols, CHUNK, NCHUNK)
+            x = canonicalize(tl.load(x_ptr + offs, mask=cmask, other=0.0), SENT, ELEM_BITS)
+            r = tl.load(res_ptr + offs, mask=cmask & HAS_RES, other=0.0)
+            w = tl.load(w_ptr + col, mask=cmask & HAS_NORM, other=0.0).to(tl.float32)
+            dst = slot_base + rank * region + offs
+            for p in tl.static_range(W):
+                tl.store(bufs[p] + dst, x, mask=and_scalar(cmask, (p != rank) & (dead == 0)))
+            ptrs = local_ptr + slot_base + srcs[:, None] * region + offs[None, :]
+            m2 = peer_rows & cmask[None, :]
+            v, pending = poll_block(ptrs, m2, deadline, max_spins, dead, abort_ptr, SENT, ELEM_BITS, USE_ASM)
+            missing = pending_ranks(pending, srcs)
+            if (missing != 0) & (dead == 0):
+                fail(err_ptr, abort_ptr, bufs, rank, missing, row, calls, W)
+            dead = dead | (missing != 0)
+            tl.store(ptrs, fill, mask=m2)  # re-arm exactly what was read (a failed workspace is never read again)
+            acc = tl.where(dead, float("nan"), sum_in_rank_order(v, x, srcs, rank, W))
+            s = round_like(acc, x, SOFT_BF16)
+            if SPLIT:  # every program has published before any waits: no program waits on a waiter
+                nr = s
+                if HAS_RES:
+                    nr = round_like(s.to(tl.float32) + r.to(tl.float32), s, SOFT_BF16)
+                tl.store(newres_ptr + offs, nr, mask=cmask)
+                h = nr.to(tl.float32)
+                publish_partial(part_ptr, pid, tl.sum(tl.where(cmask, h * h, 0.0), axis=0), calls)
+                parts = tl.arange(0, NCP)
+                p, ok = wait_partials(part_ptr + row * NCHUNK + parts, parts < NCHUNK, calls, deadline, max_spins,
+                                      dead, USE_ASM)
+                if (ok == 0) & (dead == 0):
+                    stall(err_ptr, row, calls)
+                ss = tl.where(dead | (ok == 0), float("nan"), tl.sum(p, axis=0))
+                finish_norm(h, w, ss, H, eps, out_ptr, offs, cmask, s, SOFT_BF16)
+            else:
+                residual_step(s, row, col, cmask, offs, r, w, newres_ptr, out_ptr, part_ptr, pid, H, eps, calls,
+                              HAS_RES, HAS_NORM, SPLIT, SOFT_BF16)
+    else:
+        # 1. push this rank's chunks into every other rank's current slot, region `rank`
+        if dead == 0:
+            i = pid
+            while i < items:
+                row, col, cmask, offs = item_at(i, H, cols, CHUNK, NCHUNK)
+                x = canonicalize(tl.load(x_ptr + offs, mask=cmask, other=0.0), SENT, ELEM_BITS)
+                dst = slot_base + rank * region + offs
+                for p in tl.static_range(W):
+                    tl.store(bufs[p] + dst, x, mask=and_scalar(cmask, p != rank))
+                i += nprog
+
+        # 2. reduce in rank order; new_residual; normed or its partial. The next item's sources
+        # are loaded before this item is finished, so their latency overlaps this item's work.
+        i = pid
+        row, col, cmask, offs = item_at(i, H, cols, CHUNK, NCHUNK)
+        ptrs = local_ptr + slot_base + srcs[:, None] * region + offs[None, :]
+        m2 = peer_rows & cmask[None, :]
+        v_next = tl.load(ptrs, mask=and_scalar(m2, dead == 0), other=0.0, volatile=True)
+        while i < items:
+            row, col, cmask, offs = item_at(i, H, cols, CHUNK, NCHUNK)
+            x = canonicalize(tl.load(x_ptr + offs, mask=cmask, other=0.0), SENT, ELEM_BITS)
+            r = tl.load(res_ptr + offs, mask=cmask & HAS_RES, other=0.0)
+            w = tl.load(w_ptr + col, mask=cmask & HAS_NORM & (NCHUNK == 1), other=0.0).to(tl.float32)
+            ptrs = local_ptr + slot_base + srcs[:, None] * region + offs[None, :]
+            m2 = peer_rows & cmask[None, :]
+            v, pending = poll_from(v_next, ptrs, m2, deadline, max_spins, dead, abort_ptr, SENT, ELEM_BITS, USE_ASM)
+            missing = pending_ranks(pending, srcs)
+            if (missing != 0) & (dead == 0):
+                fail(err_ptr, abort_ptr, bufs, rank, missing, row, calls, W)
+            dead = dead | (missing != 0)
+            j = i + nprog
+            _, _, cmask_j, offs_j = item_at(j, H, cols, CHUNK, NCHUNK)
+            v_next = tl.load(local_ptr + slot_base + srcs[:, None] * region + offs_j[None, :],
+                             mask=and_scalar(peer_rows & cmask_j[None, :], (dead == 0) & (j < items)),
+                             other=0.0, volatile=True)
+            tl.store(ptrs, fill, mask=m2)  # re-arm exactly what was read (a failed workspace is never read again)
+            acc = tl.where(dead, float("nan"), sum_in_rank_order(v, x, srcs, rank, W))
+            s = round_like(acc, x, SOFT_BF16)
+            residual_step(s, row, col, cmask, offs, r, w, newres_ptr, out_ptr, part_ptr, i, H, eps, calls,
+                          HAS_RES, HAS_NORM, SPLIT, SOFT_BF16)
+            i = j
+
+        # 3. split rows: every partial of this program is published; now finish the norm
+        if SPLIT:
+            norm_partials_pass(newres_ptr, w_ptr, out_ptr, part_ptr, pid, nprog, items, H, eps, calls, deadline,
+                               max_spins, dead, err_ptr, CHUNK, NCHUNK, NCP, USE_ASM, SOFT_BF16)
 
     # 4. the last program to arrive advances the epoch
     old = tl.atomic_add(state_ptr + _ARRIVE, 1)

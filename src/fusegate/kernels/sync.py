@@ -106,6 +106,15 @@ def poll_block(
     word says that some rank gave up, or at the deadline.
     """
     v = tl.load(ptrs, mask=and_scalar(mask, dead == 0), other=0.0, volatile=True)
+    return poll_from(v, ptrs, mask, deadline_ns, max_spins, dead, abort_ptr, SENT, ELEM_BITS, USE_ASM)
+
+
+@triton.jit
+def poll_from(
+    v, ptrs, mask, deadline_ns, max_spins, dead, abort_ptr,
+    SENT: tl.constexpr, ELEM_BITS: tl.constexpr, USE_ASM: tl.constexpr,
+):
+    """`poll_block` starting from values `v` already loaded from `ptrs` (a prefetch)."""
     pending = mask & (as_bits(v, ELEM_BITS) == SENT)
     busy = tl.max(tl.max(pending.to(tl.int32), axis=1), axis=0) > 0
     failed = dead
