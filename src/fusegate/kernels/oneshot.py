@@ -64,25 +64,38 @@ def norm_partials_pass(
     newres_ptr, w_ptr, out_ptr, part_ptr, pid, nprog, items, H, eps, calls, deadline, max_spins, dead, err_ptr,
     CHUNK: tl.constexpr, NCHUNK: tl.constexpr, NCP: tl.constexpr, USE_ASM: tl.constexpr, SOFT_BF16: tl.constexpr,
 ):
-    """Phase 3 of split rows: wait for each row's partials, sum them in chunk order, write normed."""
+    """Phase 3 of split rows: wait for each row's partials, sum them in chunk order, write normed.
+
+    The next item's loads are issued before this item is finished, so their latency overlaps.
+    """
     cols = tl.arange(0, CHUNK)
     parts = tl.arange(0, NCP)
+    pmask = parts < NCHUNK
     i = pid
+    row = i // NCHUNK
+    col = (i % NCHUNK) * CHUNK + cols
+    cmask = and_scalar(col < H, i < items)
+    w_next = tl.load(w_ptr + col, mask=cmask, other=0.0)
+    nr_next = tl.load(newres_ptr + row.to(tl.int64) * H + col, mask=cmask, other=0.0)
     while i < items:
         row = i // NCHUNK
         col = (i % NCHUNK) * CHUNK + cols
         cmask = col < H
         offs = row.to(tl.int64) * H + col
-        w = tl.load(w_ptr + col, mask=cmask, other=0.0).to(tl.float32)
-        nr = tl.load(newres_ptr + offs, mask=cmask, other=0.0)
-        p, ok = wait_partials(part_ptr + row * NCHUNK + parts, parts < NCHUNK, calls, deadline, max_spins, dead, USE_ASM)
+        w, nr = w_next.to(tl.float32), nr_next
+        j = i + nprog
+        col_j = (j % NCHUNK) * CHUNK + cols
+        cmask_j = and_scalar(col_j < H, j < items)
+        w_next = tl.load(w_ptr + col_j, mask=cmask_j, other=0.0)
+        nr_next = tl.load(newres_ptr + (j // NCHUNK).to(tl.int64) * H + col_j, mask=cmask_j, other=0.0)
+        p, ok = wait_partials(part_ptr + row * NCHUNK + parts, pmask, calls, deadline, max_spins, dead, USE_ASM)
         if (ok == 0) & (dead == 0):
             stall(err_ptr, row, calls)
         dead = dead | (ok == 0)
         ss = tl.sum(p, axis=0)
         ss = tl.where(dead, float("nan"), ss)
         finish_norm(nr.to(tl.float32), w, ss, H, eps, out_ptr, offs, cmask, nr, SOFT_BF16)
-        i += nprog
+        i = j
 
 
 @triton.jit
@@ -186,15 +199,21 @@ def oneshot_kernel(
                               HAS_RES, HAS_NORM, SPLIT, SOFT_BF16)
     else:
         # 1. push this rank's chunks into every other rank's current slot, region `rank`
+        # (the next item's input is loaded before this one is stored: the loads overlap the stores)
         if dead == 0:
             i = pid
+            _, _, cmask, offs = item_at(i, H, cols, CHUNK, NCHUNK)
+            x_next = tl.load(x_ptr + offs, mask=cmask, other=0.0)
             while i < items:
-                row, col, cmask, offs = item_at(i, H, cols, CHUNK, NCHUNK)
-                x = canonicalize(tl.load(x_ptr + offs, mask=cmask, other=0.0), SENT, ELEM_BITS)
+                _, _, cmask, offs = item_at(i, H, cols, CHUNK, NCHUNK)
+                x = canonicalize(x_next, SENT, ELEM_BITS)
+                j = i + nprog
+                _, _, cmask_j, offs_j = item_at(j, H, cols, CHUNK, NCHUNK)
+                x_next = tl.load(x_ptr + offs_j, mask=and_scalar(cmask_j, j < items), other=0.0)
                 dst = slot_base + rank * region + offs
                 for p in tl.static_range(W):
                     tl.store(bufs[p] + dst, x, mask=and_scalar(cmask, p != rank))
-                i += nprog
+                i = j
 
         # 2. reduce in rank order; new_residual; normed or its partial. The next item's sources
         # are loaded before this item is finished, so their latency overlaps this item's work.
