@@ -149,24 +149,28 @@ def oneshot_kernel(
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
+    cols = tl.arange(0, CHUNK)
+    srcs = tl.arange(0, WP)
+    items = M * NCHUNK
+    # One item per program (decode sizes): its inputs are loaded first, so their latency overlaps
+    # the reads of the state and error words that the push has to wait for.
+    single = items <= nprog
+    row, col, cmask, offs = item_at(pid, H, cols, CHUNK, NCHUNK)
+    first = and_scalar(cmask, single & (pid < items))
+    x = canonicalize(tl.load(x_ptr + offs, mask=first, other=0.0), SENT, ELEM_BITS)
+    r = tl.load(res_ptr + offs, mask=first & HAS_RES, other=0.0)
+    w = tl.load(w_ptr + col, mask=first & HAS_NORM, other=0.0).to(tl.float32)
     calls = tl.load(state_ptr + _CALLS)
     abort_ptr = int32_ptr(local_ptr)
     dead = entry_state(err_ptr, abort_ptr, rank, calls)
     deadline = start_deadline(timeout_ns, USE_ASM)
-    cols = tl.arange(0, CHUNK)
-    srcs = tl.arange(0, WP)
     slot_base = header + (calls % _SLOTS).to(tl.int64) * W * region
-    items = M * NCHUNK
     fill = sentinel_like(tl.zeros([WP, CHUNK], dtype=local_ptr.dtype.element_ty), SENT, ELEM_BITS)
     peer_rows = (srcs[:, None] != rank) & (srcs[:, None] < W)
 
-    if items <= nprog:
-        # One item per program (decode sizes): every phase in one pass, nothing loaded twice.
+    if single:
+        # every phase in one pass, nothing loaded twice
         if pid < items:
-            row, col, cmask, offs = item_at(pid, H, cols, CHUNK, NCHUNK)
-            x = canonicalize(tl.load(x_ptr + offs, mask=cmask, other=0.0), SENT, ELEM_BITS)
-            r = tl.load(res_ptr + offs, mask=cmask & HAS_RES, other=0.0)
-            w = tl.load(w_ptr + col, mask=cmask & HAS_NORM, other=0.0).to(tl.float32)
             dst = slot_base + rank * region + offs
             for p in tl.static_range(W):
                 tl.store(bufs[p] + dst, x, mask=and_scalar(cmask, (p != rank) & (dead == 0)))
