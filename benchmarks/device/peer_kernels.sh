@@ -2,7 +2,8 @@
 # One device call for the peer kernels on a one-GPU machine: the emulated-peer latency benchmark
 # (benchmarks/bench_peer_kernels.py, MPS off: one process), then the kernels' GPU tests with ranks
 # sharing the GPU under MPS. Usage, from the repository root:
-#   OUT=/some/dir BENCH_ARGS="--budget-s 300" TEST_LIMIT=240 bash benchmarks/device/peer_kernels.sh
+#   OUT=/some/dir BENCH_ARGS="--budget-s 300" TEST_LIMIT=240 TESTS="tests/..." TEST_K="not epilogue" \
+#     bash benchmarks/device/peer_kernels.sh
 set -o pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
@@ -17,8 +18,8 @@ timeout "${BENCH_LIMIT:-420}" python3 benchmarks/bench_peer_kernels.py --out "$O
 echo "=== benchmark exit $? (at $((SECONDS - started)) s)"
 if [ "${TEST_LIMIT:-0}" -gt 0 ]; then
   nvidia-cuda-mps-control -d && echo "MPS on"
-  timeout "$TEST_LIMIT" python3 -m pytest -q -rs -x -p no:cacheprovider ${TESTS:-tests/kernels/test_gpu_faults.py tests/kernels/test_gpu.py} \
-    > "$OUT/gpu_tests.txt" 2>&1
+  timeout "$TEST_LIMIT" python3 -m pytest -q -rs -p no:cacheprovider -k "${TEST_K:-}" \
+    ${TESTS:-tests/kernels/test_gpu_faults.py tests/kernels/test_gpu.py} > "$OUT/gpu_tests.txt" 2>&1
   echo "=== gpu tests exit $? (at $((SECONDS - started)) s)"; tail -25 "$OUT/gpu_tests.txt"
   echo quit | nvidia-cuda-mps-control
 fi

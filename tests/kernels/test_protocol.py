@@ -26,9 +26,9 @@ def test_plan_covers_every_element_once_with_whole_vectors(itemsize, hidden, tok
 
 
 def test_small_calls_spread_a_row_over_programs():
-    # 1 token of 6144 bf16 on 16 programs (8 ranks sharing one GPU): 12 chunks of 512, not one program
+    # 1 token of 6144 bf16 on 16 programs (8 ranks sharing one GPU): 6 chunks of 1024, not one program
     plan = make_plan(1, 6144, 2, plan_programs(8, True))
-    assert plan_programs(8, True) == 16 and plan.split and plan.items == 12 and plan.chunk == 512
+    assert plan_programs(8, True) == 16 and plan.split and plan.items == 6 and plan.chunk == 1024
     # large calls use the largest chunk (whole vectors per thread, fewest partials)
     assert make_plan(256, 6144, 2, 16).chunk == 2048
     assert plan_programs(8, False) == 128

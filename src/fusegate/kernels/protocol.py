@@ -60,9 +60,14 @@ MAX_CHUNK_BYTES = 4096  # eight warps
 # Programs a plan aims to keep busy on one GPU: about one per SM of the GPUs this targets (H100 /
 # H200: 132, RTX PRO 6000: 188, A100: 108; a plan over more programs than SMs only queues them).
 PLAN_PROGRAMS_PER_GPU = 128
-# Fixed cost of one item (loop step, index math, norm partial), in bytes of data it is worth: a
-# modelling choice that prefers fewer, larger items when the serial element counts are close.
+# The plan's cost model, in bytes of data each cost is worth: a fixed cost per item a program
+# handles in sequence (loop step, index math, its norm partial), and per chunk of a split row (the
+# row's partials are awaited by all of its programs, so more chunks mean a wider wait). Chosen so
+# that the model picks what the emulated-peer chunk sweep on one H200 measured fastest
+# (benchmarks/results/peer_kernels_emulated_first.jsonl and the rows with `chunk_forced`:
+# 1 token x 6144 at W=8, 6 chunks of 1024 beat 12 of 512 and 3 of 2048; 16 and 64 tokens, 2048).
 ITEM_OVERHEAD_BYTES = 512
+PARTIAL_FANIN_BYTES = 512
 
 
 @dataclass(frozen=True)
@@ -86,7 +91,8 @@ def plan_programs(world_size: int, shares_device: bool) -> int:
 
 @lru_cache(maxsize=4096)
 def make_plan(num_tokens: int, hidden: int, itemsize: int, programs: int) -> Plan:
-    """The chunk size that minimises the work one program does in sequence (items x (chunk + overhead)).
+    """The chunk size with the least modelled cost: the work one program does in sequence, plus the
+    partials' fan-in of a split row (see ITEM_OVERHEAD_BYTES).
 
     A pure function of the shape and `programs` (which `plan_programs` derives from agreed group
     facts), so every rank makes the same plan. Ties go to the larger chunk (fewer partials).
@@ -97,6 +103,8 @@ def make_plan(num_tokens: int, hidden: int, itemsize: int, programs: int) -> Pla
         num_chunks = -(-hidden // chunk)
         items = num_tokens * num_chunks
         serial = -(-items // programs) * (chunk * itemsize + ITEM_OVERHEAD_BYTES)
+        if num_chunks > 1:
+            serial += num_chunks * PARTIAL_FANIN_BYTES
         if best is None or serial < best[0]:
             best = (serial, chunk, num_chunks)
         chunk //= 2
