@@ -74,6 +74,11 @@ def _no_subcommand(p) -> int:
 
 def make_spec(args, **extra):
     from fusegate.bench.e2e import E2ESpec
+    from fusegate.cli.preflight import check_positive, check_world_size
+
+    check_world_size(args.tp, flag="--tp")
+    check_positive(layers=args.layers, experts=args.experts, vocab=args.vocab, prompt_len=args.prompt_len,
+                   context=args.context, steps=extra.get("steps"))
 
     try:
         return E2ESpec(

@@ -32,8 +32,9 @@ def add_parser(subparsers) -> None:
 def run(args) -> int:
     from fusegate.cli.bench import check_model, fusion_modes, make_spec
 
-    if args.batch < 1 or args.steps < 1:
-        raise UsageError(f"--batch and --steps must be >= 1 (got {args.batch}, {args.steps})")
+    from fusegate.cli.preflight import check_positive
+
+    check_positive(batch=args.batch, steps=args.steps)
     if args.plot:
         try:
             import matplotlib  # noqa: F401

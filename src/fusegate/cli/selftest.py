@@ -17,7 +17,8 @@ def add_parser(sub) -> None:
         "strategy on small-integer inputs (bit-exact against the reference) and on random inputs at "
         "model hidden sizes (relative error against a float64 reference), and prints a table.",
     )
-    p.add_argument("--world-size", type=int, default=2, help="number of local ranks (default 2)")
+    p.add_argument("--world-size", type=int, default=2,
+                   help="number of local ranks (default 2; at most 4 per usable CPU core, one per GPU with NCCL)")
     p.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
                    help="auto: nccl when torch sees >= N GPUs, else gloo")
     p.add_argument("--shared-gpu", action="store_true",
@@ -54,7 +55,7 @@ def _check_args(args: argparse.Namespace) -> None:
     check_world_size(args.world_size)
     check_positive(tokens=args.tokens, repeats=args.repeats)
     if not args.timeout > 0:
-        raise UsageError(f"--timeout must be > 0 seconds, got {args.timeout}")
+        raise UsageError(f"--timeout must be > 0 seconds, got {args.timeout}; pass e.g. --timeout 300")
     for name in args.strategy or []:
         if name not in strategy_names():
             raise UsageError(f"unknown strategy {name!r}; registered: {', '.join(strategy_names())}")

@@ -40,12 +40,13 @@ def add_shape_args(p: argparse.ArgumentParser, *, default_max_tokens: int) -> No
 def add_launch_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("ranks")
     g.add_argument("--world-size", type=int, default=None,
-                   help="local ranks to spawn (default: the number of GPUs if 2 or more, else 2)")
+                   help="local ranks to spawn (default: the number of GPUs if 2 or more, else 2; at most "
+                        "4 per usable CPU core, and one per GPU with NCCL)")
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="where tensors live (auto: cuda if torch sees a GPU)")
     g.add_argument("--shared-gpu", action="store_true",
                    help="gloo with all ranks on one GPU: a functional check, timings not representative")
-    g.add_argument("--timeout", type=float, default=1800.0, help="seconds before a hung rank is killed")
+    g.add_argument("--timeout", type=float, default=1800.0, help="seconds before a hung rank is killed (default 1800)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument("--results", default=None, metavar="PATH",
                    help="also append the measured times as result rows to PATH: a file, or a directory "
@@ -67,7 +68,7 @@ def check_launch_args(args) -> None:
     """The launch flags' checks that need no torch, and the runtime packages the ranks need."""
     check_world_size(args.world_size)
     if not args.timeout > 0:
-        raise UsageError(f"--timeout must be > 0 seconds, got {args.timeout}")
+        raise UsageError(f"--timeout must be > 0 seconds, got {args.timeout}; pass e.g. --timeout 600")
     require_runtime()
 
 
