@@ -99,6 +99,29 @@ def test_usage_errors_exit_2_with_the_message_before_torch_is_imported():
     assert not wrong
 
 
+# Environment errors found before any rank is spawned: these need the probe (so torch), not ranks.
+NOT_ADMITTED_ON_CPU = [
+    (["selftest", "--strategy", "oneshot"], "--strategy oneshot is not admitted on 2 gloo rank(s) on cpu"),
+    (["selftest", "--strategy", "reference", "--strategy", "twoshot"], "--strategy twoshot is not admitted"),
+    (["verify", "--strategy", "ring", "--baseline", "nccl_eager", "--hidden", "64", "--device", "cpu"],
+     "--baseline nccl_eager is not admitted"),
+    (["tune", "--preset", "glm5", "--max-tokens", "2", "--strategies", "oneshot", "--no-save", "--device", "cpu"],
+     "--strategies oneshot: none is admitted for all_reduce_residual_rmsnorm 1x6144 bfloat16"),
+]
+
+
+@pytest.mark.parametrize("argv, message", NOT_ADMITTED_ON_CPU, ids=[a[0] for a, _ in NOT_ADMITTED_ON_CPU])
+def test_a_strategy_not_admitted_here_is_one_reason_and_exit_2(argv, message, capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("the CUDA strategies are admitted on this machine")
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("needs CUDA tensors") == 1 and "Traceback" not in err
+    assert err.rstrip().endswith("`fusegate doctor` lists what is admitted here and why") or "drop --strategies" in err
+
+
 def test_usage_error_with_json_prints_one_json_document(capsys):
     assert main(["tune", "--preset", "glm5", "--rounds", "0", "--json"]) == 2
     captured = capsys.readouterr()
