@@ -209,7 +209,9 @@ def _time_steps(step: DecodeStep, device, spec: E2ESpec, meter: EnergyMeter) -> 
 
 
 def _progress(spec: E2ESpec, rank: int, total: int):
-    if not (spec.progress and rank == 0):
+    import sys
+
+    if not (spec.progress and rank == 0 and sys.stderr.isatty()):  # a bar only on a terminal
         return None
     from rich.console import Console
     from rich.progress import Progress
