@@ -19,6 +19,7 @@ import pytest
 from fusegate.cli.main import main
 
 FROZEN = Path(__file__).parent / "frozen"
+UNDER_A_FILE = str(Path(__file__).resolve() / "out")  # a path no one can create: its parent is a file
 # (argv prefix, file stem) for every command and subcommand, audit's included as they are.
 COMMANDS = [([], "fusegate"), (["doctor"], "doctor"), (["selftest"], "selftest"), (["diagnose"], "diagnose"),
             (["tune"], "tune"), (["verify"], "verify"), (["bench"], "bench"), (["bench", "e2e"], "bench-e2e"),
@@ -71,6 +72,12 @@ EXIT_CODES = [
     (["bench", "e2e", "--batch", "0"], 2, "give positive integers"),
     (["profile", "--batch", "0"], 2, "--batch must be >= 1, got 0"),
     (["profile", "--layers", "0"], 2, "--layers must be >= 1, got 0"),
+    (["tune", "--preset", "glm5", "--results", UNDER_A_FILE], 2, "is not a writable directory; pass a path under"),
+    (["tune", "--preset", "glm5", "--cache-dir", str(Path(__file__).resolve())], 2, "is a file; pass a directory path"),
+    (["verify", "--strategy", "ring", "--hidden", "64", "--results", UNDER_A_FILE], 2, "is not a writable directory"),
+    (["bench", "e2e", "--preset", "tiny", "--results", UNDER_A_FILE], 2, "is not a writable directory"),
+    (["profile", "--preset", "tiny", "--trace", UNDER_A_FILE + ".json"], 2, "--trace"),
+    (["profile", "--preset", "tiny", "--plot", UNDER_A_FILE + ".png"], 2, "--plot"),
     (["audit"], 2, "the following arguments are required"),
     (["patch"], 2, "the following arguments are required"),
     (["revert"], 2, "the following arguments are required"),

@@ -111,6 +111,11 @@ def run(args) -> int:
     spec = make_spec(args, batches=args.batch, fusion=fusion_modes(args.fusion), steps=args.steps,
                      min_seconds=args.min_seconds, graphs=not args.no_graphs, progress=True)
     check_model(spec)
+    if args.results:
+        from fusegate.bench.results import results_file
+        from fusegate.cli.preflight import check_writable
+
+        check_writable(str(results_file(args.results, "e2e.jsonl")), flag="--results")
     import time
 
     from fusegate.bench.e2e import e2e_rows, run_e2e

@@ -141,3 +141,20 @@ def reject_not_admitted(names: Iterable[str], problems: list[tuple], *, world_si
         reasons = "; ".join(f"{name}: {reason}" for name, reason in refused.items())
         raise UsageError(f"{flag} {', '.join(refused)} is not admitted on {where} ({reasons}); "
                          "`fusegate doctor` lists what is admitted here and why")
+
+
+def check_writable(path: str, *, flag: str, directory: bool = False) -> None:
+    """UsageError unless `path` (a file, or a directory when `directory`) can be created or written,
+    checked before the work so that a run does not end by failing to save what it measured."""
+    from pathlib import Path
+
+    target = Path(path).expanduser()
+    if target.exists() and target.is_dir() != directory:
+        raise UsageError(f"{flag} {path} is {'a file' if directory else 'a directory'}; pass a "
+                         f"{'directory' if directory else 'file'} path")
+    existing = target if target.exists() else target.parent
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag} {path} cannot be written: {existing} is not a writable directory; pass a path "
+                         "under a directory you can write")

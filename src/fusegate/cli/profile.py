@@ -42,6 +42,13 @@ def run(args) -> int:
             raise UsageError("--plot needs matplotlib; install it with `pip install fusegate[plot]`") from None
     spec = make_spec(args, batches=(args.batch,), fusion=fusion_modes(args.fusion), progress=False)
     check_model(spec)
+    from fusegate.bench.results import results_file
+    from fusegate.cli.preflight import check_writable
+
+    for flag, path in (("--results", args.results and str(results_file(args.results, "profile.jsonl"))),
+                       ("--trace", args.trace), ("--plot", args.plot)):
+        if path:
+            check_writable(path, flag=flag)
     from rich.console import Console
 
     from fusegate.bench.e2e import resolve_device

@@ -16,7 +16,7 @@ import dataclasses
 import json
 import os
 
-from fusegate.cli.preflight import check_positive
+from fusegate.cli.preflight import check_positive, check_writable
 from fusegate.tune.cli_common import add_launch_args, check_launch_args, add_shape_args, hiddens, launch, progress_bar, share_cpu_threads
 
 
@@ -69,6 +69,12 @@ def _check_args(args) -> tuple[tuple[int, ...], tuple[str, ...], tuple[str, ...]
     if not 0 <= args.margin < 1:
         raise UsageError(f"--margin is a fraction in [0, 1), e.g. 0.03; got {args.margin}")
     check_positive(rounds=args.rounds, confirm_rounds=args.confirm_rounds)
+    if args.results:
+        from fusegate.bench.results import results_file
+
+        check_writable(str(results_file(args.results, "tune.jsonl")), flag="--results")
+    if args.cache_dir and not args.no_save:
+        check_writable(args.cache_dir, flag="--cache-dir", directory=True)
     ops = ("all_reduce_residual_rmsnorm", "all_reduce") if args.op == "both" else (args.op,)
     strategies = tuple(s for s in args.strategies.split(",") if s) or None
     if strategies:

@@ -62,6 +62,11 @@ def run(args) -> int:
         raise UsageError(f"--rounds must be >= 2 (the noise band needs repeated samples), got {args.rounds}")
     if args.max_rounds is not None and args.max_rounds < args.rounds:
         raise UsageError(f"--max-rounds {args.max_rounds} is below --rounds {args.rounds}; give at least --rounds")
+    if args.results:
+        from fusegate.bench.results import results_file
+        from fusegate.cli.preflight import check_writable
+
+        check_writable(str(results_file(args.results, "verify.jsonl")), flag="--results")
     buckets = tuple(token_buckets(args.max_tokens))
     world_size, backend, device = launch(args)
     problems = [(args.op, t, h, args.dtype, args.op == "all_reduce_residual_rmsnorm") for h in sizes for t in buckets]
