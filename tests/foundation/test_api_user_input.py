@@ -1,5 +1,6 @@
 """What a user's odd input gets from the API on one gloo rank: a ValueError naming the argument for
-hidden size 0, and detached outputs (the ops are inference-only) for inputs that require grad."""
+hidden size 0, detached outputs (the ops are inference-only) for inputs that require grad, and
+warnings that point at the user's own line."""
 
 import torch
 
@@ -10,9 +11,15 @@ H = 32
 
 
 def _rank(rank, world_size):
+    import warnings
+
     from fusegate import Communicator
 
     out = {}
+    with Communicator() as comm, warnings.catch_warnings(record=True) as caught:  # no table in the cache dir
+        warnings.simplefilter("always")
+        comm.all_reduce(torch.ones(2, H))
+        out["warnings"] = [(w.category.__name__, w.filename, str(w.message)) for w in caught]
     with Communicator(strategy="reference") as comm:
         for name, call in (("ar", lambda: comm.all_reduce(torch.empty(3, 0))),
                            ("fused", lambda: comm.all_reduce_residual_rmsnorm(torch.empty(3, 0), None, torch.empty(0)))):
@@ -31,8 +38,11 @@ def _rank(rank, world_size):
     return out
 
 
-def test_hidden_zero_and_grad_inputs():
-    out = run_ranks(_rank, 1, timeout_s=120)[0]
+def test_hidden_zero_and_grad_inputs(tmp_path):
+    out = run_ranks(_rank, 1, timeout_s=120, env={"FUSEGATE_CACHE_DIR": str(tmp_path)})[0]
+    # The no-table warning names the caller's line (this file), not a line inside fusegate.
+    [(category, filename, message)] = out["warnings"]
+    assert category == "DispatchWarning" and filename == __file__ and message.startswith("Communicator: no dispatch table")
     for name, op in (("ar", "all_reduce"), ("fused", "all_reduce_residual_rmsnorm")):
         kind, message = out[name]
         assert kind == "ValueError"
