@@ -1,4 +1,8 @@
-"""`fusegate selftest --world-size N`: every admitted strategy on N local ranks against the reference."""
+"""`fusegate selftest --world-size N`: every admitted strategy on N local ranks against the reference.
+
+Exit 0 when every check passed, 1 when one failed (or a rank did), 2 on usage or environment
+errors, among them a --strategy that is admitted for none of the cases here (said once).
+"""
 
 from __future__ import annotations
 

@@ -6,8 +6,10 @@
 
 The table goes to the cache directory (FUSEGATE_CACHE_DIR, else the XDG cache; `--cache-dir`),
 one file per machine fingerprint, merged with the buckets already there (`--fresh` replaces it).
-`Communicator(strategy="auto")` picks it up. Exit 0 when a table was built, 2 on usage or
-environment errors (including a rank that failed).
+`Communicator(strategy="auto")` picks it up. The printed table, `--json`'s "measured" and the
+`--results` rows hold only this run's buckets. Exit 0 when a table was built, 2 on usage or
+environment errors (including --strategies with nothing admitted for a bucket, and a rank that
+failed).
 """
 
 from __future__ import annotations

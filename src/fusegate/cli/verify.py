@@ -6,7 +6,8 @@
 Correctness first (small-integer inputs bit-exact, random inputs within tolerance, identical
 bits on every rank), then interleaved timing of candidate, baseline and baseline-again (the
 noise band; rule in `fusegate.tune.verify`). Exit 0 on KEEP, 1 on REVERT, 2 on usage or
-environment errors.
+environment errors, among them a --strategy or --baseline admitted for none of the buckets here
+(said once, with the reason, before any rank starts).
 """
 
 from __future__ import annotations
