@@ -81,7 +81,8 @@ class Communicator:
         problem = self._problem(Op.ALL_REDUCE, rows, has_residual=False)
         if rows.shape[0] == 0 or rows.numel() == 0:
             return torch.empty_like(x, memory_format=torch.contiguous_format)
-        return self._strategy(problem).all_reduce(rows).view(x.shape)
+        with torch.no_grad():  # inference-only: outputs never carry autograd history (README)
+            return self._strategy(problem).all_reduce(rows).view(x.shape)
 
     def all_reduce_residual_rmsnorm(
         self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float = 1e-6
@@ -99,9 +100,10 @@ class Communicator:
         if rows.shape[0] == 0:
             empty = torch.empty_like(x, memory_format=torch.contiguous_format)
             return empty, empty.clone()
-        normed, new_residual = self._strategy(problem).all_reduce_residual_rmsnorm(
-            rows, res_rows, weight.contiguous(), float(eps)
-        )
+        with torch.no_grad():  # inference-only: outputs never carry autograd history (README)
+            normed, new_residual = self._strategy(problem).all_reduce_residual_rmsnorm(
+                rows, res_rows, weight.contiguous(), float(eps)
+            )
         return normed.view(x.shape), new_residual.view(x.shape)
 
     def prepare(self, *, hidden: int, dtype: torch.dtype, max_tokens: int) -> None:

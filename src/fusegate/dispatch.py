@@ -139,4 +139,17 @@ def warn_once(key: str, message: str) -> None:
     _WARNED.add(key)
     import warnings
 
-    warnings.warn(message, DispatchWarning, stacklevel=3)
+    warnings.warn(message, DispatchWarning, stacklevel=_caller_outside_package())
+
+
+def _caller_outside_package() -> int:
+    """The stacklevel (from warn_once's frame, level 1) of the first frame outside fusegate, so a
+    warning names the user's own call and source line rather than a line inside the package."""
+    import os
+    import sys
+
+    package_dir = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package_dir):
+        frame, level = frame.f_back, level + 1
+    return level

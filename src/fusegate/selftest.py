@@ -139,17 +139,21 @@ def run_case(comm, strategy: str, case: Case, *, repeats: int) -> CaseResult:
     return CaseResult(strategy, case, error, tolerance, median_us, passed, digest=_digest(outputs))
 
 
-def rank_main(rank: int, world_size: int, cases: list[Case], repeats: int, device: str | None, only: list[str] | None):
-    """Body of one selftest rank: returns (admission reasons, results) as plain data."""
+def rank_main(rank: int, world_size: int, cases: list[Case], repeats: int, device: str | None, only: list[str] | None,
+              show_progress: bool = False):
+    """Body of one selftest rank: returns (admission reasons, results) as plain data; rank 0 shows a
+    progress bar on a terminal when `show_progress`."""
     from fusegate import Communicator
     from fusegate.backends import admission, strategy_names
     from fusegate.spec import Op, Problem
+    from fusegate.tune.cli_common import progress_bar
 
     probe_comm = Communicator(device=device)
     info, caps = probe_comm.info, probe_comm.caps
     probe_comm.close()
     results: list[CaseResult] = []
     skipped: dict[str, str] = {}
+    plan: list[tuple[str, list[Case]]] = []
     for name in only or strategy_names():
         admitted_cases = []
         for case in cases:
@@ -159,14 +163,19 @@ def rank_main(rank: int, world_size: int, cases: list[Case], repeats: int, devic
                 admitted_cases.append(case)
             else:
                 skipped.setdefault(name, verdict.reason)
-        if not admitted_cases:
-            continue
-        with Communicator(strategy=name, device=device) as comm:
-            for case in admitted_cases:
-                try:
-                    results.append(run_case(comm, name, case, repeats=repeats))
-                except Exception as exc:  # a failing strategy is a FAIL row, not a crashed selftest
-                    results.append(CaseResult(name, case, float("inf"), 0.0, float("nan"), False, detail=f"{type(exc).__name__}: {exc}"))
+        if admitted_cases:
+            plan.append((name, admitted_cases))
+    total = sum(len(c) for _, c in plan)
+    with progress_bar(total, "selftest", show_progress and rank == 0) as advance:
+        for name, admitted_cases in plan:
+            with Communicator(strategy=name, device=device) as comm:
+                for case in admitted_cases:
+                    try:
+                        results.append(run_case(comm, name, case, repeats=repeats))
+                    except Exception as exc:  # a failing strategy is a FAIL row, not a crashed selftest
+                        results.append(CaseResult(name, case, float("inf"), 0.0, float("nan"), False,
+                                                  detail=f"{type(exc).__name__}: {exc}"))
+                    advance(f"{name} {case.kind} {case.num_tokens}x{case.hidden} {case.dtype}")
     return skipped, results
 
 

@@ -31,13 +31,22 @@ def check_tensor(op: str, arg: str, t, *, device: torch.device) -> None:
         _fail(op, f"{arg} is on {t.device} but this communicator works on {device}; move it with {arg}.to({str(device)!r})")
 
 
+def check_hidden(op: str, x) -> None:
+    """The last dimension is the hidden size; 0 has no rows to view as (tokens, hidden)."""
+    if x.shape[-1] == 0:
+        _fail(op, f"x has shape {tuple(x.shape)}: hidden size (the last dimension) 0; pass (..., hidden) with "
+                  "hidden >= 1 (zero tokens is fine: shape (0, hidden))")
+
+
 def check_all_reduce(x, *, device: torch.device) -> None:
     check_tensor("all_reduce", "x", x, device=device)
+    check_hidden("all_reduce", x)
 
 
 def check_residual_rmsnorm(x, residual, weight, eps, *, device: torch.device) -> None:
     op = "all_reduce_residual_rmsnorm"
     check_tensor(op, "x", x, device=device)
+    check_hidden(op, x)
     hidden = x.shape[-1]
     if residual is not None:
         check_tensor(op, "residual", residual, device=device)

@@ -98,7 +98,8 @@ def test_json_has_the_same_content_and_nothing_else_on_stdout(capsys, needs_cuda
     code = main(["doctor", "--json", "--world-size", "3", "--hidden", "4096", "--dtype", "float16"])
     report = json.loads(capsys.readouterr().out)  # fails if anything but the object is on stdout
     assert code == 0
-    assert set(report) == {"probe", "problem", "admission", "moe_runners", "fabric"}
+    assert set(report) == {"probe", "problem", "admission", "moe_runners", "fabric", "runtime_packages"}
+    assert report["runtime_packages"]["numpy"]["installed"] is True
     assert report["probe"]["cpu"]["num_cores"] == os.cpu_count()
     assert report["problem"]["hidden"] == 4096 and report["problem"]["dtype"] == "float16"
     assert report["problem"]["group"]["world_size"] == 3
@@ -267,3 +268,16 @@ def test_moe_runner_rows_are_shown_and_a_missing_module_is_said(capsys, monkeypa
     monkeypatch.setitem(sys.modules, "fusegate.models.moe_runners", None)
     assert main(["doctor"]) == 0
     assert "MoE runners: not available: " in capsys.readouterr().out
+
+
+def test_a_missing_runtime_package_is_flagged_with_the_install_command_and_exit_2(capsys, monkeypatch):
+    from fusegate.cli import preflight
+
+    monkeypatch.setitem(preflight.RUNTIME_PACKAGES, "fusegate_no_such_package", "the ranks import it")
+    assert main(["doctor"]) == 2
+    out = capsys.readouterr().out
+    assert "MISSING: fusegate_no_such_package is not installed; the ranks import it" in out
+    assert "Install it with `pip install fusegate_no_such_package`." in out
+    assert main(["doctor", "--json"]) == 2
+    row = json.loads(capsys.readouterr().out)["runtime_packages"]["fusegate_no_such_package"]
+    assert row == {"installed": False, "needed_for": "the ranks import it"}

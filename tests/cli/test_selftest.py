@@ -17,6 +17,7 @@ def test_selftest_two_ranks_passes_and_prints_the_table(capsys):
     for text in ("reference", "ar+add+norm", "exact", "random", "4x6144", "4x8192", "bf16", "fp16", "fp32", "PASS"):
         assert text in out
     assert "21 passed, 0 failed" in out
+    assert out.rstrip().splitlines()[-1].startswith("selftest PASSED: 21 passed, 0 failed (reference) on 2 gloo rank(s) in ")
 
 
 def test_selftest_json_and_a_wrong_strategy_fails_with_exit_1(capsys, monkeypatch):
@@ -40,3 +41,5 @@ def test_selftest_usage_errors_exit_2(capsys):
     assert "--world-size must be >= 1" in capsys.readouterr().err
     assert main(["selftest", "--strategy", "nope"]) == 2
     assert "unknown strategy 'nope'" in capsys.readouterr().err
+    assert main(["selftest", "--world-size", "100000"]) == 2
+    assert "use --world-size" in capsys.readouterr().err

@@ -2,6 +2,7 @@
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -11,6 +12,8 @@ from fusegate.probe import probe
 from fusegate.tune.table import load, versions_of
 
 from tune_test_strategies import PLUGINS
+
+TESTS_DIR = str(Path(__file__).resolve().parents[1])
 
 
 @pytest.mark.slow
@@ -51,16 +54,27 @@ def test_verify_exits_1_on_revert(monkeypatch, capsys, tmp_path):
         ("slow_broadcast", "candidate", "REVERT"), ("reference", "baseline", "REVERT")}
 
 
-def test_verify_json_is_strict_when_nothing_was_measured(capsys):
-    # oneshot is not admitted on CPU ranks: the bucket is REVERT with the reason and no times,
-    # which --json prints as null (Python's json would otherwise write NaN, which is not JSON).
-    rc = main(["verify", "--strategy", "oneshot", "--hidden", "64", "--max-tokens", "1", "--world-size", "2",
-               "--device", "cpu", "--rounds", "2", "--json"])
+def test_verify_json_is_strict_when_nothing_was_measured(capsys, monkeypatch):
+    # drops_last_rank is admitted but fails correctness: the bucket is REVERT with the reason and no
+    # times, which --json prints as null (Python's json would otherwise write NaN, which is not JSON).
+    monkeypatch.setenv("FUSEGATE_STRATEGIES", "drops_last_rank=plugins.broken:DropsLastRankStrategy")
+    monkeypatch.setenv("PYTHONPATH", TESTS_DIR + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    rc = main(["verify", "--strategy", "drops_last_rank", "--baseline", "reference", "--hidden", "64",
+               "--max-tokens", "1", "--world-size", "2", "--device", "cpu", "--rounds", "2", "--json"])
     out = capsys.readouterr().out
     assert rc == 1 and "NaN" not in out
     bucket = json.loads(out)["buckets"][0]
-    assert bucket["ratio"] is None and bucket["candidate_us"] is None
-    assert "oneshot is not admitted: needs CUDA tensors" in bucket["reason"]
+    assert bucket["ratio"] is None and bucket["candidate_us"] is None and bucket["verdict"] == "REVERT"
+
+
+def test_verify_of_a_strategy_not_admitted_here_says_why_once_and_exits_2(capsys):
+    rc = main(["verify", "--strategy", "oneshot", "--hidden", "64", "--max-tokens", "4", "--world-size", "2",
+               "--device", "cpu", "--rounds", "2", "--json"])
+    captured = capsys.readouterr()
+    assert rc == 2
+    assert captured.err.count("needs CUDA tensors") == 1 and "REVERT" not in captured.err + captured.out
+    assert captured.err.startswith("fusegate verify: --strategy oneshot is not admitted on 2 gloo rank(s) on cpu")
+    assert json.loads(captured.out)["exit_code"] == 2
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -209,7 +209,9 @@ def _time_steps(step: DecodeStep, device, spec: E2ESpec, meter: EnergyMeter) -> 
 
 
 def _progress(spec: E2ESpec, rank: int, total: int):
-    if not (spec.progress and rank == 0):
+    import sys
+
+    if not (spec.progress and rank == 0 and sys.stderr.isatty()):  # a bar only on a terminal
         return None
     from rich.console import Console
     from rich.progress import Progress
@@ -288,8 +290,9 @@ def _e2e_rank(rank: int, world_size: int, spec: E2ESpec) -> dict:
     }
 
 
-def run_e2e(spec: E2ESpec, *, timeout_s: float = 1800.0) -> dict:
-    """Run the benchmark on `spec.tp` spawned ranks; rank 0's result dict (see `_e2e_rank`)."""
+def run_e2e(spec: E2ESpec, *, timeout_s: float = 1800.0, launch=None) -> dict:
+    """Run the benchmark on `spec.tp` spawned ranks; rank 0's result dict (see `_e2e_rank`).
+    `launch` replaces `fusegate.launch.run_ranks` (same signature; the CLI's adds its warning format)."""
     from fusegate.launch import run_ranks
 
     device = resolve_device(spec)
@@ -300,7 +303,7 @@ def run_e2e(spec: E2ESpec, *, timeout_s: float = 1800.0) -> dict:
         if torch.cuda.device_count() < spec.tp:
             raise RuntimeError(f"bench e2e: --tp {spec.tp} needs {spec.tp} GPUs, torch sees {torch.cuda.device_count()}")
     backend = "nccl" if device == "cuda" else "gloo"
-    return run_ranks(_e2e_rank, spec.tp, backend=backend, args=(spec,), timeout_s=timeout_s)[0]
+    return (launch or run_ranks)(_e2e_rank, spec.tp, backend=backend, args=(spec,), timeout_s=timeout_s)[0]
 
 
 def e2e_rows(spec: E2ESpec, result: dict) -> list[ResultRow]:

@@ -22,6 +22,11 @@ are estimates from the model config (`stage_bytes`), not measurements.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import re
+import sys
+import tempfile
 from dataclasses import dataclass
 
 STAGES = ("attention", "moe_gemm", "other_gemm", "communication", "norm", "other")
@@ -136,6 +141,32 @@ def stage_bytes(cfg, *, batch: int, context: int, world_size: int, itemsize: int
     }
 
 
+# Kineto writes its own start/stop lines to fd 2 at every profiler start, whatever KINETO_LOG_LEVEL
+# says, e.g. "USDT:2026-12-01 11:26:20 20773:20773 SyncActivityProfilerHandler.cpp:52] profiler_start".
+_KINETO_LINE = re.compile(r"^(USDT|STAGE):\d{4}-\d\d-\d\d \S+ \d+:\d+ \w+\.cpp:\d+\] ")
+
+
+@contextlib.contextmanager
+def quiet_profiler_log():
+    """Run the body with fd 2 captured, then write back every line that is not a Kineto status line."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            kept = [line for line in captured.read().decode(errors="replace").splitlines(keepends=True)
+                    if not _KINETO_LINE.match(line)]
+            if kept:
+                sys.stderr.write("".join(kept))
+                sys.stderr.flush()
+
+
 def profile_rank(rank: int, world_size: int, spec, batch: int, steps: int, trace_path: str | None,
                  keep_records: bool = False) -> dict:
     """Collective: build the model, prefill, warm up, then profile `steps` eager decode steps per fusion mode.
@@ -161,7 +192,7 @@ def profile_rank(rank: int, world_size: int, spec, batch: int, steps: int, trace
                 step()
             if device.type == "cuda":
                 torch.cuda.synchronize()
-            with profile(activities=activities) as prof:
+            with quiet_profiler_log(), profile(activities=activities) as prof:
                 for _ in range(steps):
                     step()
                 if device.type == "cuda":

@@ -1,8 +1,8 @@
 """`fusegate bench e2e`: decode throughput, step latency, J/token and allreduces per step of the reference model.
 
 Runs the tensor-parallel MoE decoder of fusegate.models (a preset, cut with --layers/--experts)
-with fusion on and/or off over a list of batch sizes, prints a table (or `--json`), and appends
-one result row per point to `<results>/e2e.jsonl`. Exit 0 when every point counted exactly two
+with fusion on and/or off over a list of batch sizes, prints a table (or `--json`), and with
+`--results PATH` appends one result row per point to PATH (or PATH/e2e.jsonl for a directory). Exit 0 when every point counted exactly two
 allreduces per layer per step, 1 when one did not, 2 on usage or environment errors.
 """
 
@@ -40,9 +40,11 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context", type=int, default=64, help="KV-cache slots per sequence (default 64)")
     p.add_argument("--seed", type=int, default=0, help="weight and prompt seed (default 0)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    p.add_argument("--results", default="benchmarks/results", help="where result rows go: a file, or a directory (then DIR/e2e.jsonl for bench e2e, "
-                        "DIR/profile.jsonl for profile); default benchmarks/results")
-    p.add_argument("--no-results", action="store_true", help="do not append result rows")
+    p.add_argument("--results", default=None, metavar="PATH",
+                   help="also append result rows to PATH: a file, or a directory (then PATH/e2e.jsonl for bench e2e, "
+                        "PATH/profile.jsonl for profile); default: none written")
+    # Kept so that older scripts still parse: rows are written only with --results now.
+    p.add_argument("--no-results", action="store_true", help=argparse.SUPPRESS)
 
 
 def fusion_modes(text: str) -> tuple[bool, ...]:
@@ -72,6 +74,11 @@ def _no_subcommand(p) -> int:
 
 def make_spec(args, **extra):
     from fusegate.bench.e2e import E2ESpec
+    from fusegate.cli.preflight import check_positive, check_world_size
+
+    check_world_size(args.tp, flag="--tp")
+    check_positive(layers=args.layers, experts=args.experts, vocab=args.vocab, prompt_len=args.prompt_len,
+                   context=args.context, steps=extra.get("steps"))
 
     try:
         return E2ESpec(
@@ -84,7 +91,11 @@ def make_spec(args, **extra):
 
 
 def check_model(spec) -> None:
-    """Usage errors for a bad preset or cut, before any process starts."""
+    """Usage errors for a bad preset, cut or --tp, before any process starts or torch is imported."""
+    from fusegate.cli.preflight import check_world_size, require_runtime
+
+    check_world_size(spec.tp, flag="--tp")
+    require_runtime()
     try:
         spec.config().check_world_size(spec.tp)
     except ValueError as exc:
@@ -100,20 +111,29 @@ def run(args) -> int:
     spec = make_spec(args, batches=args.batch, fusion=fusion_modes(args.fusion), steps=args.steps,
                      min_seconds=args.min_seconds, graphs=not args.no_graphs, progress=True)
     check_model(spec)
+    if args.results:
+        from fusegate.bench.results import results_file
+        from fusegate.cli.preflight import check_writable
+
+        check_writable(str(results_file(args.results, "e2e.jsonl")), flag="--results")
+    import time
+
     from fusegate.bench.e2e import e2e_rows, run_e2e
     from fusegate.bench.results import append_rows, results_file
+    from fusegate.cli.ranks import describe_failure, spawn
     from fusegate.launch import RankFailure
 
+    started = time.perf_counter()
     try:
-        result = run_e2e(spec)
+        result = run_e2e(spec, launch=spawn)
     except RuntimeError as exc:
         if isinstance(exc, RankFailure):
-            print(f"fusegate bench e2e: {exc}", file=sys.stderr)
+            print(f"fusegate bench e2e: {spec.tp} rank(s) failed: {describe_failure(exc)}", file=sys.stderr)
             return EXIT_NEGATIVE
         raise UsageError(str(exc)) from None
     path = None
-    if not args.no_results:
-        path = str(append_rows(results_file(args.results, "e2e.jsonl"), e2e_rows(spec, result)))
+    if args.results:
+        path = str(append_rows(results_file(args.results, "e2e.jsonl"), e2e_rows(spec, result)).resolve())
     counts_ok = all(sum(p["allreduces_per_step"].values()) == p["expected_allreduces_per_step"] for p in result["points"])
     if args.json:
         out = dict(result, results_file=path, allreduce_count_ok=counts_ok)
@@ -122,6 +142,10 @@ def run(args) -> int:
         print(dumps_json(out, default=str))
     else:
         _print_table(result, path)
+        best = max(result["points"], key=lambda p: p["tok_per_s"])
+        print(f"bench e2e: {len(result['points'])} point(s) in {time.perf_counter() - started:.1f} s, best "
+              f"{best['tok_per_s']:.1f} tok/s (batch {best['batch']}, fusion {'on' if best['fusion'] else 'off'}); "
+              f"allreduce count {'ok' if counts_ok else 'WRONG'}")
     if not counts_ok:
         print("fusegate bench e2e: a decode step did not make exactly 2 allreduces per layer", file=sys.stderr)
     return EXIT_OK if counts_ok else EXIT_NEGATIVE
@@ -154,7 +178,11 @@ def _print_table(result: dict, path: str | None) -> None:
     console.print(table)
     for note in result["notes"]:
         console.print(f"note: {note}")
+    if any(p["fusion"] and p["strategy_source"] == "default" for p in result["points"]):
+        console.print(f"note: no dispatch table for this machine, so fusion on used the conservative default; "
+                      f"measure it with `fusegate tune --world-size {result['world_size']} --preset {cfg['name']}`",
+                      highlight=False, soft_wrap=True)
     if result["points"] and result["points"][0]["j_per_token"] is None:
         console.print(f"note: J/token: {result['points'][0]['energy_note']}")
-    if path:
-        console.print(f"rows appended to {path}")
+    console.print(f"rows appended to {path}" if path else "result rows not kept (pass --results PATH to keep them)",
+                  highlight=False, soft_wrap=True)

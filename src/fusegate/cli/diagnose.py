@@ -61,7 +61,7 @@ def _check(args, command: list[str]) -> None:
     if not (args.from_file or command or args.pid is not None or args.duration is not None):
         raise UsageError("nothing to watch; give -- COMMAND ..., --pid P, --duration S or --from FILE")
     if args.duration is not None and not args.duration > 0:
-        raise UsageError(f"--duration {args.duration} must be > 0 seconds")
+        raise UsageError(f"--duration {args.duration} must be > 0 seconds; pass e.g. --duration 10")
     from fusegate.diagnose.sampler import MAX_INTERVAL_S, MIN_INTERVAL_S
 
     if not MIN_INTERVAL_S <= args.interval <= MAX_INTERVAL_S:

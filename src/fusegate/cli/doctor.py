@@ -5,7 +5,8 @@ then the admission verdict of every registered strategy for one representative p
 from --op/--tokens/--hidden/--dtype/--world-size), the MoE runner report when that part is
 installed, and with --measure the measured peer fabric. `--json` prints the same content as one
 JSON object on stdout and nothing else there (progress goes to stderr). Exit 0 when the probe
-ran (a strategy that is not admitted is information, not a failure), 2 on usage errors.
+ran (a strategy that is not admitted is information, not a failure), 2 on usage errors or when a
+package the ranks need at run time (numpy) is missing.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import argparse
 import dataclasses
 import sys
 
-from fusegate.cli.main import EXIT_OK, UsageError, dumps_json
+from fusegate.cli.main import EXIT_OK, EXIT_USAGE, UsageError, dumps_json
 
 # GLM-5's hidden size, the model of DESIGN.md's story; 8 tokens is a decode batch where
 # allreduce latency dominates (research/perf-anchors.md). Both are labelled defaults, not measurements.
@@ -60,19 +61,17 @@ def _check_args(args) -> "object":
 def representative_problem(args, caps, op):
     """The Problem admission is asked about, with the GroupInfo such a group would agree on here
     (the same rules as fusegate.group.agree_group_info, computed from the probe instead of ranks)."""
-    from fusegate.spec import GroupInfo, Op, Problem
+    from fusegate.spec import Op, Problem
+
+    from fusegate.cli.preflight import expected_group
 
     num_gpus = len(caps.gpus)
     if not caps.has_gpu:
         if args.shared_gpu:
             raise UsageError("--shared-gpu needs a CUDA GPU and the probe found none; drop --shared-gpu")
-        world = args.world_size or CPU_DEFAULT_WORLD_SIZE
-        group = GroupInfo(world_size=world, backend="gloo", device_type="cpu", devices=("cpu",) * world)
+        group = expected_group(caps, args.world_size or CPU_DEFAULT_WORLD_SIZE, backend="gloo", device="cpu")
     elif args.shared_gpu:
-        world = args.world_size or num_gpus
-        gpu = caps.gpus[0]
-        group = GroupInfo(world_size=world, backend="gloo", device_type="cuda", devices=(gpu.uuid or "cuda0",) * world,
-                          peer_access=True, native_atomics=True, shares_device=world > 1)
+        group = expected_group(caps, args.world_size or num_gpus, backend="gloo", device="cuda")
     else:
         world = args.world_size or num_gpus
         if world > num_gpus:
@@ -80,12 +79,7 @@ def representative_problem(args, caps, op):
                 f"--world-size {world} exceeds the {num_gpus} GPU(s) found; use --world-size {num_gpus} or less, "
                 "or --shared-gpu to model ranks sharing one GPU"
             )
-        gpus = caps.gpus[:world]
-        pairs = [caps.link(a.index, b.index) for a in gpus for b in gpus if a.index != b.index]
-        peer = all(link is not None and link.peer_access for link in pairs)
-        atomics = peer and all(link.native_atomics for link in pairs)
-        group = GroupInfo(world_size=world, backend="nccl", device_type="cuda",
-                          devices=tuple(g.uuid or f"cuda{g.index}" for g in gpus), peer_access=peer, native_atomics=atomics)
+        group = expected_group(caps, world, backend="nccl", device="cuda")
     return Problem(op, args.tokens, args.hidden, args.dtype, group, has_residual=op is Op.ALL_REDUCE_RESIDUAL_RMSNORM)
 
 
@@ -164,7 +158,22 @@ def build_report(args):
         "admission": {name: {"admitted": v.ok, "reason": v.reason} for name, v in verdicts.items()},
         "moe_runners": moe_runner_section(caps),
         "fabric": fabric,
+        "runtime_packages": runtime_packages(),
     }
+
+
+def runtime_packages() -> dict:
+    """{package: {installed, needed_for}} for the packages the ranks need at run time (preflight)."""
+    import importlib.util
+
+    from fusegate.cli.preflight import RUNTIME_PACKAGES
+
+    return {name: {"installed": importlib.util.find_spec(name) is not None, "needed_for": why}
+            for name, why in RUNTIME_PACKAGES.items()}
+
+
+def missing_runtime(report: dict) -> list[str]:
+    return [name for name, row in report["runtime_packages"].items() if not row["installed"]]
 
 
 def render(caps, report: dict, console) -> None:
@@ -207,14 +216,18 @@ def render(caps, report: dict, console) -> None:
     fabric = report["fabric"]
     if fabric is not None and not fabric["measured"]:
         line(f"Fabric not measured: {fabric['reason']}")
+    for name in missing_runtime(report):
+        line(f"MISSING: {name} is not installed; {report['runtime_packages'][name]['needed_for']}, so no Communicator "
+             f"can be built here. Install it with `pip install {name}`.")
 
 
 def run(args: argparse.Namespace) -> int:
     caps, report = build_report(args)
+    code = EXIT_USAGE if missing_runtime(report) else EXIT_OK
     if args.json:
         sys.stdout.write(dumps_json(report) + "\n")
-        return EXIT_OK
+        return code
     from rich.console import Console
 
     render(caps, report, Console())
-    return EXIT_OK
+    return code

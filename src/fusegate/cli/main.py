@@ -65,10 +65,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return EXIT_USAGE
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from fusegate.cli.ranks import install_warning_format
+
+    install_warning_format()
     try:
         return int(args.run(args))
     except UsageError as exc:
         print(f"fusegate {args.command}: {exc}", file=sys.stderr)
+        if getattr(args, "json", False):  # a program reading stdout still gets one JSON document
+            print(dumps_json({"error": f"fusegate {args.command}: {exc}", "exit_code": EXIT_USAGE}, indent=None))
         return EXIT_USAGE
     except KeyboardInterrupt:
         print(f"fusegate {args.command}: interrupted", file=sys.stderr)

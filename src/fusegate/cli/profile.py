@@ -4,8 +4,8 @@ Profiles a few eager decode steps of the fusegate.models decoder under torch.pro
 attributes GPU kernel time (CPU operator time on a CPU run) to stages: attention, MoE GEMMs, other
 GEMMs, allreduce/communication, norm, other; with kernel launches per step and estimated bytes.
 Prints a table (or `--json`), optionally writes a Chrome trace (--trace) and a PNG bar chart
-(--plot, needs matplotlib: `pip install fusegate[plot]`), and appends one result row per stage
-to `<results>/profile.jsonl`. Exit 0 when each step made 2 allreduces per layer, 1 otherwise.
+(--plot, needs matplotlib: `pip install fusegate[plot]`), and with `--results PATH` appends one
+result row per stage to PATH (or PATH/profile.jsonl for a directory). Exit 0 when each step made 2 allreduces per layer, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -32,8 +32,9 @@ def add_parser(subparsers) -> None:
 def run(args) -> int:
     from fusegate.cli.bench import check_model, fusion_modes, make_spec
 
-    if args.batch < 1 or args.steps < 1:
-        raise UsageError(f"--batch and --steps must be >= 1 (got {args.batch}, {args.steps})")
+    from fusegate.cli.preflight import check_positive
+
+    check_positive(batch=args.batch, steps=args.steps)
     if args.plot:
         try:
             import matplotlib  # noqa: F401
@@ -41,19 +42,27 @@ def run(args) -> int:
             raise UsageError("--plot needs matplotlib; install it with `pip install fusegate[plot]`") from None
     spec = make_spec(args, batches=(args.batch,), fusion=fusion_modes(args.fusion), progress=False)
     check_model(spec)
+    from fusegate.bench.results import results_file
+    from fusegate.cli.preflight import check_writable
+
+    for flag, path in (("--results", args.results and str(results_file(args.results, "profile.jsonl"))),
+                       ("--trace", args.trace), ("--plot", args.plot)):
+        if path:
+            check_writable(path, flag=flag)
     from rich.console import Console
 
     from fusegate.bench.e2e import resolve_device
     from fusegate.bench.profile import profile_rank
-    from fusegate.launch import RankFailure, run_ranks
+    from fusegate.cli.ranks import describe_failure, spawn
+    from fusegate.launch import RankFailure
 
     try:
         device = resolve_device(spec)
         with Console(stderr=True).status(f"profile: {args.steps} decode steps per fusion mode ...", spinner="dots"):
-            result = run_ranks(profile_rank, spec.tp, backend="nccl" if device == "cuda" else "gloo",
-                               args=(spec, args.batch, args.steps, args.trace), timeout_s=1800)[0]
+            result = spawn(profile_rank, spec.tp, backend="nccl" if device == "cuda" else "gloo",
+                           args=(spec, args.batch, args.steps, args.trace), timeout_s=1800)[0]
     except RankFailure as exc:
-        print(f"fusegate profile: {exc}", file=sys.stderr)
+        print(f"fusegate profile: {spec.tp} rank(s) failed: {describe_failure(exc)}", file=sys.stderr)
         return EXIT_NEGATIVE
     except RuntimeError as exc:
         raise UsageError(str(exc)) from None
@@ -63,11 +72,12 @@ def run(args) -> int:
         result["plot"] = plot_stages(result, args.plot)
     if args.trace:
         result["trace"] = args.trace
-    if not args.no_results:
+    if args.results:
         from fusegate.bench.profile import profile_rows
         from fusegate.bench.results import append_rows, results_file
 
-        result["results_file"] = str(append_rows(results_file(args.results, "profile.jsonl"), profile_rows(spec, result)))
+        path = append_rows(results_file(args.results, "profile.jsonl"), profile_rows(spec, result))
+        result["results_file"] = str(path.resolve())
     expected = 2 * result["config"]["num_layers"]
     ok = all(sum(m["allreduces_per_step"].values()) == expected for m in result["modes"])
     result["allreduce_count_ok"] = ok
@@ -76,6 +86,13 @@ def run(args) -> int:
     else:
         _print(result)
     return EXIT_OK if ok else EXIT_NEGATIVE
+
+
+def format_gbps(gbps: float) -> str:
+    """Three significant digits at any scale: a CPU run's 0.02 GB/s must not print as 0."""
+    if gbps >= 100:
+        return f"{gbps:.0f}"
+    return f"{gbps:.3g}" if gbps >= 0.001 else f"{gbps:.1e}"
 
 
 def _print(result: dict) -> None:
@@ -102,7 +119,7 @@ def _print(result: dict) -> None:
             row = mode["stages"][s]
             total += row["time_us_per_step"]
             mb = "-" if row["bytes_per_step"] is None else f"{row['bytes_per_step'] / 1e6:.2f}"
-            gbps = "-" if row["gbps"] is None else f"{row['gbps']:.0f}"
+            gbps = "-" if row["gbps"] is None else format_gbps(row["gbps"])
             table.add_row(STAGE_TITLES[s], f"{row['time_us_per_step']:.1f}", f"{100 * row['share']:.1f}%",
                           f"{row['launches_per_step']:.1f}", mb, gbps)
         table.add_row("total", f"{total:.1f}", "100%", "", "", "")
@@ -111,4 +128,10 @@ def _print(result: dict) -> None:
                       f"(expected {2 * cfg['num_layers']}: 2 per layer)")
     for key in ("trace", "plot", "results_file"):
         if result.get(key):
-            console.print(f"{key.replace('_', ' ')}: {result[key]}")
+            console.print(f"{key.replace('_', ' ')}: {result[key]}", highlight=False, soft_wrap=True)
+    if not result.get("results_file"):
+        console.print("result rows not kept (pass --results PATH to keep them)", highlight=False)
+    per_mode = ", ".join(f"fusion {'on' if m['fusion'] else 'off'} "
+                         f"{sum(r['time_us_per_step'] for r in m['stages'].values()):.1f} us/step" for m in result["modes"])
+    console.print(f"profile: {per_mode}; allreduce count {'ok' if result['allreduce_count_ok'] else 'WRONG'}",
+                  highlight=False, soft_wrap=True)

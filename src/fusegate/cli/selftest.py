@@ -1,4 +1,8 @@
-"""`fusegate selftest --world-size N`: every admitted strategy on N local ranks against the reference."""
+"""`fusegate selftest --world-size N`: every admitted strategy on N local ranks against the reference.
+
+Exit 0 when every check passed, 1 when one failed (or a rank did), 2 on usage or environment
+errors, among them a --strategy that is admitted for none of the cases here (said once).
+"""
 
 from __future__ import annotations
 
@@ -17,7 +21,8 @@ def add_parser(sub) -> None:
         "strategy on small-integer inputs (bit-exact against the reference) and on random inputs at "
         "model hidden sizes (relative error against a float64 reference), and prints a table.",
     )
-    p.add_argument("--world-size", type=int, default=2, help="number of local ranks (default 2)")
+    p.add_argument("--world-size", type=int, default=2,
+                   help="number of local ranks (default 2; at most 4 per usable CPU core, one per GPU with NCCL)")
     p.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
                    help="auto: nccl when torch sees >= N GPUs, else gloo")
     p.add_argument("--shared-gpu", action="store_true",
@@ -46,33 +51,42 @@ def _backend(args: argparse.Namespace) -> tuple[str, str | None]:
     return "gloo", None
 
 
-def run(args: argparse.Namespace) -> int:
-    if args.world_size < 1:
-        raise UsageError(f"--world-size must be >= 1, got {args.world_size}")
-    if args.tokens < 1 or args.repeats < 1:
-        raise UsageError("--tokens and --repeats must be >= 1")
+def _check_args(args: argparse.Namespace) -> None:
+    """Every check that needs no torch, before anything heavy is imported."""
     from fusegate.backends import strategy_names
+    from fusegate.cli.preflight import check_positive, check_world_size, require_runtime
 
+    check_world_size(args.world_size)
+    check_positive(tokens=args.tokens, repeats=args.repeats)
+    if not args.timeout > 0:
+        raise UsageError(f"--timeout must be > 0 seconds, got {args.timeout}; pass e.g. --timeout 300")
     for name in args.strategy or []:
         if name not in strategy_names():
             raise UsageError(f"unknown strategy {name!r}; registered: {', '.join(strategy_names())}")
-    from rich.console import Console
+    require_runtime()
 
-    from fusegate.launch import RankFailure, run_ranks
+
+def run(args: argparse.Namespace) -> int:
+    _check_args(args)
+    from fusegate.cli.preflight import reject_not_admitted
+    from fusegate.cli.ranks import describe_failure, spawn
     from fusegate.selftest import default_cases, merge_ranks, rank_main
 
     backend, device = _backend(args)
     cases = default_cases(num_tokens=args.tokens)
-    err = Console(stderr=True)
+    if args.strategy:
+        problems = [(c.op, c.num_tokens, c.hidden, c.dtype, c.has_residual) for c in cases]
+        reject_not_admitted(args.strategy, problems, world_size=args.world_size, backend=backend,
+                            device=device or ("cuda" if backend == "nccl" else "cpu"))
+    from fusegate.launch import RankFailure
+
     started = time.perf_counter()
     env = {"TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES": "1"} if args.shared_gpu else {}
     try:
-        with err.status(f"selftest: {args.world_size} rank(s) over {backend}, {len(cases)} cases per strategy ...",
-                        spinner="dots") if not args.json else _null():
-            per_rank = run_ranks(rank_main, args.world_size, backend=backend, timeout_s=args.timeout,
-                                 args=(cases, args.repeats, device, args.strategy), env=env)
+        per_rank = spawn(rank_main, args.world_size, backend=backend, timeout_s=args.timeout,
+                         args=(cases, args.repeats, device, args.strategy, not args.json), env=env)
     except RankFailure as exc:
-        print(f"fusegate selftest: {exc}", file=sys.stderr)
+        print(f"fusegate selftest: {args.world_size} {backend} rank(s) failed: {describe_failure(exc)}", file=sys.stderr)
         return EXIT_NEGATIVE
     skipped, rows = merge_ranks(per_rank)
     elapsed = time.perf_counter() - started
@@ -112,12 +126,7 @@ def _print_table(rows, skipped, args, backend, elapsed, ok) -> None:
     for name, reason in skipped.items():
         console.print(f"not admitted: {name}: {reason}")
     failed = sum(not r.passed for r in rows)
-    console.print(f"{len(rows) - failed} passed, {failed} failed in {elapsed:.1f} s" + ("" if ok else " [red](FAILED)[/]"))
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
+    strategies = ", ".join(dict.fromkeys(r.strategy for r in rows)) or "none admitted"
+    verdict = "[green]PASSED[/]" if ok else "[red]FAILED[/]"
+    console.print(f"selftest {verdict}: {len(rows) - failed} passed, {failed} failed ({strategies}) on "
+                  f"{args.world_size} {backend} rank(s) in {elapsed:.1f} s", soft_wrap=True, highlight=False)

@@ -6,8 +6,10 @@
 
 The table goes to the cache directory (FUSEGATE_CACHE_DIR, else the XDG cache; `--cache-dir`),
 one file per machine fingerprint, merged with the buckets already there (`--fresh` replaces it).
-`Communicator(strategy="auto")` picks it up. Exit 0 when a table was built, 2 on usage or
-environment errors (including a rank that failed).
+`Communicator(strategy="auto")` picks it up. The printed table, `--json`'s "measured" and the
+`--results` rows hold only this run's buckets. Exit 0 when a table was built, 2 on usage or
+environment errors (including --strategies with nothing admitted for a bucket, and a rank that
+failed).
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import dataclasses
 import json
 import os
 
-from fusegate.tune.cli_common import add_launch_args, add_shape_args, hiddens, launch, progress_bar, share_cpu_threads
+from fusegate.cli.preflight import check_positive, check_writable
+from fusegate.tune.cli_common import add_launch_args, check_launch_args, add_shape_args, hiddens, launch, progress_bar, share_cpu_threads
 
 
 def add_parser(subparsers) -> None:
@@ -37,7 +40,8 @@ def add_parser(subparsers) -> None:
 
 
 def _tune_rank(rank, world_size, spec, device, save, fresh, show_progress):
-    """One spawned rank: tune in the world group; rank 0 reports the table and where it went."""
+    """One spawned rank: tune in the world group; rank 0 reports what this run measured, the table
+    as saved (merged with earlier runs unless `fresh`) and where it went."""
     import torch.distributed as dist
 
     from fusegate.probe import probe
@@ -46,26 +50,34 @@ def _tune_rank(rank, world_size, spec, device, save, fresh, show_progress):
 
     share_cpu_threads(world_size, device)
     with progress_bar(spec.num_steps, "tune", show_progress and rank == 0) as advance:
-        table = tune_in_group(spec, device=device, progress=advance)
-    path = table_path(table.fingerprint)
+        measured = tune_in_group(spec, device=device, progress=advance)
+    path = table_path(measured.fingerprint)
+    table = measured
     if not fresh:
-        old, _ = load(path, table.fingerprint, versions_of(probe()))
-        table = old.merged(table) if old is not None else table
+        old, _ = load(path, measured.fingerprint, versions_of(probe()))
+        table = old.merged(measured) if old is not None else measured
     if save:
         save_table(table, path)  # every rank: each host has its own cache; same bytes, atomic rename
     dist.barrier()
-    return (table.to_json(), str(path)) if rank == 0 else None
+    return (measured.to_json(), table.to_json(), str(path)) if rank == 0 else None
 
 
-def run(args) -> int:
-    from fusegate.cli.main import UsageError, dumps_json
-    from fusegate.launch import RankFailure, run_ranks
-    from fusegate.tune.table import DEFAULT_MARGIN, parse, token_buckets
-    from fusegate.tune.tuner import ALL_OPS, TuneSpec
+def _check_args(args) -> tuple[tuple[int, ...], tuple[str, ...], tuple[str, ...] | None]:
+    """(hidden sizes, ops, strategies) after every check that needs no torch."""
+    from fusegate.cli.main import UsageError
 
     sizes = hiddens(args, "tune")
-    world_size, backend, device = launch(args)
-    ops = ALL_OPS if args.op == "both" else (args.op,)
+    check_launch_args(args)
+    if not 0 <= args.margin < 1:
+        raise UsageError(f"--margin is a fraction in [0, 1), e.g. 0.03; got {args.margin}")
+    check_positive(rounds=args.rounds, confirm_rounds=args.confirm_rounds)
+    if args.results:
+        from fusegate.bench.results import results_file
+
+        check_writable(str(results_file(args.results, "tune.jsonl")), flag="--results")
+    if args.cache_dir and not args.no_save:
+        check_writable(args.cache_dir, flag="--cache-dir", directory=True)
+    ops = ("all_reduce_residual_rmsnorm", "all_reduce") if args.op == "both" else (args.op,)
     strategies = tuple(s for s in args.strategies.split(",") if s) or None
     if strategies:
         from fusegate.backends import strategy_names
@@ -73,43 +85,81 @@ def run(args) -> int:
         unknown = [s for s in strategies if s not in strategy_names()]
         if unknown:
             raise UsageError(f"unknown strategy {', '.join(unknown)} in --strategies; registered: {', '.join(strategy_names())}")
+    return sizes, ops, strategies
+
+
+def _reject_unservable(strategies, problems, world_size, backend, device) -> None:
+    """UsageError when a problem has no admitted strategy among --strategies (each reason once)."""
+    from fusegate.cli.main import UsageError
+    from fusegate.cli.preflight import admission_here
+
+    verdicts = admission_here(strategies, problems, world_size=world_size, backend=backend, device=device)
+    for problem in problems:
+        if not any(verdicts[name][problem].ok for name in strategies):
+            reasons = "; ".join(f"{name}: {verdicts[name][problem].reason}" for name in strategies)
+            op, tokens, hidden, dtype, _ = problem
+            raise UsageError(f"--strategies {','.join(strategies)}: none is admitted for {op} {tokens}x{hidden} {dtype} "
+                             f"on {world_size} {backend} rank(s) on {device} ({reasons}); add an admitted strategy "
+                             "(`fusegate doctor` lists them) or drop --strategies")
+
+
+def run(args) -> int:
+    import time
+
+    from fusegate.cli.main import UsageError, dumps_json
+    from fusegate.cli.ranks import describe_failure, spawn
+    from fusegate.tune.table import parse, token_buckets
+
+    sizes, ops, strategies = _check_args(args)
+    buckets = tuple(token_buckets(args.max_tokens))
+    world_size, backend, device = launch(args)
+    if strategies:
+        _reject_unservable(strategies, [(op, t, h, args.dtype, op == "all_reduce_residual_rmsnorm")
+                                        for op in ops for h in sizes for t in buckets], world_size, backend, device)
+    from fusegate.launch import RankFailure
+    from fusegate.tune.tuner import TuneSpec
+
     try:
-        spec = TuneSpec(hiddens=sizes, buckets=tuple(token_buckets(args.max_tokens)), dtype=args.dtype, ops=ops,
-                        strategies=strategies, margin=args.margin if args.margin is not None else DEFAULT_MARGIN,
-                        rounds=args.rounds, confirm_rounds=args.confirm_rounds)
+        spec = TuneSpec(hiddens=sizes, buckets=buckets, dtype=args.dtype, ops=ops, strategies=strategies,
+                        margin=args.margin, rounds=args.rounds, confirm_rounds=args.confirm_rounds)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     env = {"FUSEGATE_CACHE_DIR": os.path.abspath(args.cache_dir)} if args.cache_dir else {}
+    started = time.perf_counter()
     try:
-        results = run_ranks(_tune_rank, world_size, backend=backend, env=env, timeout_s=args.timeout,
-                            args=(spec, device, not args.no_save, args.fresh, not args.json))
+        results = spawn(_tune_rank, world_size, backend=backend, env=env, timeout_s=args.timeout,
+                        args=(spec, device, not args.no_save, args.fresh, not args.json))
     except RankFailure as exc:
-        raise UsageError(f"a rank failed while tuning on {world_size} {backend} rank(s): {exc}") from None
-    text, path = results[0]
-    table = parse(text)
+        raise UsageError(f"tuning on {world_size} {backend} rank(s) failed: {describe_failure(exc)}") from None
+    measured_text, saved_text, path = results[0]
+    measured = parse(measured_text)
     if args.results:
         from fusegate.bench.results import append_rows, results_file
         from fusegate.tune.results import rows_from_table
 
-        fresh = [e for e in table.entries if (e.hidden in sizes and e.dtype == args.dtype and e.op in ops)]
-        append_rows(results_file(args.results, "tune.jsonl"), rows_from_table(dataclasses.replace(table, entries=tuple(fresh)), backend=backend, device=device))
+        append_rows(results_file(args.results, "tune.jsonl"), rows_from_table(measured, backend=backend, device=device))
     if args.json:
         print(dumps_json({"path": None if args.no_save else path, "world_size": world_size, "backend": backend,
-                          "device": device, "table": json.loads(text)}, indent=1))
+                          "device": device, "table": json.loads(saved_text if not args.no_save else measured_text),
+                          "measured": [dataclasses.asdict(e) for e in measured.entries]}, indent=1))
     else:
-        _print_summary(table, path if not args.no_save else None, world_size, backend, device)
+        kept = len(parse(saved_text).entries) - len(measured.entries) if not args.no_save else 0
+        _print_summary(measured, path if not args.no_save else None, world_size, backend, device, kept=kept,
+                       seconds=time.perf_counter() - started)
     return 0
 
 
-def _print_summary(table, path, world_size, backend, device) -> None:
+def _print_summary(table, path, world_size, backend, device, *, kept: int, seconds: float) -> None:
+    """This run's buckets (sorted by op, hidden, tokens), the guard and rejection notes, then one summary line."""
     from rich.console import Console
     from rich.table import Table
 
-    names = sorted({n for e in table.entries for n in e.times_us})
+    entries = sorted(table.entries, key=lambda e: (e.op, e.hidden, e.tokens))
+    names = sorted({n for e in entries for n in e.times_us})
     out = Table(title=f"fusegate tune: {world_size} ranks, {backend}, {device} (median us, max over ranks)")
     for col in ("op", "hidden", "tokens", "choice", *names):
         out.add_column(col, overflow="fold")
-    for e in table.entries:
+    for e in entries:
         cells = []
         for n in names:
             t = e.median(n)
@@ -118,10 +168,13 @@ def _print_summary(table, path, world_size, backend, device) -> None:
                     e.choice, *cells)
     console = Console()
     console.print(out)
-    guarded = [e for e in table.entries if "fused" in e.reason and "no fused candidate" not in e.reason]
+    guarded = [e for e in entries if "fused" in e.reason and "no fused candidate" not in e.reason]
     for e in guarded:
         console.print(f"{e.op} {e.tokens}x{e.hidden}: {e.reason}", soft_wrap=True)
-    rejected = {n: r for e in table.entries for n, r in e.rejected.items()}
+    rejected = {n: r for e in entries for n, r in e.rejected.items()}
     for name, reason in rejected.items():
-        console.print(f"[dim]not considered: {name}: {reason}[/dim]")
-    console.print(f"dispatch table: {path}" if path else "dispatch table not saved (--no-save)")
+        console.print(f"[dim]not considered: {name}: {reason}[/dim]", soft_wrap=True)
+    choices = sorted({e.choice for e in entries})
+    where = f"saved to {path}" + (f" (with {kept} bucket(s) kept from earlier runs)" if kept else "") if path else "not saved (--no-save)"
+    console.print(f"tune: {len(entries)} bucket(s) measured in {seconds:.1f} s, chosen: {', '.join(choices)}; "
+                  f"dispatch table {where}", soft_wrap=True, highlight=False)

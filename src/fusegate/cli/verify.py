@@ -6,12 +6,13 @@
 Correctness first (small-integer inputs bit-exact, random inputs within tolerance, identical
 bits on every rank), then interleaved timing of candidate, baseline and baseline-again (the
 noise band; rule in `fusegate.tune.verify`). Exit 0 on KEEP, 1 on REVERT, 2 on usage or
-environment errors.
+environment errors, among them a --strategy or --baseline admitted for none of the buckets here
+(said once, with the reason, before any rank starts).
 """
 
 from __future__ import annotations
 
-from fusegate.tune.cli_common import add_launch_args, add_shape_args, hiddens, launch, progress_bar, share_cpu_threads
+from fusegate.tune.cli_common import add_launch_args, check_launch_args, add_shape_args, hiddens, launch, progress_bar, share_cpu_threads
 
 
 def add_parser(subparsers) -> None:
@@ -42,12 +43,16 @@ def _verify_rank(rank, world_size, strategy, baseline, sizes, buckets, dtype, op
 
 
 def run(args) -> int:
+    import time
+
     from fusegate.backends import strategy_names
     from fusegate.cli.main import EXIT_NEGATIVE, EXIT_OK, UsageError, dumps_json
-    from fusegate.launch import RankFailure, run_ranks
+    from fusegate.cli.preflight import reject_not_admitted
+    from fusegate.cli.ranks import describe_failure, spawn
     from fusegate.tune.table import token_buckets
 
     sizes = hiddens(args, "verify")
+    check_launch_args(args)
     known = strategy_names()
     for name in (args.strategy, args.baseline):
         if name is not None and name not in known:
@@ -56,16 +61,32 @@ def run(args) -> int:
         raise UsageError(f"--margin is a fraction in [0, 1), e.g. 0.03; got {args.margin}")
     if args.rounds < 2:
         raise UsageError(f"--rounds must be >= 2 (the noise band needs repeated samples), got {args.rounds}")
-    world_size, backend, device = launch(args)
+    if args.max_rounds is not None and args.max_rounds < args.rounds:
+        raise UsageError(f"--max-rounds {args.max_rounds} is below --rounds {args.rounds}; give at least --rounds")
+    if args.results:
+        from fusegate.bench.results import results_file
+        from fusegate.cli.preflight import check_writable
+
+        check_writable(str(results_file(args.results, "verify.jsonl")), flag="--results")
     buckets = tuple(token_buckets(args.max_tokens))
+    world_size, backend, device = launch(args)
+    problems = [(args.op, t, h, args.dtype, args.op == "all_reduce_residual_rmsnorm") for h in sizes for t in buckets]
+    reject_not_admitted([args.strategy], problems, world_size=world_size, backend=backend, device=device)
+    if args.baseline is not None:
+        reject_not_admitted([args.baseline], problems, world_size=world_size, backend=backend, device=device,
+                            flag="--baseline")
+    from fusegate.launch import RankFailure
+
+    started = time.perf_counter()
     try:
-        results = run_ranks(_verify_rank, world_size, backend=backend, timeout_s=args.timeout,
-                            args=(args.strategy, args.baseline, sizes, buckets, args.dtype, args.op, args.margin,
-                                  args.rounds, args.max_rounds, device, not args.json))
+        results = spawn(_verify_rank, world_size, backend=backend, timeout_s=args.timeout,
+                        args=(args.strategy, args.baseline, sizes, buckets, args.dtype, args.op, args.margin,
+                              args.rounds, args.max_rounds, device, not args.json))
     except RankFailure as exc:
-        raise UsageError(f"a rank failed while verifying on {world_size} {backend} rank(s): {exc}") from None
+        raise UsageError(f"verifying on {world_size} {backend} rank(s) failed: {describe_failure(exc)}") from None
     report = results[0]
-    report.update(world_size=world_size, backend=backend, device=device, dtype=args.dtype)
+    report.update(world_size=world_size, backend=backend, device=device, dtype=args.dtype,
+                  seconds=round(time.perf_counter() - started, 2))
     if args.results:
         from fusegate.bench.results import append_rows, results_file
         from fusegate.tune.results import rows_from_verify
@@ -97,4 +118,7 @@ def _print_report(report: dict) -> None:
     console = Console()
     console.print(out)
     style = "red" if report["verdict"] == "REVERT" else "green"
-    console.print(f"overall: [bold {style}]{report['verdict']}[/bold {style}]")
+    reverted = sum(b["verdict"] == "REVERT" for b in report["buckets"])
+    console.print(f"verify: [bold {style}]{report['verdict']}[/bold {style}] {report['strategy']} vs {report['baseline']}: "
+                  f"{len(report['buckets']) - reverted} of {len(report['buckets'])} bucket(s) KEEP, {reverted} REVERT, "
+                  f"in {report['seconds']:.1f} s", soft_wrap=True, highlight=False)

@@ -1,0 +1,32 @@
+"""What `pip install .` brings: every package the ranks need at run time is a declared dependency."""
+
+import re
+import tomllib
+from pathlib import Path
+
+from fusegate.cli.preflight import RUNTIME_PACKAGES
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _requirement_names(requirements: list[str]) -> set[str]:
+    return {re.match(r"[A-Za-z0-9_.-]+", r).group(0).lower() for r in requirements}
+
+
+def test_runtime_packages_are_declared_dependencies_not_only_extras():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = _requirement_names(project["dependencies"])
+    assert {"torch", "numpy"} <= declared
+    assert set(RUNTIME_PACKAGES) <= declared
+
+
+def test_ci_runs_the_readme_main_command_in_a_fresh_venv():
+    ci = (ROOT / ".ci" / "run").read_text()
+    readme = (ROOT / "README.md").read_text()
+    setup = readme.split("## Set up on a fresh machine", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"^```bash\n(.*?)\n```$", setup, re.M | re.S)
+    assert blocks[0] == "pip install torch==2.13.0 && pip install . && fusegate selftest --world-size 2"
+    assert len(blocks) == 2 and "python -m pytest" in blocks[1]
+    # .ci/run reads the blocks from that section and runs the first inside `python -m venv`.
+    assert 'in_setup = ($0 == "## Set up on a fresh machine")' in ci
+    assert 'python -m venv "$venv_dir/venv"' in ci and 'source "$venv_dir/venv/bin/activate"' in ci
