@@ -13,6 +13,8 @@ Strategy choice: `strategy="auto"` consults the dispatch table written by `fuseg
 `fusegate.dispatch`); an explicit name (or FUSEGATE_STRATEGY) is honoured, and a call it cannot
 serve raises ValueError with the admission reason. `debug=True` (or FUSEGATE_DEBUG=1) checks before
 each collective that all ranks agree on shape and dtype, turning a would-be hang into an error.
+Construction first checks that every rank asked for the same strategy, debug mode and device
+(`fusegate.group.agree_settings`): a mismatch raises on every rank, naming the ranks.
 """
 
 from __future__ import annotations
@@ -24,11 +26,18 @@ from fusegate import env
 from fusegate.backends import admission, get_strategy, strategy_names
 from fusegate.backends.base import Strategy, StrategyContext
 from fusegate.dispatch import CONSERVATIVE_DEFAULT, Choice, choose, warn_once
-from fusegate.group import agree_group_info, device_type_of
+from fusegate.group import agree_group_info, agree_settings, device_type_of
 from fusegate.spec import Op, Problem, dtype_name
 from fusegate.tune.agree import agreed_table
 from fusegate.tune.candidates import is_fused
 from fusegate.validation import as_rows, check_all_reduce, check_residual_rmsnorm
+
+
+_SETTING_FIXES = {
+    "strategy": "pass the same strategy= (and FUSEGATE_STRATEGY) on every rank",
+    "debug": "set FUSEGATE_DEBUG (or debug=) the same on every rank",
+    "device": "pass the same device= on every rank",
+}
 
 
 class Communicator:
@@ -48,20 +57,25 @@ class Communicator:
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
-        requested = env.strategy_override() or strategy
+        requested, problem = env.strategy_override() or strategy, ""
         if requested != "auto" and requested not in strategy_names():
-            raise ValueError(
-                f"Communicator: unknown strategy {requested!r}; use 'auto' or one of: {', '.join(strategy_names())}"
-            )
-        self.requested = requested
-        self.debug = env.debug_enabled() if debug is None else bool(debug)
-        self.options = options
-        self.caps = probe()
+            problem = f"unknown strategy {requested!r}; use 'auto' or one of: {', '.join(strategy_names())}"
+        try:
+            debug_on = env.debug_enabled() if debug is None else bool(debug)
+        except ValueError as exc:  # raised on every rank by agree_settings, not here on this one alone
+            debug_on, problem = False, problem or str(exc)
         device_type = torch.device(device).type if device is not None else device_type_of(self.group)
         if device_type not in ("cpu", "cuda"):
             raise ValueError(f"Communicator: device {device!r} is not supported; use 'cpu' or 'cuda'")
         if device_type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("Communicator: device='cuda' but torch sees no CUDA GPU; use a gloo group with device='cpu'")
+        # Collective, before any other: ranks that differ here would run different collectives.
+        agree_settings(self.group, "Communicator", {"strategy": requested, "debug": debug_on, "device": device_type},
+                       problem, fixes=_SETTING_FIXES)
+        self.requested = requested
+        self.debug = debug_on
+        self.options = options
+        self.caps = probe()
         self.info = agree_group_info(self.group, self.caps, device_type=device_type)
         self.device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
         self._instances: dict[str, Strategy] = {}

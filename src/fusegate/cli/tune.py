@@ -36,12 +36,13 @@ def add_parser(subparsers) -> None:
     p.set_defaults(run=run)
 
 
-def _tune_rank(rank, world_size, spec, device, save, fresh, show_progress):
-    """One spawned rank: tune in the world group; rank 0 reports the table and where it went."""
+def _tune_rank(rank, world_size, spec, device, fresh, show_progress):
+    """One spawned rank: tune in the world group; rank 0 reports the table and where it goes.
+    Ranks write nothing: the parent saves once every rank has finished, so an aborted run never does."""
     import torch.distributed as dist
 
     from fusegate.probe import probe
-    from fusegate.tune.table import load, save as save_table, table_path, versions_of
+    from fusegate.tune.table import load, table_path, versions_of
     from fusegate.tune.tuner import tune_in_group
 
     share_cpu_threads(world_size, device)
@@ -51,8 +52,6 @@ def _tune_rank(rank, world_size, spec, device, save, fresh, show_progress):
     if not fresh:
         old, _ = load(path, table.fingerprint, versions_of(probe()))
         table = old.merged(table) if old is not None else table
-    if save:
-        save_table(table, path)  # every rank: each host has its own cache; same bytes, atomic rename
     dist.barrier()
     return (table.to_json(), str(path)) if rank == 0 else None
 
@@ -60,7 +59,8 @@ def _tune_rank(rank, world_size, spec, device, save, fresh, show_progress):
 def run(args) -> int:
     from fusegate.cli.main import UsageError, dumps_json
     from fusegate.launch import RankFailure, run_ranks
-    from fusegate.tune.table import DEFAULT_MARGIN, parse, token_buckets
+    from fusegate.env import cache_dir
+    from fusegate.tune.table import DEFAULT_MARGIN, CacheDirError, check_writable, parse, save, token_buckets
     from fusegate.tune.tuner import ALL_OPS, TuneSpec
 
     sizes = hiddens(args, "tune")
@@ -81,12 +81,22 @@ def run(args) -> int:
         raise UsageError(str(exc)) from None
     env = {"FUSEGATE_CACHE_DIR": os.path.abspath(args.cache_dir)} if args.cache_dir else {}
     try:
+        if not args.no_save:  # before measuring: a read-only cache fails now, not after the run
+            check_writable(env.get("FUSEGATE_CACHE_DIR") or cache_dir())
+    except CacheDirError as exc:
+        raise UsageError(str(exc)) from None
+    try:
         results = run_ranks(_tune_rank, world_size, backend=backend, env=env, timeout_s=args.timeout,
-                            args=(spec, device, not args.no_save, args.fresh, not args.json))
+                            args=(spec, device, args.fresh, not args.json))
     except RankFailure as exc:
         raise UsageError(f"a rank failed while tuning on {world_size} {backend} rank(s): {exc}") from None
     text, path = results[0]
     table = parse(text)
+    try:
+        if not args.no_save:
+            save(table, path)
+    except CacheDirError as exc:
+        raise UsageError(str(exc)) from None
     if args.results:
         from fusegate.bench.results import append_rows, results_file
         from fusegate.tune.results import rows_from_table
