@@ -70,7 +70,10 @@ def _watch_parent(parent_pid: int) -> None:
 
 
 def die_with_parent(parent_pid: int) -> None:
-    """Make this process end when `parent_pid` (its parent) does; see the module doc."""
+    """Make this process end when `parent_pid` (its parent) does; see the module doc.
+
+    Linux signals the child when the *thread* that started it exits; `run_ranks` blocks in that
+    thread until every rank has finished, so the two coincide."""
     if sys.platform.startswith("linux"):
         try:
             prctl = ctypes.CDLL(None, use_errno=True).prctl
@@ -183,8 +186,9 @@ def run_ranks(
             else:
                 failures[rank] = value
     finally:
+        stop = time.monotonic() + (5.0 if not failures else 0.5)  # one shared bound for the teardowns
         for p in procs:
-            p.join(timeout=5 if not failures else 0.5)
+            p.join(timeout=max(stop - time.monotonic(), 0.0))
             if p.is_alive():
                 p.kill()
                 p.join()

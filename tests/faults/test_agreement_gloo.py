@@ -11,6 +11,7 @@
 import json
 import os
 
+import pytest
 import torch
 
 from fusegate.launch import run_ranks
@@ -91,6 +92,7 @@ def _agreement_rank(rank, world_size, root):
     return {**_tables(rank, root), **_settings(rank)}
 
 
+@pytest.mark.slow
 def test_ranks_agree_at_construction_or_all_fail_alike(tmp_path):
     results = run_ranks(_agreement_rank, WORLD_SIZE, args=(str(tmp_path),), timeout_s=150)
     want = all_reduce_ref([small_integer_inputs(r, 3, H, torch.float32) for r in range(WORLD_SIZE)])

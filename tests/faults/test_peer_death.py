@@ -13,6 +13,7 @@ import os
 import signal
 import time
 
+import pytest
 import torch
 
 from fusegate.launch import RankFailure, run_ranks
@@ -59,6 +60,7 @@ def _survivor_rank(rank, world_size, out_dir):
     return rank
 
 
+@pytest.mark.slow
 def test_every_survivor_fails_within_the_strategy_timeout(tmp_path):
     try:
         run_ranks(_survivor_rank, WORLD_SIZE, args=(str(tmp_path),), timeout_s=120)

@@ -33,6 +33,7 @@ def _alive(pid: int) -> bool:
             return False
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
 def test_killing_tune_kills_its_ranks_and_writes_no_table(tmp_path, sig):
     cache, pids = tmp_path / "cache", tmp_path / "pids"
