@@ -25,12 +25,13 @@ import torch.distributed as dist
 from fusegate import env
 from fusegate.backends import admission, get_strategy, strategy_names
 from fusegate.backends.base import Strategy, StrategyContext
+from fusegate.backends.host_wait import PeerGuard, goes_through_host, strategy_timeout_s
 from fusegate.dispatch import CONSERVATIVE_DEFAULT, Choice, choose, warn_once
 from fusegate.group import agree_group_info, agree_settings, device_type_of
 from fusegate.spec import Op, Problem, dtype_name
 from fusegate.tune.agree import agreed_table
 from fusegate.tune.candidates import is_fused
-from fusegate.validation import as_rows, check_all_reduce, check_residual_rmsnorm
+from fusegate.validation import SUPPORTED_DTYPES, as_rows, check_all_reduce, check_residual_rmsnorm
 
 
 _SETTING_FIXES = {
@@ -75,6 +76,11 @@ class Communicator:
         self.requested = requested
         self.debug = debug_on
         self.options = options
+        if self.debug:
+            host = goes_through_host(self.group, torch.device(device_type))
+            self._debug_device = torch.device("cpu") if host else torch.device("cuda", torch.cuda.current_device())
+            self._debug_guard = PeerGuard("Communicator", self.rank, strategy_timeout_s(options, "Communicator"),
+                                          bounded=host)
         self.caps = probe()
         self.info = agree_group_info(self.group, self.caps, device_type=device_type)
         self.device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
@@ -207,13 +213,19 @@ class Communicator:
         return instance
 
     def _check_ranks_agree(self, op: Op, rows: torch.Tensor) -> None:
-        mine = (op.value, tuple(rows.shape), str(rows.dtype))
-        everyone: list = [None] * self.world_size
-        dist.all_gather_object(everyone, mine, group=self.group)
-        if any(e != everyone[0] for e in everyone):
-            table = "; ".join(f"rank {r}: {e[0]} {e[1]} {e[2]}" for r, e in enumerate(everyone))
+        # A fixed-size integer gather, not all_gather_object: over gloo it is waited on within the
+        # strategies' bound, so debug mode raises PeerLostError on a dead peer instead of hanging.
+        ops = list(Op)
+        mine = torch.tensor([ops.index(op), rows.shape[0], rows.shape[1], SUPPORTED_DTYPES.index(rows.dtype)],
+                            dtype=torch.int64, device=self._debug_device)
+        everyone = [torch.empty_like(mine) for _ in range(self.world_size)]
+        request = dist.all_gather(everyone, mine, group=self.group, async_op=True)
+        self._debug_guard.wait([request], f"the other ranks (debug check before {op.value})")
+        calls = [tuple(t.tolist()) for t in everyone]
+        if any(c != calls[0] for c in calls):
+            table = "; ".join(f"rank {r}: {ops[c[0]].value} ({c[1]}, {c[2]}) {SUPPORTED_DTYPES[c[3]]}"
+                              for r, c in enumerate(calls))
             raise ValueError(f"{op.value}: ranks disagree on the call ({table}); every rank must pass the same shape and dtype")
-
 
 def _token_buckets(max_tokens: int) -> list[int]:
     buckets, tokens = [], 1

@@ -5,7 +5,8 @@ Four ranks, rank 1 killed: ranks 0 and 2 (its neighbours) see a closed socket at
 not: its neighbours are alive, they raised and stopped sending. Survivors stay alive until every
 survivor has reported, so none is rescued by a neighbour's socket closing when it exits; rank 3
 must fail on its own bound (the case that blocked for 30 minutes). Each strategy runs on its own
-process group (same ranks), so one spawn checks both.
+process group (same ranks), so one spawn checks both, and debug mode's own check before the call
+(a third group) is bounded the same way.
 """
 
 import json
@@ -21,7 +22,9 @@ from fusegate.reference import all_reduce_ref, small_integer_inputs
 
 H = 16
 WORLD_SIZE, VICTIM = 4, 1
-STRATEGIES = ("ring", "reference")
+# name -> (Communicator arguments, who raises): the debug check runs before the strategy's call.
+CASES = {"ring": ({"strategy": "ring"}, "ring"), "reference": ({"strategy": "reference"}, "reference"),
+         "debug": ({"strategy": "reference", "debug": True}, "Communicator")}
 TIMEOUT_S = 2.0
 # Bound on a survivor's time to raise: its own timeout plus scheduling slack on a loaded 2-core
 # CI machine (the unbounded case waits 1800 s).
@@ -42,8 +45,8 @@ def _survivor_rank(rank, world_size, out_dir):
 
     from fusegate import Communicator
 
-    comms = {name: Communicator(dist.new_group(list(range(world_size))), strategy=name, timeout_s=TIMEOUT_S)
-             for name in STRATEGIES}
+    comms = {name: Communicator(dist.new_group(list(range(world_size))), timeout_s=TIMEOUT_S, **kwargs)
+             for name, (kwargs, _) in CASES.items()}
     x = small_integer_inputs(rank, 5, H, torch.float32)
     report = {name: {"good": comm.all_reduce(x).tolist()} for name, comm in comms.items()}  # every link is up
     if rank == VICTIM:
@@ -72,12 +75,12 @@ def test_every_survivor_fails_within_the_strategy_timeout(tmp_path):
     want = all_reduce_ref([small_integer_inputs(r, 5, H, torch.float32) for r in range(WORLD_SIZE)])
     for rank in failure.results:
         report = json.loads((tmp_path / f"{rank}.json").read_text())
-        for name in STRATEGIES:
+        for name, (_, where) in CASES.items():
             got = report[name]
             assert torch.equal(torch.tensor(got["good"]), want)
-            assert got["first"].startswith(f"PeerLostError: {name}: rank {rank} "), (rank, got)
+            assert got["first"].startswith(f"PeerLostError: {where}: rank {rank} "), (rank, got)
             assert "destroy the process group" in got["first"]
             assert got["elapsed"] < TIMEOUT_S + SLACK_S, (rank, got)
-            assert got["second"].startswith(f"PeerLostError: {name}: rank {rank}: an earlier call failed"), (rank, got)
+            assert got["second"].startswith(f"PeerLostError: {where}: rank {rank}: an earlier call failed"), (rank, got)
     # Rank 3 is not next to the dead rank: it can only have failed on its own bound.
     assert "without an answer" in json.loads((tmp_path / "3.json").read_text())["ring"]["first"]

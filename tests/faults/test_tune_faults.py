@@ -10,6 +10,7 @@ import time
 import pytest
 
 from fusegate.cli.main import main
+from fusegate.launch import FAILURE_GRACE_S
 from fusegate.tune.table import CacheDirError, check_writable, save
 
 from test_table_faults import _table
@@ -34,31 +35,44 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
-def test_killing_tune_kills_its_ranks_and_writes_no_table(tmp_path, sig):
+@pytest.mark.parametrize("target,sig", [("parent", signal.SIGKILL), ("parent", signal.SIGTERM), ("rank", signal.SIGKILL)],
+                         ids=["parent-SIGKILL", "parent-SIGTERM", "rank-SIGKILL"])
+def test_a_killed_tune_takes_every_rank_with_it_and_writes_no_table(tmp_path, target, sig):
     cache, pids = tmp_path / "cache", tmp_path / "pids"
     pids.mkdir()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, HERE]), "FUSEGATE_TEST_PID_DIR": str(pids),
-           "FUSEGATE_STRATEGIES": "pid_then_block=blocking_strategy:PidThenBlock"}
+           "FUSEGATE_STRATEGIES": "pid_then_block=blocking_strategy:PidThenBlock", "FUSEGATE_TIMEOUT_S": "2"}
     parent = subprocess.Popen(
         [sys.executable, "-m", "fusegate.cli", "tune", "--hidden", "16", "--max-tokens", "1", "--op", "all_reduce",
          "--strategies", "reference,pid_then_block", "--world-size", "2", "--cache-dir", str(cache), "--json"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
         while len([p for p in os.listdir(pids) if p.isdigit()]) < 2:
             assert parent.poll() is None, parent.communicate()
             assert time.monotonic() < deadline, "the ranks never reached the measurement"
             time.sleep(0.1)
-        ranks = [int(p) for p in os.listdir(pids) if p.isdigit()]
+        ranks = sorted(int(p) for p in os.listdir(pids) if p.isdigit())
         assert all(_alive(pid) for pid in ranks)
-        parent.send_signal(sig)
-        parent.wait(timeout=30)
-        # Bound: the kernel delivers the parent-death signal at once; 5 s covers a loaded machine.
-        deadline = time.monotonic() + 5
+        if target == "parent":
+            parent.send_signal(sig)
+            parent.wait(timeout=30)
+            bound = 5.0  # the kernel signals the ranks as the parent dies; 5 s covers a loaded machine
+        else:
+            os.kill(ranks[0], sig)
+            killed = time.monotonic()
+            # The survivor's next collective raises within FUSEGATE_TIMEOUT_S and stops the tune; the
+            # parent names both ranks well before the launcher's grace would have killed the survivor.
+            _, err = parent.communicate(timeout=60)
+            assert time.monotonic() - killed < FAILURE_GRACE_S, err
+            assert parent.returncode == 2, err
+            assert err.startswith("fusegate tune: a rank failed while tuning on 2 gloo rank(s)"), err
+            assert "killed by SIGKILL" in err and "PeerLostError: pid_then_block: rank " in err, err
+            bound = 1.0
+        deadline = time.monotonic() + bound
         while any(_alive(pid) for pid in ranks) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not [pid for pid in ranks if _alive(pid)], "ranks outlived their parent"
+        assert not [pid for pid in ranks if _alive(pid)], "ranks outlived the run"
     finally:
         if parent.poll() is None:
             parent.kill()
