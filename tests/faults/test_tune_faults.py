@@ -1,6 +1,7 @@
 """`fusegate tune` under faults: a killed parent takes its ranks with it and writes no table; a cache
 directory that cannot be written is a usage error (exit 2, the fix named) before anything is measured."""
 
+import errno
 import os
 import signal
 import subprocess
@@ -83,27 +84,38 @@ def test_a_killed_tune_takes_every_rank_with_it_and_writes_no_table(tmp_path, ta
     assert not cache.exists() or sorted(os.listdir(cache)) == []  # no table, no temporary file
 
 
-def _unwritable_dirs(tmp_path):
-    blocker = tmp_path / "a-file"
-    blocker.write_text("not a directory")
-    yield "under a file", blocker / "cache"
-    if os.geteuid() != 0:  # root writes through permission bits, so only a non-root run tests them
-        ro = tmp_path / "read-only"
-        ro.mkdir(mode=0o555)
-        yield "read-only", ro
+def _read_only_mount(tmp_path, monkeypatch):
+    def erofs(*args, **kwargs):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+    monkeypatch.setattr("fusegate.tune.table.tempfile.mkstemp", erofs)  # what a read-only mount answers
+    return tmp_path, os.strerror(errno.EROFS)
 
 
-def test_an_unwritable_cache_dir_is_exit_2_before_measuring(tmp_path, capsys):
-    for name, where in _unwritable_dirs(tmp_path):
-        start = time.monotonic()
-        rc = main(["tune", "--hidden", "16", "--max-tokens", "1", "--world-size", "2", "--cache-dir", str(where), "--json"])
-        elapsed = time.monotonic() - start
-        err = capsys.readouterr().err
-        assert rc == 2, (name, err)
-        assert f"fusegate tune: cannot write the dispatch table in {where}" in err, err
-        assert "pass --cache-dir DIR (or set FUSEGATE_CACHE_DIR) to a writable directory, or --no-save" in err
-        assert "Traceback" not in err
-        assert elapsed < 5, f"{name}: {elapsed:.1f} s: ranks were spawned before the check"
+def _under_a_file(tmp_path, monkeypatch):
+    (tmp_path / "a-file").write_text("not a directory")
+    return tmp_path / "a-file" / "cache", os.strerror(errno.ENOTDIR)
+
+
+def _read_only_dir(tmp_path, monkeypatch):
+    if os.geteuid() == 0:
+        pytest.skip("root writes through permission bits; run as a non-root user to test a mode 0555 directory")
+    (tmp_path / "ro").mkdir(mode=0o555)
+    return tmp_path / "ro", os.strerror(errno.EACCES)
+
+
+@pytest.mark.parametrize("make", [_read_only_mount, _under_a_file, _read_only_dir],
+                         ids=["read-only-mount", "under-a-file", "mode-0555"])
+def test_an_unwritable_cache_dir_is_exit_2_before_measuring(tmp_path, monkeypatch, capsys, make):
+    where, reason = make(tmp_path, monkeypatch)
+    start = time.monotonic()
+    rc = main(["tune", "--hidden", "16", "--max-tokens", "1", "--world-size", "2", "--cache-dir", str(where), "--json"])
+    elapsed = time.monotonic() - start
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert err.startswith(f"fusegate tune: cannot write the dispatch table in {where} ({reason}); "), err
+    assert "pass --cache-dir DIR (or set FUSEGATE_CACHE_DIR) to a writable directory, or --no-save" in err
+    assert "Traceback" not in err
+    assert elapsed < 5, f"{elapsed:.1f} s: ranks were spawned before the check"
 
 
 def test_check_writable_and_save_leave_nothing_behind(tmp_path):
