@@ -61,9 +61,10 @@ class Communicator:
         requested, problem = env.strategy_override() or strategy, ""
         if requested != "auto" and requested not in strategy_names():
             problem = f"unknown strategy {requested!r}; use 'auto' or one of: {', '.join(strategy_names())}"
-        try:
+        try:  # errors are raised on every rank by agree_settings, not here on this one alone
             debug_on = env.debug_enabled() if debug is None else bool(debug)
-        except ValueError as exc:  # raised on every rank by agree_settings, not here on this one alone
+            strategy_timeout_s(options)  # read by the strategies at their first call
+        except ValueError as exc:
             debug_on, problem = False, problem or str(exc)
         device_type = torch.device(device).type if device is not None else device_type_of(self.group)
         if device_type not in ("cpu", "cuda"):

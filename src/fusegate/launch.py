@@ -158,6 +158,7 @@ def run_ranks(
     dead_since: dict[int, float] = {}
     deadline = time.monotonic() + timeout_s
     first_failure = None
+    finished = False
     try:
         while len(values) + len(failures) < world_size:
             now = time.monotonic()
@@ -185,8 +186,11 @@ def run_ranks(
                 values[rank] = pickle.loads(value)
             else:
                 failures[rank] = value
+        finished = True
     finally:
-        stop = time.monotonic() + (5.0 if not failures else 0.5)  # one shared bound for the teardowns
+        # Ranks that all reported get 5 s, shared, to tear down; after a failure or an interrupt
+        # (KeyboardInterrupt here) they are killed at once.
+        stop = time.monotonic() + (5.0 if finished and not failures else 0.5 if finished else 0.0)
         for p in procs:
             p.join(timeout=max(stop - time.monotonic(), 0.0))
             if p.is_alive():

@@ -4,7 +4,7 @@
   a wrong-typed field and a recomputed digest; then a rank whose load raises outright. Every rank
   ends with no table, the same note naming each rank's reason, and calls that still work.
 - Settings: FUSEGATE_DEBUG on one rank only, debug=True on one rank only, a bad FUSEGATE_DEBUG
-  value on one rank, different strategies: each raises ValueError on every rank, naming the ranks,
+  or FUSEGATE_TIMEOUT_S value on one rank, different strategies: each raises ValueError on every rank, naming the ranks,
   and leaves the group usable; with debug on every rank, calls run and a shape mismatch is named.
 """
 
@@ -75,6 +75,9 @@ def _settings(rank):
     os.environ["FUSEGATE_DEBUG"] = "yes" if rank == 2 else "1"
     out["bad_value_on_one_rank"] = _outcome(Communicator)
     os.environ.pop("FUSEGATE_DEBUG")
+    os.environ["FUSEGATE_TIMEOUT_S"] = "soon" if rank == 0 else "5"
+    out["bad_timeout_on_one_rank"] = _outcome(Communicator)
+    os.environ.pop("FUSEGATE_TIMEOUT_S")
     out["strategies"] = _outcome(lambda: Communicator(strategy="ring" if rank == 0 else "reference"))
     os.environ["FUSEGATE_DEBUG"] = "1"
     with Communicator() as comm:  # debug on every rank: calls run, then a mismatch is an error
@@ -111,6 +114,7 @@ def test_ranks_agree_at_construction_or_all_fail_alike(tmp_path):
         "env_on_one_rank": "ranks disagree on debug (ranks 0, 2: False; rank 1: True); set FUSEGATE_DEBUG",
         "arg_on_one_rank": "ranks disagree on debug (rank 0: True; ranks 1, 2: False); set FUSEGATE_DEBUG",
         "bad_value_on_one_rank": "Communicator: on rank 2: FUSEGATE_DEBUG='yes': use 1 (on) or 0 (off)",
+        "bad_timeout_on_one_rank": "Communicator: on rank 0: FUSEGATE_TIMEOUT_S='soon': give a number of seconds",
         "strategies": "ranks disagree on strategy (rank 0: 'ring'; ranks 1, 2: 'reference'); pass the same strategy=",
     }
     for case, text in expect.items():

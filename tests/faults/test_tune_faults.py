@@ -36,8 +36,9 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("target,sig", [("parent", signal.SIGKILL), ("parent", signal.SIGTERM), ("rank", signal.SIGKILL)],
-                         ids=["parent-SIGKILL", "parent-SIGTERM", "rank-SIGKILL"])
+@pytest.mark.parametrize("target,sig", [("parent", signal.SIGKILL), ("parent", signal.SIGTERM),
+                                        ("parent", signal.SIGINT), ("rank", signal.SIGKILL)],
+                         ids=["parent-SIGKILL", "parent-SIGTERM", "parent-SIGINT", "rank-SIGKILL"])
 def test_a_killed_tune_takes_every_rank_with_it_and_writes_no_table(tmp_path, target, sig):
     cache, pids = tmp_path / "cache", tmp_path / "pids"
     pids.mkdir()
@@ -55,7 +56,15 @@ def test_a_killed_tune_takes_every_rank_with_it_and_writes_no_table(tmp_path, ta
             time.sleep(0.1)
         ranks = sorted(int(p) for p in os.listdir(pids) if p.isdigit())
         assert all(_alive(pid) for pid in ranks)
-        if target == "parent":
+        if target == "parent" and sig == signal.SIGINT:  # Ctrl-C: the parent kills its ranks and says so
+            parent.send_signal(sig)
+            sent = time.monotonic()
+            _, err = parent.communicate(timeout=30)
+            # At once, not after the 5 s teardown grace of ranks that finished (1-2 s of exit on a loaded machine).
+            assert time.monotonic() - sent < 4.0
+            assert parent.returncode == 130 and err.strip().endswith("fusegate tune: interrupted"), err
+            bound = 1.0
+        elif target == "parent":
             parent.send_signal(sig)
             parent.wait(timeout=30)
             bound = 5.0  # the kernel signals the ranks as the parent dies; 5 s covers a loaded machine

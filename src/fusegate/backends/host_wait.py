@@ -33,13 +33,14 @@ class PeerLostError(RuntimeError):
     """A host collective did not complete: a peer died, hangs, or calls a different collective."""
 
 
-def strategy_timeout_s(options: dict, where: str) -> float:
+def strategy_timeout_s(options: dict, where: str = "") -> float:
     """The `timeout_s` Communicator option, else FUSEGATE_TIMEOUT_S; ValueError unless > 0."""
     raw = options.get("timeout_s")
     if raw is None:
         return env.spin_timeout_s()
     if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not raw > 0:
-        raise ValueError(f"{where}: timeout_s must be a positive number of seconds, got {raw!r}; e.g. timeout_s=5")
+        prefix = f"{where}: " if where else ""
+        raise ValueError(f"{prefix}timeout_s must be a positive number of seconds, got {raw!r}; e.g. timeout_s=5")
     return float(raw)
 
 
