@@ -131,8 +131,14 @@ def test_check_writable_and_save_leave_nothing_behind(tmp_path):
     table = _table({"world_size": 2}, {"fusegate": "0", "torch": "0", "driver": None, "cuda": None})
     assert check_writable(tmp_path / "new" / "dir") == tmp_path / "new" / "dir"
     assert os.listdir(tmp_path / "new" / "dir") == []
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    orphan = tmp_path / "new" / "dir" / f".t.json.{int(dead.stdout)}.0badc0de.tmp"  # a save killed mid-write
+    orphan.write_text('{"kind": "fusegate-dispatch-ta')
+    alive = tmp_path / "new" / "dir" / f".t.json.{os.getpid()}.12345678.tmp"  # a save in progress right now
+    alive.write_text("{")
     path = save(table, tmp_path / "new" / "dir" / "t.json")
-    assert os.listdir(path.parent) == ["t.json"] and path.read_text() == table.to_json()
+    assert sorted(os.listdir(path.parent)) == [alive.name, "t.json"] and path.read_text() == table.to_json()
+    alive.unlink()
     (tmp_path / "a-file").write_text("x")
     with pytest.raises(CacheDirError, match="cannot write the dispatch table in .*a-file.*--cache-dir DIR"):
         save(table, tmp_path / "a-file" / "t.json")

@@ -21,8 +21,8 @@ file: it returns (None, why) for a missing, unreadable (not a regular file, over
 corrupt (not UTF-8, not JSON, a field of the wrong type or range per `fusegate.tune.schema`,
 digest mismatch), stale (other schema or other fusegate/torch/driver versions) or foreign (other
 fingerprint) table, so that the Communicator can warn and fall back. Writing: `check_writable`
-before measuring, `save` atomically (temp file, fsync, rename); both raise `CacheDirError` with the
-fix. Plain data: importing this imports no torch.
+before measuring, `save` atomically (temp file, fsync, rename; it also removes the temp files of
+saves killed mid-write); both raise `CacheDirError` with the fix. Plain data: importing this imports no torch.
 """
 
 from __future__ import annotations
@@ -210,6 +210,20 @@ def check_writable(directory: str | Path) -> Path:
     return directory
 
 
+def _remove_orphans(path: Path) -> None:
+    """Delete temp files of `save`s whose process died before the rename (a kill mid-write)."""
+    for tmp in path.parent.glob(f".{path.name}.*.tmp"):
+        pid = tmp.name[len(path.name) + 2:].split(".", 1)[0]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            tmp.unlink(missing_ok=True)
+        except OSError:  # alive, but another user's: not ours to touch
+            pass
+
+
 def save(table: DispatchTable, path: str | Path) -> Path:
     """Write atomically (temp file, fsync, rename), so concurrent writers and readers, and a kill at
     any instant, never leave half a file; CacheDirError if the directory is not writable."""
@@ -226,6 +240,7 @@ def save(table: DispatchTable, path: str | Path) -> Path:
             os.fsync(f.fileno())
         os.replace(tmp, path)
         tmp = None
+        _remove_orphans(path)
     except OSError as exc:
         raise _cannot_write(path.parent, exc) from None
     finally:
