@@ -13,6 +13,8 @@ Strategy choice: `strategy="auto"` consults the dispatch table written by `fuseg
 `fusegate.dispatch`); an explicit name (or FUSEGATE_STRATEGY) is honoured, and a call it cannot
 serve raises ValueError with the admission reason. `debug=True` (or FUSEGATE_DEBUG=1) checks before
 each collective that all ranks agree on shape and dtype, turning a would-be hang into an error.
+Construction first checks that every rank asked for the same strategy, debug mode and device
+(`fusegate.group.agree_settings`): a mismatch raises on every rank, naming the ranks.
 """
 
 from __future__ import annotations
@@ -23,12 +25,20 @@ import torch.distributed as dist
 from fusegate import env
 from fusegate.backends import admission, get_strategy, strategy_names
 from fusegate.backends.base import Strategy, StrategyContext
+from fusegate.backends.host_wait import PeerGuard, goes_through_host, strategy_timeout_s
 from fusegate.dispatch import CONSERVATIVE_DEFAULT, Choice, choose, warn_once
-from fusegate.group import agree_group_info, device_type_of
+from fusegate.group import agree_group_info, agree_settings, device_type_of
 from fusegate.spec import Op, Problem, dtype_name
 from fusegate.tune.agree import agreed_table
 from fusegate.tune.candidates import is_fused
-from fusegate.validation import as_rows, check_all_reduce, check_residual_rmsnorm
+from fusegate.validation import SUPPORTED_DTYPES, as_rows, check_all_reduce, check_residual_rmsnorm
+
+
+_SETTING_FIXES = {
+    "strategy": "pass the same strategy= (and FUSEGATE_STRATEGY) on every rank",
+    "debug": "set FUSEGATE_DEBUG (or debug=) the same on every rank",
+    "device": "pass the same device= on every rank",
+}
 
 
 class Communicator:
@@ -48,20 +58,31 @@ class Communicator:
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
-        requested = env.strategy_override() or strategy
+        requested, problem = env.strategy_override() or strategy, ""
         if requested != "auto" and requested not in strategy_names():
-            raise ValueError(
-                f"Communicator: unknown strategy {requested!r}; use 'auto' or one of: {', '.join(strategy_names())}"
-            )
-        self.requested = requested
-        self.debug = env.debug_enabled() if debug is None else bool(debug)
-        self.options = options
-        self.caps = probe()
+            problem = f"unknown strategy {requested!r}; use 'auto' or one of: {', '.join(strategy_names())}"
+        try:  # errors are raised on every rank by agree_settings, not here on this one alone
+            debug_on = env.debug_enabled() if debug is None else bool(debug)
+            strategy_timeout_s(options)  # read by the strategies at their first call
+        except ValueError as exc:
+            debug_on, problem = False, problem or str(exc)
         device_type = torch.device(device).type if device is not None else device_type_of(self.group)
         if device_type not in ("cpu", "cuda"):
             raise ValueError(f"Communicator: device {device!r} is not supported; use 'cpu' or 'cuda'")
         if device_type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("Communicator: device='cuda' but torch sees no CUDA GPU; use a gloo group with device='cpu'")
+        # Collective, before any other: ranks that differ here would run different collectives.
+        agree_settings(self.group, "Communicator", {"strategy": requested, "debug": debug_on, "device": device_type},
+                       problem, fixes=_SETTING_FIXES)
+        self.requested = requested
+        self.debug = debug_on
+        self.options = options
+        if self.debug:
+            host = goes_through_host(self.group, torch.device(device_type))
+            self._debug_device = torch.device("cpu") if host else torch.device("cuda", torch.cuda.current_device())
+            self._debug_guard = PeerGuard("Communicator", self.rank, strategy_timeout_s(options, "Communicator"),
+                                          bounded=host)
+        self.caps = probe()
         self.info = agree_group_info(self.group, self.caps, device_type=device_type)
         self.device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
         self._instances: dict[str, Strategy] = {}
@@ -195,13 +216,19 @@ class Communicator:
         return instance
 
     def _check_ranks_agree(self, op: Op, rows: torch.Tensor) -> None:
-        mine = (op.value, tuple(rows.shape), str(rows.dtype))
-        everyone: list = [None] * self.world_size
-        dist.all_gather_object(everyone, mine, group=self.group)
-        if any(e != everyone[0] for e in everyone):
-            table = "; ".join(f"rank {r}: {e[0]} {e[1]} {e[2]}" for r, e in enumerate(everyone))
+        # A fixed-size integer gather, not all_gather_object: over gloo it is waited on within the
+        # strategies' bound, so debug mode raises PeerLostError on a dead peer instead of hanging.
+        ops = list(Op)
+        mine = torch.tensor([ops.index(op), rows.shape[0], rows.shape[1], SUPPORTED_DTYPES.index(rows.dtype)],
+                            dtype=torch.int64, device=self._debug_device)
+        everyone = [torch.empty_like(mine) for _ in range(self.world_size)]
+        request = dist.all_gather(everyone, mine, group=self.group, async_op=True)
+        self._debug_guard.wait([request], f"the other ranks (debug check before {op.value})")
+        calls = [tuple(t.tolist()) for t in everyone]
+        if any(c != calls[0] for c in calls):
+            table = "; ".join(f"rank {r}: {ops[c[0]].value} ({c[1]}, {c[2]}) {SUPPORTED_DTYPES[c[3]]}"
+                              for r, c in enumerate(calls))
             raise ValueError(f"{op.value}: ranks disagree on the call ({table}); every rank must pass the same shape and dtype")
-
 
 def _token_buckets(max_tokens: int) -> list[int]:
     buckets, tokens = [], 1

@@ -4,7 +4,8 @@ FUSEGATE_STRATEGY   force one strategy for every Communicator (same as strategy=
                     must set the same value).
 FUSEGATE_DEBUG      "1": check before each collective that all ranks agree on shape and dtype.
 FUSEGATE_CACHE_DIR  where dispatch tables live (default: $XDG_CACHE_HOME/fusegate or ~/.cache/fusegate).
-FUSEGATE_TIMEOUT_S  bound on every device-side spin-wait, seconds (default 5).
+FUSEGATE_TIMEOUT_S  bound on every device-side spin-wait and every gloo wait of the host strategies,
+                    seconds (default 5).
 FUSEGATE_STRATEGIES extra strategies to register, "name=package.module:Class,..." (plugins; spawned
                     ranks inherit the environment, so they see the same registry as the parent).
 """

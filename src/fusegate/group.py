@@ -3,6 +3,11 @@
 `agree_group_info` runs one all_gather_object at Communicator construction (a collective: every
 rank of the group must call it). Each rank reports its host, its device and which of the other
 ranks' GPUs it can map; the result is identical on every rank.
+
+`agree_settings` runs first: the Communicator's own settings (strategy, debug, device) must be the
+same on every rank, because ranks that differ would run different collectives and hang. A mismatch,
+or a setting one rank could not read (a bad FUSEGATE_* value), raises the same ValueError on every
+rank, naming the ranks, instead of raising on one rank and leaving the others waiting.
 """
 
 from __future__ import annotations
@@ -13,6 +18,33 @@ import torch
 import torch.distributed as dist
 
 from fusegate.spec import GroupInfo
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+
+
+def agree_settings(group, where: str, settings: dict, problem: str = "", *, fixes: dict[str, str]) -> None:
+    """Collective: return if every rank passed equal `settings` and no `problem`, else raise
+    ValueError on every rank. `problem`: why this rank could not read its settings ("" if none);
+    `fixes[key]`: what to do when ranks disagree on `key`."""
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, (settings, problem), group=group)
+    problems: dict[str, list[int]] = {}
+    for rank, (_, text) in enumerate(everyone):
+        if text:
+            problems.setdefault(text, []).append(rank)
+    if problems:
+        if len(problems) == 1 and len(next(iter(problems.values()))) == len(everyone):
+            raise ValueError(f"{where}: {next(iter(problems))}")
+        raise ValueError(f"{where}: " + "; ".join(f"on {_ranks(r)}: {t}" for t, r in problems.items()))
+    for key in settings:
+        by_value: dict[str, list[int]] = {}
+        for rank, (theirs, _) in enumerate(everyone):
+            by_value.setdefault(repr(theirs[key]), []).append(rank)
+        if len(by_value) > 1:
+            detail = "; ".join(f"{_ranks(r)}: {value}" for value, r in by_value.items())
+            raise ValueError(f"{where}: ranks disagree on {key} ({detail}); {fixes[key]}")
 
 
 def _local_uuid(index: int) -> str:

@@ -5,6 +5,10 @@ reduced in fp32 (twice the bytes of a bf16 allreduce) so that the sum is accumul
 the op's contract says; the epilogue is `fusegate.reference.residual_rmsnorm_ref` itself, so this
 strategy matches the reference bit for bit whenever the fp32 sum is exact. Every rank receives the
 same reduced buffer from the collective, so every rank returns identical bits.
+
+Peer failure: over gloo the allreduce is waited on for at most `timeout_s` (Communicator option,
+default FUSEGATE_TIMEOUT_S), then raises `PeerLostError`; later calls refuse at once
+(`fusegate.backends.host_wait`). Over NCCL, NCCL's watchdog and the group timeout apply.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from fusegate.backends.base import Strategy
+from fusegate.backends.host_wait import PeerGuard, goes_through_host, strategy_timeout_s
 from fusegate.reference import accumulation_dtype, residual_rmsnorm_ref
 from fusegate.spec import Needs
 
@@ -23,10 +28,18 @@ class ReferenceStrategy(Strategy):
     fused = False
     needs = Needs()
 
+    def __init__(self, ctx) -> None:
+        super().__init__(ctx)
+        self._guard = PeerGuard(self.name, ctx.rank, strategy_timeout_s(ctx.options, self.name),
+                                bounded=goes_through_host(ctx.group, ctx.device))
+
+    def check(self) -> None:
+        self._guard.check()
+
     def _reduced(self, x: torch.Tensor) -> torch.Tensor:
         acc = x.to(accumulation_dtype(x.dtype), copy=True)
         if self.ctx.world_size > 1:
-            dist.all_reduce(acc, group=self.ctx.group)
+            self._guard.wait([dist.all_reduce(acc, group=self.ctx.group, async_op=True)], "the other ranks")
         return acc
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,12 @@ last bit of random fp32 sums (within `reference.TOLERANCE`).
 Runs wherever torch.distributed point-to-point runs: gloo on CPU, NCCL on GPUs. Gloo sends host
 memory only, so CUDA tensors over a gloo group are staged through the host. Not fused
 (`fused = False`): it is an unfused baseline that tune may choose on its own merits.
+
+Peer failure: over gloo every exchange waits at most `timeout_s` (Communicator option, default
+FUSEGATE_TIMEOUT_S), then raises `PeerLostError` naming both neighbours; later calls
+refuse at once (`fusegate.backends.host_wait`). The bound is per request, not "until the peer's
+socket closes": when a rank dies, only its two neighbours see the closed socket; they raise and stop
+sending, and the ranks beyond them would otherwise wait for the group's 30-minute timeout.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from fusegate.backends.base import Strategy
+from fusegate.backends.host_wait import PeerGuard, goes_through_host, strategy_timeout_s
 from fusegate.reference import accumulation_dtype, residual_rmsnorm_ref
 from fusegate.spec import Needs
 
@@ -38,9 +45,17 @@ class RingStrategy(Strategy):
         self._stage = ctx.device.type == "cuda" and "nccl" not in str(dist.get_backend(ctx.group)).lower()
         self._right = dist.get_global_rank(ctx.group, (ctx.rank + 1) % ctx.world_size)
         self._left = dist.get_global_rank(ctx.group, (ctx.rank - 1) % ctx.world_size)
+        left, right = (ctx.rank - 1) % ctx.world_size, (ctx.rank + 1) % ctx.world_size
+        self._peers = f"rank {left} (left neighbour) and rank {right} (right neighbour)"
+        self._guard = PeerGuard(self.name, ctx.rank, strategy_timeout_s(ctx.options, self.name),
+                                bounded=goes_through_host(ctx.group, ctx.device))
+
+    def check(self) -> None:
+        self._guard.check()
 
     def _exchange(self, send: torch.Tensor, recv: torch.Tensor) -> None:
         """Send `send` to the right neighbour while receiving `recv` from the left one."""
+        self._guard.check()
         if send.numel() == 0 and recv.numel() == 0:
             return  # both sides know the sizes, so both skip the empty exchange
         wire_send = send.cpu() if self._stage else send
@@ -50,8 +65,7 @@ class RingStrategy(Strategy):
             ops.append(dist.P2POp(dist.isend, wire_send.contiguous(), self._right, self.ctx.group))
         if wire_recv.numel():
             ops.append(dist.P2POp(dist.irecv, wire_recv, self._left, self.ctx.group))
-        for req in dist.batch_isend_irecv(ops):
-            req.wait()
+        self._guard.wait(dist.batch_isend_irecv(ops), self._peers)
         if self._stage and recv.numel():
             recv.copy_(wire_recv)
 

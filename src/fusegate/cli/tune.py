@@ -39,13 +39,14 @@ def add_parser(subparsers) -> None:
     p.set_defaults(run=run)
 
 
-def _tune_rank(rank, world_size, spec, device, save, fresh, show_progress):
+def _tune_rank(rank, world_size, spec, device, fresh, show_progress):
     """One spawned rank: tune in the world group; rank 0 reports what this run measured, the table
-    as saved (merged with earlier runs unless `fresh`) and where it went."""
+    to save (merged with earlier runs unless `fresh`) and where it goes. Ranks write nothing: the
+    parent saves once every rank has finished, so an aborted run never does."""
     import torch.distributed as dist
 
     from fusegate.probe import probe
-    from fusegate.tune.table import load, save as save_table, table_path, versions_of
+    from fusegate.tune.table import load, table_path, versions_of
     from fusegate.tune.tuner import tune_in_group
 
     share_cpu_threads(world_size, device)
@@ -56,8 +57,6 @@ def _tune_rank(rank, world_size, spec, device, save, fresh, show_progress):
     if not fresh:
         old, _ = load(path, measured.fingerprint, versions_of(probe()))
         table = old.merged(measured) if old is not None else measured
-    if save:
-        save_table(table, path)  # every rank: each host has its own cache; same bytes, atomic rename
     dist.barrier()
     return (measured.to_json(), table.to_json(), str(path)) if rank == 0 else None
 
@@ -108,7 +107,9 @@ def run(args) -> int:
 
     from fusegate.cli.main import UsageError, dumps_json
     from fusegate.cli.ranks import describe_failure, spawn
-    from fusegate.tune.table import parse, token_buckets
+    from fusegate.env import cache_dir
+    from fusegate.tune.table import CacheDirError, parse, save, token_buckets
+    from fusegate.tune.table import check_writable as table_writable
 
     sizes, ops, strategies = _check_args(args)
     buckets = tuple(token_buckets(args.max_tokens))
@@ -127,12 +128,22 @@ def run(args) -> int:
     env = {"FUSEGATE_CACHE_DIR": os.path.abspath(args.cache_dir)} if args.cache_dir else {}
     started = time.perf_counter()
     try:
+        if not args.no_save:  # before measuring: a read-only cache fails now, not after the run
+            table_writable(env.get("FUSEGATE_CACHE_DIR") or cache_dir())
+    except CacheDirError as exc:
+        raise UsageError(str(exc)) from None
+    try:
         results = spawn(_tune_rank, world_size, backend=backend, env=env, timeout_s=args.timeout,
-                        args=(spec, device, not args.no_save, args.fresh, not args.json))
+                        args=(spec, device, args.fresh, not args.json))
     except RankFailure as exc:
         raise UsageError(f"tuning on {world_size} {backend} rank(s) failed: {describe_failure(exc)}") from None
     measured_text, saved_text, path = results[0]
     measured = parse(measured_text)
+    try:
+        if not args.no_save:
+            save(parse(saved_text), path)
+    except CacheDirError as exc:
+        raise UsageError(str(exc)) from None
     if args.results:
         from fusegate.bench.results import append_rows, results_file
         from fusegate.tune.results import rows_from_table

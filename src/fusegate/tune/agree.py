@@ -6,7 +6,9 @@ from its own cache directory (ranks on other hosts have other caches); the ranks
 digests. Only if every rank holds a valid, current table with the same digest is it used; in every
 other case (a rank without a table, a corrupt or stale file on one rank, different tunings) every
 rank falls back to the conservative default together, so no two ranks can pick different
-strategies for the same call.
+strategies for the same call. Reading the file never raises (`table.load` turns every decode,
+schema and I/O problem into a reason), and even an unexpected error becomes this rank's reason, so
+no rank can skip the gather and leave the others waiting in it.
 """
 
 from __future__ import annotations
@@ -20,9 +22,12 @@ from fusegate.tune.table import DispatchTable, fingerprint, load, table_path, ve
 
 def agreed_table(group, info, caps, *, path: str | Path | None = None) -> tuple[DispatchTable | None, str]:
     """(table, "") when every rank holds the same valid table, else (None, why) on every rank."""
-    fp = fingerprint(info, caps)
-    where = Path(path) if path is not None else table_path(fp)
-    table, why = load(where, fp, versions_of(caps))
+    try:
+        fp = fingerprint(info, caps)
+        where = Path(path) if path is not None else table_path(fp)
+        table, why = load(where, fp, versions_of(caps))
+    except Exception as exc:  # noqa: BLE001 - a rank that raised here would leave its peers in the gather below
+        table, why = None, f"could not load the dispatch table: {type(exc).__name__}: {exc}"
     mine = (table.digest if table is not None else None, why)
     everyone: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, mine, group=group)

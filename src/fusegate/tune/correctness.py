@@ -28,6 +28,7 @@ import hashlib
 import torch
 import torch.distributed as dist
 
+from fusegate.backends.host_wait import PeerLostError
 from fusegate.reference import (
     TOLERANCE,
     all_reduce_ref,
@@ -121,6 +122,8 @@ def check_candidate(instance, op: Op, *, tokens: int, hidden: int, dtype: torch.
     for kind, has_residual in cases:
         try:
             reason, digest = _run_case(instance, op, kind, rank, world_size, tokens, hidden, dtype, has_residual, device)
+        except PeerLostError:  # not the candidate's fault alone: the group is out of step, stop the tune
+            raise
         except Exception as exc:  # a broken candidate is rejected, not a crashed tune
             reason, digest = f"raised {type(exc).__name__}: {exc}", ""
         # No early exit: every rank runs every case, so all ranks issue the same collectives.

@@ -17,9 +17,12 @@ misread the new one):
 
 One file per fingerprint, `<cache dir>/dispatch-<fingerprint digest[:16]>.json`, cache dir from
 `fusegate.env.cache_dir()` (FUSEGATE_CACHE_DIR, else the XDG cache). `load` never raises on a bad
-file: it returns (None, why) for a missing, corrupt (unparsable, missing fields, digest mismatch),
-stale (other schema or other fusegate/torch/driver versions) or foreign (other fingerprint) table,
-so that the Communicator can warn and fall back. Plain data: importing this imports no torch.
+file: it returns (None, why) for a missing, unreadable (not a regular file, over `MAX_TABLE_BYTES`),
+corrupt (not UTF-8, not JSON, a field of the wrong type or range per `fusegate.tune.schema`,
+digest mismatch), stale (other schema or other fusegate/torch/driver versions) or foreign (other
+fingerprint) table, so that the Communicator can warn and fall back. Writing: `check_writable`
+before measuring, `save` atomically (temp file, fsync, rename; it also removes the temp files of
+saves killed mid-write); both raise `CacheDirError` with the fix. Plain data: importing this imports no torch.
 """
 
 from __future__ import annotations
@@ -28,16 +31,31 @@ import datetime as _dt
 import hashlib
 import json
 import os
+import secrets
+import stat
+import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from fusegate import env
+from fusegate.tune.schema import check_table
 
 SCHEMA_VERSION = 1
 KIND = "fusegate-dispatch-table"
 # Default do-no-harm margin: a fused strategy must beat the best unfused one by 3% (issue 4's
 # default; larger than the run-to-run spread of the interleaved medians seen in CPU tests).
 DEFAULT_MARGIN = 0.03
+# Largest file `load` reads: an entry is about 1 KB of JSON, so 16 MiB is over ten thousand buckets,
+# far beyond any tuning; a larger file is not a table and is not read into memory.
+MAX_TABLE_BYTES = 16 << 20
+
+
+class CacheDirError(RuntimeError):
+    """The dispatch table cannot be written where it should go; the message names the fix."""
+
+
+class StaleTableError(ValueError):
+    """A well-formed table of another schema version: ignore it and tune again."""
 
 
 def token_buckets(max_tokens: int) -> list[int]:
@@ -167,32 +185,100 @@ def table_path(fingerprint_dict: dict, directory: str | Path | None = None) -> P
     return base / f"dispatch-{canonical_digest(fingerprint_dict)[:16]}.json"
 
 
+def _cannot_write(directory: Path, exc: OSError) -> CacheDirError:
+    return CacheDirError(
+        f"cannot write the dispatch table in {directory} ({exc.strerror or exc}); pass --cache-dir DIR "
+        "(or set FUSEGATE_CACHE_DIR) to a writable directory, or --no-save to measure without saving"
+    )
+
+
+def check_writable(directory: str | Path) -> Path:
+    """Create `directory` if needed and prove a table can be written there (create, sync, remove a
+    probe file); CacheDirError if not. Call before measuring, so a read-only cache fails in a second."""
+    directory = Path(directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=directory, prefix=".fusegate-write-check-")
+        try:
+            os.write(fd, b"fusegate")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            os.unlink(probe)
+    except OSError as exc:
+        raise _cannot_write(directory, exc) from None
+    return directory
+
+
+def _remove_orphans(path: Path) -> None:
+    """Delete temp files of `save`s whose process died before the rename (a kill mid-write)."""
+    for tmp in path.parent.glob(f".{path.name}.*.tmp"):
+        pid = tmp.name[len(path.name) + 2:].split(".", 1)[0]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            tmp.unlink(missing_ok=True)
+        except OSError:  # alive, but another user's: not ours to touch
+            pass
+
+
 def save(table: DispatchTable, path: str | Path) -> Path:
-    """Write atomically (temp file + rename), so concurrent writers and readers never see half a file."""
+    """Write atomically (temp file, fsync, rename), so concurrent writers and readers, and a kill at
+    any instant, never leave half a file; CacheDirError if the directory is not writable."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(table.to_json())
-    os.replace(tmp, path)
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # Not mkstemp: its 0600 would hide the table from other users of a shared cache dir.
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        with os.fdopen(fd, "wb") as f:
+            f.write(table.to_json().encode())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        tmp = None
+        _remove_orphans(path)
+    except OSError as exc:
+        raise _cannot_write(path.parent, exc) from None
+    finally:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
     return path
 
 
-def parse(text: str) -> DispatchTable:
-    """The table in `text`; ValueError saying what is wrong (not JSON, fields, digest)."""
+def _no_constants(name: str):
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def parse(text: str | bytes) -> DispatchTable:
+    """The table in `text`; ValueError saying what is wrong (not UTF-8, not JSON, which field, digest),
+    StaleTableError for a table of another schema."""
+    if isinstance(text, bytes):
+        try:
+            text = text.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"not UTF-8 text (byte {text[exc.start]:#04x} at offset {exc.start})") from None
     try:
-        raw = json.loads(text)
-    except json.JSONDecodeError as exc:
+        raw = json.loads(text, parse_constant=_no_constants)
+    except RecursionError:
+        raise ValueError("not valid JSON (nested too deeply)") from None
+    except ValueError as exc:  # JSONDecodeError, NaN/Infinity, integers too long to convert
         raise ValueError(f"not valid JSON ({exc})") from None
     if not isinstance(raw, dict) or raw.get("kind") != KIND:
         raise ValueError(f"not a fusegate dispatch table (kind is not {KIND!r})")
+    schema = raw.get("schema")
+    if isinstance(schema, int) and not isinstance(schema, bool) and schema != SCHEMA_VERSION:
+        raise StaleTableError(f"stale: schema {schema}, this fusegate reads schema {SCHEMA_VERSION}")
     try:
-        entries = tuple(Entry(**e) for e in raw["entries"])
-        table = DispatchTable(raw["versions"], raw["fingerprint"], entries, raw.get("settings", {}),
-                              raw.get("created", ""), int(raw["schema"]))
-        stored = raw["digest"]
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ValueError(f"missing or malformed field ({type(exc).__name__}: {exc})") from None
-    if table.digest != stored:
+        check_table(raw)
+    except ValueError as exc:
+        raise ValueError(f"malformed field: {exc}") from None
+    entries = tuple(Entry(**e) for e in raw["entries"])
+    table = DispatchTable(raw["versions"], raw["fingerprint"], entries, raw["settings"], raw["created"], raw["schema"])
+    if table.digest != raw["digest"]:
         raise ValueError("digest mismatch (the file was edited or truncated after it was written)")
     return table
 
@@ -210,16 +296,27 @@ def check_current(table: DispatchTable, fingerprint_dict: dict, versions: dict) 
 
 
 def load(path: str | Path, fingerprint_dict: dict, versions: dict) -> tuple[DispatchTable | None, str]:
-    """(table, "") if the file at `path` is a valid, current table for this fingerprint; else (None, why)."""
+    """(table, "") if the file at `path` is a valid, current table for this fingerprint; else (None, why).
+    Never raises for anything about the file (see the module doc)."""
     path = Path(path)
     try:
-        text = path.read_text()
+        info = path.stat()
+        if not stat.S_ISREG(info.st_mode):
+            return None, f"ignoring {path}: not a regular file"
+        if info.st_size > MAX_TABLE_BYTES:
+            return None, f"ignoring {path}: {info.st_size} bytes, more than a table's {MAX_TABLE_BYTES}"
+        with open(path, "rb") as f:
+            data = f.read(MAX_TABLE_BYTES + 1)
     except FileNotFoundError:
         return None, f"no dispatch table at {path}"
     except OSError as exc:
         return None, f"cannot read {path}: {exc}"
+    if len(data) > MAX_TABLE_BYTES:
+        return None, f"ignoring {path}: more than a table's {MAX_TABLE_BYTES} bytes"
     try:
-        table = parse(text)
+        table = parse(data)
+    except StaleTableError as exc:
+        return None, f"ignoring dispatch table {path}: {exc}"
     except ValueError as exc:
         return None, f"corrupt dispatch table {path}: {exc}"
     why = check_current(table, fingerprint_dict, versions)
