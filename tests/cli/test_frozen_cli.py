@@ -73,7 +73,7 @@ EXIT_CODES = [
     (["profile", "--batch", "0"], 2, "--batch must be >= 1, got 0"),
     (["profile", "--layers", "0"], 2, "--layers must be >= 1, got 0"),
     (["tune", "--preset", "glm5", "--results", UNDER_A_FILE], 2, "is not a writable directory; pass a path under"),
-    (["tune", "--preset", "glm5", "--cache-dir", str(Path(__file__).resolve())], 2, "is a file; pass a directory path"),
+    (["tune", "--preset", "glm5", "--cache-dir", str(Path(__file__).resolve())], 2, "(it is a file, not a directory); pass --cache-dir DIR"),
     (["verify", "--strategy", "ring", "--hidden", "64", "--results", UNDER_A_FILE], 2, "is not a writable directory"),
     (["bench", "e2e", "--preset", "tiny", "--results", UNDER_A_FILE], 2, "is not a writable directory"),
     (["profile", "--preset", "tiny", "--trace", UNDER_A_FILE + ".json"], 2, "--trace"),

@@ -2,7 +2,7 @@
 
 A gloo request waits, by default, for its process group's timeout (30 minutes unless the group
 was created with another). The host strategies (`reference`, `ring`) wait on every request for
-the strategy's own bound instead: `timeout_s` (Communicator option, default FUSEGATE_TIMEOUT_S),
+the strategy's own bound instead: `timeout_s` (Communicator option, else FUSEGATE_TIMEOUT_S, else 30 s),
 shared by the requests of one wait (one ring step, one allreduce). A timeout or a lost connection becomes `PeerLostError`,
 naming the rank, the peers it was waiting on and the remedy.
 
@@ -22,6 +22,7 @@ which breaks CUDA-graph capture and stream ordering; NCCL's watchdog and the gro
 from __future__ import annotations
 
 import datetime
+import os
 import time
 
 import torch.distributed as dist
@@ -33,11 +34,19 @@ class PeerLostError(RuntimeError):
     """A host collective did not complete: a peer died, hangs, or calls a different collective."""
 
 
+# Host waits without an explicit bound: longer than the GPU spin default (5 s), because a rank of
+# a gloo group on a shared, loaded CPU can legitimately run seconds behind its peers (a first-call
+# import or compile), and a spurious PeerLostError would end the group; still far below the
+# process group's 30 minutes.
+HOST_DEFAULT_TIMEOUT_S = 30.0
+
+
 def strategy_timeout_s(options: dict, where: str = "") -> float:
-    """The `timeout_s` Communicator option, else FUSEGATE_TIMEOUT_S; ValueError unless > 0."""
+    """The `timeout_s` Communicator option, else FUSEGATE_TIMEOUT_S when set, else
+    HOST_DEFAULT_TIMEOUT_S; ValueError unless > 0."""
     raw = options.get("timeout_s")
     if raw is None:
-        return env.spin_timeout_s()
+        return env.spin_timeout_s() if "FUSEGATE_TIMEOUT_S" in os.environ else HOST_DEFAULT_TIMEOUT_S
     if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not raw > 0:
         prefix = f"{where}: " if where else ""
         raise ValueError(f"{prefix}timeout_s must be a positive number of seconds, got {raw!r}; e.g. timeout_s=5")

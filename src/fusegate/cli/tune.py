@@ -74,8 +74,15 @@ def _check_args(args) -> tuple[tuple[int, ...], tuple[str, ...], tuple[str, ...]
         from fusegate.bench.results import results_file
 
         check_writable(str(results_file(args.results, "tune.jsonl")), flag="--results")
-    if args.cache_dir and not args.no_save:
-        check_writable(args.cache_dir, flag="--cache-dir", directory=True)
+    if not args.no_save:  # before measuring (and before torch): a read-only cache fails now, not after the run
+        from fusegate.env import cache_dir
+        from fusegate.tune.table import CacheDirError
+        from fusegate.tune.table import check_writable as table_writable
+
+        try:
+            table_writable(os.path.abspath(args.cache_dir) if args.cache_dir else cache_dir())
+        except CacheDirError as exc:
+            raise UsageError(str(exc)) from None
     ops = ("all_reduce_residual_rmsnorm", "all_reduce") if args.op == "both" else (args.op,)
     strategies = tuple(s for s in args.strategies.split(",") if s) or None
     if strategies:
@@ -107,9 +114,7 @@ def run(args) -> int:
 
     from fusegate.cli.main import UsageError, dumps_json
     from fusegate.cli.ranks import describe_failure, spawn
-    from fusegate.env import cache_dir
     from fusegate.tune.table import CacheDirError, parse, save, token_buckets
-    from fusegate.tune.table import check_writable as table_writable
 
     sizes, ops, strategies = _check_args(args)
     buckets = tuple(token_buckets(args.max_tokens))
@@ -127,11 +132,6 @@ def run(args) -> int:
         raise UsageError(str(exc)) from None
     env = {"FUSEGATE_CACHE_DIR": os.path.abspath(args.cache_dir)} if args.cache_dir else {}
     started = time.perf_counter()
-    try:
-        if not args.no_save:  # before measuring: a read-only cache fails now, not after the run
-            table_writable(env.get("FUSEGATE_CACHE_DIR") or cache_dir())
-    except CacheDirError as exc:
-        raise UsageError(str(exc)) from None
     try:
         results = spawn(_tune_rank, world_size, backend=backend, env=env, timeout_s=args.timeout,
                         args=(spec, device, args.fresh, not args.json))

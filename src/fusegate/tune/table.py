@@ -28,6 +28,7 @@ saves killed mid-write); both raise `CacheDirError` with the fix. Plain data: im
 from __future__ import annotations
 
 import datetime as _dt
+import errno
 import hashlib
 import json
 import os
@@ -196,6 +197,8 @@ def check_writable(directory: str | Path) -> Path:
     """Create `directory` if needed and prove a table can be written there (create, sync, remove a
     probe file); CacheDirError if not. Call before measuring, so a read-only cache fails in a second."""
     directory = Path(directory)
+    if directory.exists() and not directory.is_dir():
+        raise _cannot_write(directory, NotADirectoryError(errno.ENOTDIR, "it is a file, not a directory"))
     try:
         directory.mkdir(parents=True, exist_ok=True)
         fd, probe = tempfile.mkstemp(dir=directory, prefix=".fusegate-write-check-")
