@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 from fusegate.backends.base import Strategy
-from fusegate.reference import accumulation_dtype, residual_rmsnorm_ref
+from fusegate.quant import KINDS
+from fusegate.reference import accumulation_dtype, residual_rmsnorm_quant_ref, residual_rmsnorm_ref
 from fusegate.spec import Needs
 
 
@@ -21,7 +22,7 @@ class ReferenceStrategy(Strategy):
     name = "reference"
     description = "torch.distributed all_reduce (fp32 accumulation), then torch add + RMSNorm"
     fused = False
-    needs = Needs()
+    needs = Needs(quant=KINDS)  # quantized output through fusegate.reference.quantize_ref
 
     def _reduced(self, x: torch.Tensor) -> torch.Tensor:
         acc = x.to(accumulation_dtype(x.dtype), copy=True)
@@ -32,6 +33,8 @@ class ReferenceStrategy(Strategy):
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         return self._reduced(x).to(x.dtype)
 
-    def all_reduce_residual_rmsnorm(self, x, residual, weight, eps):
+    def all_reduce_residual_rmsnorm(self, x, residual, weight, eps, *, quant=None):
         s = self._reduced(x).to(x.dtype)
+        if quant is not None:
+            return residual_rmsnorm_quant_ref(s, residual, weight, eps, quant)
         return residual_rmsnorm_ref(s, residual, weight, eps)
