@@ -75,13 +75,20 @@ def _helpers_rank(rank, world_size):
     from fusegate.kernels.quant import quantize
 
     y = crafted_rows()
-    return [tuple(_pack(t) for t in quantize(y, spec)) for spec in SPECS]
+    full = [tuple(_pack(t) for t in quantize(y, spec)) for spec in SPECS]
+    return full + [tuple(_pack(t) for t in quantize(y[:, :96].contiguous(), spec)) for spec in SPECS_96]
+
+
+# H = 96: rows shorter than their power-of-two block, so masked lanes and padded scale columns
+# (align4(96 / 16) = 8 for the 128x4 layout) are exercised.
+SPECS_96 = [Q.fp8_per_token(), Q.fp8_per_group(32, layout="col"), Q.nvfp4(3.0, swizzled=False), Q.nvfp4(3.0, swizzled=True)]
 
 
 def test_helpers_match_reference_bit_for_bit():
     (results,) = run_ranks(_helpers_rank, 1, env=INTERP, timeout_s=300)
     y = crafted_rows()
-    for spec, (codes, scale) in zip(SPECS, results):
+    inputs = [y] * len(SPECS) + [y[:, :96].contiguous()] * len(SPECS_96)
+    for spec, y, (codes, scale) in zip(SPECS + SPECS_96, inputs, results):
         ref_codes, ref_scale = quantize_ref(y, spec)
         assert _same(codes, ref_codes), f"{spec.key}: codes differ at {(_bits(codes) != _bits(ref_codes)).nonzero()[:4].tolist()}"
         assert _same(scale, ref_scale), f"{spec.key}: scales differ"
@@ -97,10 +104,11 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def _inputs(kind, dtype, m, with_res):
-    make = small_integer_inputs if kind == "int" else random_inputs
-    s = make(0, m, H, dtype, seed=m)
-    res = make(1, m, H, dtype, seed=m) if with_res else None
-    w = make(2, 1, H, dtype)[0] if kind == "int" else (1 + 0.1 * random_inputs(2, 1, H, torch.float32)[0]).to(dtype)
+    make = random_inputs if kind == "rand" else small_integer_inputs
+    h = 96 if kind == "int96" else H
+    s = make(0, m, h, dtype, seed=m)
+    res = make(1, m, h, dtype, seed=m) if with_res else None
+    w = (1 + 0.1 * random_inputs(2, 1, h, torch.float32)[0]).to(dtype) if kind == "rand" else make(2, 1, h, dtype)[0]
     return s, res, w
 
 
@@ -112,6 +120,7 @@ def _cases():
     cases = [("int", dtype, 3, True, i) for dtype in DTYPES for i in linear]
     cases += [("int", torch.bfloat16, 3, True, i) for i in swizzled]
     cases += [("int", torch.bfloat16, 2, False, i) for i in linear[:2]]
+    cases += [("int96", torch.bfloat16, 3, True, i) for i in linear if EPI_SPECS[i].group in (0, 16)]  # rows shorter than their block
     cases += [("rand", torch.bfloat16, 6, True, i) for i in linear]
     cases += [("int", torch.bfloat16, 0, True, i) for i in (1, swizzled[0])]  # zero tokens
     return cases
@@ -151,7 +160,7 @@ def test_quantized_epilogue_matches_reference():
         assert _same(got.residual, ref.residual), label  # the residual add is exact
         if op is not None:  # the torch.library op returns the launcher's bits and layouts
             assert all(_same(a, b) for a, b in zip(op, got)), label
-        if kind == "int":  # exact sum of squares: the fp32 rows equal the reference's, so every bit does
+        if kind != "rand":  # exact sum of squares: the fp32 rows equal the reference's, so every bit does
             assert all(_same(a, b) for a, b in zip(got, ref)), label
             continue
         # Random rows: the sum of squares is a tree here and sequential in torch, so a row's fp32

@@ -161,7 +161,7 @@ def quantize_row(
             q2 = y2 * inverse(scale)[:, None]
             codes = tl.reshape(e4m3_code(q2, HW_FP8), [BLOCK]).to(tl.uint8)
             tl.store(q_ptr + row.to(tl.int64) * q_row_stride + cols, codes, mask=mask)
-            smask = (gidx < H // G) & ((row + 0 * gidx) < M)
+            smask = (gidx < (H + G - 1) // G) & ((row + 0 * gidx) < M)  # per token: G = BLOCK may exceed H
             tl.store(s_ptr + row.to(tl.int64) * s_row_stride + gidx * s_col_stride, scale, mask=smask)
 
 
