@@ -171,12 +171,12 @@ def quantize_rows_kernel(
     KIND: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr, SWIZZLED: tl.constexpr,
     HAS_UB: tl.constexpr, HW_FP8: tl.constexpr,
 ):
-    """Quantize fp32 rows (M, H) from memory, one row per program (programs up to SF_M): the
-    helpers alone, for tests and as a standalone quantizer."""
+    """Quantize rows (M, H) from memory (fp32, or 16-bit widened exactly), one row per program
+    (programs up to SF_M): the helpers alone, for tests and as a standalone quantizer."""
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     cmask = cols < H
-    y = tl.load(y_ptr + row.to(tl.int64) * H + cols, mask=cmask & ((row + 0 * cols) < M), other=0.0)
+    y = tl.load(y_ptr + row.to(tl.int64) * H + cols, mask=cmask & ((row + 0 * cols) < M), other=0.0).to(tl.float32)
     q_stride = H // 2 if KIND == 4 else H
     quantize_row(y, row, cols, cmask, M, SF_M, H, q_ptr, q_stride, s_ptr, s_row_stride, s_col_stride, param_ptr,
                  scale_ub, KIND, GROUP, BLOCK, SWIZZLED, HAS_UB, HW_FP8)
@@ -247,7 +247,8 @@ def _param(value, device):
 
 
 def quantize(y, quant, *, hw_fp8: bool = False):
-    """(codes, scale) of fp32 rows `y` (M, H) through the Triton helpers (one row per program)."""
+    """(codes, scale) of rows `y` (M, H; fp32, bf16 or fp16, contiguous) through the Triton
+    helpers, one row per program: the quantizer as a separate kernel."""
     m, h = y.shape
     buf = QuantBuffers(quant, m, h, y.device, hw_fp8)
     if buf.sf_m:
