@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fusegate.kernels.quant import QuantBuffers, block_for, quantize_row
+from fusegate.kernels.quant import PAD_CHUNK, QuantBuffers, block_for, quantize_row, zero_scale_padding
 
 MAX_HIDDEN = 16384  # one row in registers; BLOCK_H 16384 x fp32 over 16 warps = 32 floats a thread
 SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
@@ -113,16 +113,16 @@ def residual_rmsnorm_kernel(
         epilogue_row(s, row, cols, mask, res_ptr, w, out_ptr, newres_ptr, H, eps, HAS_RES, True, SOFT_BF16)
 
 
-@triton.jit(do_not_specialize=["M", "SF_M", "s_row_stride", "s_col_stride"])
+@triton.jit(do_not_specialize=["M", "s_row_stride", "s_col_stride"])
 def residual_rmsnorm_quant_kernel(
-    s_ptr, res_ptr, w_ptr, out_ptr, newres_ptr, M, SF_M, H, eps,
+    s_ptr, res_ptr, w_ptr, out_ptr, newres_ptr, M, H, eps,
     q_ptr, q_row_stride, sc_ptr, s_row_stride, s_col_stride, param_ptr, scale_ub,
     BLOCK_H: tl.constexpr, ROWS: tl.constexpr, HAS_RES: tl.constexpr, SOFT_BF16: tl.constexpr,
     WITH_NORMED: tl.constexpr, KIND: tl.constexpr, GROUP: tl.constexpr, SWIZZLED: tl.constexpr,
     HAS_UB: tl.constexpr, HW_FP8: tl.constexpr,
 ):
-    """The epilogue with quantized output (`fusegate.kernels.quant.quantize_row`); programs cover
-    SF_M rows (M, or M padded to 128 for swizzled NVFP4 scales, whose padding rows get zeros)."""
+    """The epilogue with quantized output (`fusegate.kernels.quant.quantize_row`); with swizzled
+    NVFP4 scales program 0 also zeroes the scales of the padding rows up to a multiple of 128."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_H)
     cmask = cols < H
@@ -134,8 +134,11 @@ def residual_rmsnorm_quant_kernel(
         y = normed_row(s, row, cols, mask, res_ptr, w, newres_ptr, H, eps, HAS_RES, SOFT_BF16)
         if WITH_NORMED:
             tl.store(out_ptr + row.to(tl.int64) * H + cols, round_like(y, s, SOFT_BF16), mask=mask)
-        quantize_row(y, row, cols, cmask, M, SF_M, H, q_ptr, q_row_stride, sc_ptr, s_row_stride, s_col_stride,
+        quantize_row(y, row, cols, cmask, M, H, q_ptr, q_row_stride, sc_ptr, s_row_stride, s_col_stride,
                      param_ptr, scale_ub, KIND, GROUP, BLOCK_H, SWIZZLED, HAS_UB, HW_FP8)
+    if SWIZZLED:
+        if pid == 0:
+            zero_scale_padding(sc_ptr, M, H, BLOCK_H // 16, PAD_CHUNK)
 
 
 def launch_config(hidden: int, itemsize: int, num_tokens: int) -> tuple[int, int, int]:
@@ -197,10 +200,10 @@ def _residual_rmsnorm_quant(s, residual, weight, eps, quant, config):
     new_res = torch.empty_like(s)
     block, warps, rows = config or launch_config(h, s.element_size(), m)
     block = max(block, block_for(h, quant.kind))
-    if buf.sf_m:
-        residual_rmsnorm_quant_kernel[(triton.cdiv(buf.sf_m, rows),)](
+    if m:
+        residual_rmsnorm_quant_kernel[(triton.cdiv(m, rows),)](
             s, residual if residual is not None else s, weight, normed if normed is not None else s, new_res,
-            m, buf.sf_m, h, float(eps), buf.codes, buf.codes.stride(0), buf.scales, *buf.s_strides, buf.param,
+            m, h, float(eps), buf.codes, buf.codes.stride(0), buf.scales, *buf.s_strides, buf.param,
             buf.scale_ub, BLOCK_H=block, ROWS=rows, HAS_RES=residual is not None, SOFT_BF16=interpreting(),
             WITH_NORMED=normed is not None, num_warps=warps, **_quant_constexprs(buf, block),
         )

@@ -32,8 +32,10 @@ KIND_FP8_GROUP = 3
 KIND_NVFP4 = 4
 KIND_BY_NAME = {"fp8_static": KIND_FP8_STATIC, "fp8_per_token": KIND_FP8_TOKEN, "fp8_per_group": KIND_FP8_GROUP, "nvfp4": KIND_NVFP4}
 
-E4M3_MAX_BITS = 0x43E00000  # 448.0
-E2M1_MAX_BITS = 0x40C00000  # 6.0
+# Globals read inside @triton.jit functions must be tl.constexpr instances.
+E4M3_MAX_BITS = tl.constexpr(0x43E00000)  # 448.0
+E2M1_MAX_BITS = tl.constexpr(0x40C00000)  # 6.0
+PAD_CHUNK = tl.constexpr(16)  # padding rows zeroed per store by zero_scale_padding
 NVFP4_MIN_BLOCK = 64  # BLOCK >= 64 so that the 16-column blocks of a row cover align4(H / 16) scales
 
 
@@ -101,16 +103,16 @@ def inverse(scale):
 
 @triton.jit
 def quantize_row(
-    y, row, cols, cmask, M, SF_M, H, q_ptr, q_row_stride, s_ptr, s_row_stride, s_col_stride, param_ptr, scale_ub,
+    y, row, cols, cmask, M, H, q_ptr, q_row_stride, s_ptr, s_row_stride, s_col_stride, param_ptr, scale_ub,
     KIND: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr, SWIZZLED: tl.constexpr,
     HAS_UB: tl.constexpr, HW_FP8: tl.constexpr,
 ):
     """Quantize and store one row.
 
     y: fp32 [BLOCK], the normalised row (any values in masked lanes); cols = tl.arange(0, BLOCK);
-    cmask = cols < H; row: the row index (scalar); M: rows that exist (row >= M stores no codes);
-    SF_M: rows whose scales are stored (M, or align128(M) with SWIZZLED, where rows M..SF_M-1
-    get zero scales: give every row < SF_M a call). H: columns, a multiple of GROUP (16 for nvfp4).
+    cmask = cols < H; row: the row index (scalar); M: rows that exist (row >= M stores nothing).
+    H: columns, a multiple of GROUP (16 for nvfp4). With SWIZZLED, one program of the launch must
+    also call `zero_scale_padding` for the padding rows M .. align128(M) - 1.
     q_ptr: uint8 codes, row r at q_ptr + r * q_row_stride (H bytes, or H/2 for nvfp4).
     s_ptr: scales: fp32 at s_ptr + r * s_row_stride + g * s_col_stride (token: g = 0; group: g =
     column // GROUP; any strides, e.g. DeepGEMM's column-major (1, align4(M))); nvfp4: uint8
@@ -122,7 +124,7 @@ def quantize_row(
     rmask = (row + 0 * cols) < M
     mask = cmask & rmask
     if KIND == 1:
-        inv = inverse(tl.load(param_ptr + 0 * cols))
+        inv = inverse(tl.load(param_ptr))  # one scalar load, not one per element
         q = y * inv
         tl.store(q_ptr + row.to(tl.int64) * q_row_stride + cols, e4m3_code(q, HW_FP8).to(tl.uint8), mask=mask)
     else:
@@ -133,7 +135,7 @@ def quantize_row(
         y2 = tl.reshape(y, [NG, G])
         gidx = tl.arange(0, NG)
         if KIND == 4:
-            gs = tl.load(param_ptr + 0 * gidx)
+            gs = tl.zeros_like(amax) + tl.load(param_ptr)  # one scalar load, broadcast over the blocks
             t = amax * 0.16666667163372040  # fp32(1/6), as FlashInfer's RECIPROCAL_6
             sf_code = e4m3_code(gs * t, HW_FP8)
             sfv = e4m3_value(sf_code)
@@ -151,7 +153,7 @@ def quantize_row(
                 k4 = (k_real + 3) // 4
                 offs = ((srow // 128).to(tl.int64) * (k4 * 512) + (gidx // 4) * 512
                         + (srow % 32) * 16 + ((srow % 128) // 32) * 4 + gidx % 4)
-                tl.store(s_ptr + offs, value, mask=(gidx < 4 * k4) & (srow < SF_M))
+                tl.store(s_ptr + offs, value, mask=(gidx < 4 * k4) & (srow < M))
             else:
                 tl.store(s_ptr + srow.to(tl.int64) * s_row_stride + gidx, value, mask=(gidx < k_real) & (srow < M))
         else:
@@ -166,20 +168,41 @@ def quantize_row(
 
 
 @triton.jit
+def zero_scale_padding(s_ptr, M, H, NG: tl.constexpr, CHUNK: tl.constexpr):
+    """Zero the 128x4-swizzled NVFP4 scales of padding rows M .. align128(M) - 1 (all columns up
+    to align4(H / 16)), CHUNK rows per store; NG: a power of two >= align4(H / 16). Call it from one
+    program: the NVFP4 GEMMs read the whole padded tile."""
+    k4 = (H // 16 + 3) // 4
+    gidx = tl.arange(0, NG)
+    r0 = M
+    sf_m = (M + 127) // 128 * 128
+    while r0 < sf_m:
+        rows = r0 + tl.arange(0, CHUNK)
+        offs = ((rows // 128).to(tl.int64) * (k4 * 512) + (rows % 32) * 16 + ((rows % 128) // 32) * 4)[:, None] \
+            + ((gidx // 4) * 512 + gidx % 4)[None, :]
+        mask = (rows < sf_m)[:, None] & (gidx < 4 * k4)[None, :]
+        tl.store(s_ptr + offs, tl.zeros([CHUNK, NG], tl.uint8), mask=mask)
+        r0 += CHUNK
+
+
+@triton.jit
 def quantize_rows_kernel(
-    y_ptr, M, SF_M, H, q_ptr, s_ptr, s_row_stride, s_col_stride, param_ptr, scale_ub,
+    y_ptr, M, H, q_ptr, s_ptr, s_row_stride, s_col_stride, param_ptr, scale_ub,
     KIND: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr, SWIZZLED: tl.constexpr,
     HAS_UB: tl.constexpr, HW_FP8: tl.constexpr,
 ):
-    """Quantize rows (M, H) from memory (fp32, or 16-bit widened exactly), one row per program
-    (programs up to SF_M): the helpers alone, for tests and as a standalone quantizer."""
+    """Quantize rows (M, H) from memory (fp32, or 16-bit widened exactly), one row per program:
+    the helpers alone, for tests and as a standalone quantizer."""
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     cmask = cols < H
     y = tl.load(y_ptr + row.to(tl.int64) * H + cols, mask=cmask & ((row + 0 * cols) < M), other=0.0).to(tl.float32)
     q_stride = H // 2 if KIND == 4 else H
-    quantize_row(y, row, cols, cmask, M, SF_M, H, q_ptr, q_stride, s_ptr, s_row_stride, s_col_stride, param_ptr,
+    quantize_row(y, row, cols, cmask, M, H, q_ptr, q_stride, s_ptr, s_row_stride, s_col_stride, param_ptr,
                  scale_ub, KIND, GROUP, BLOCK, SWIZZLED, HAS_UB, HW_FP8)
+    if SWIZZLED:
+        if row == 0:
+            zero_scale_padding(s_ptr, M, H, BLOCK // 16, PAD_CHUNK)
 
 
 def block_for(hidden: int, kind: str) -> int:
@@ -251,9 +274,9 @@ def quantize(y, quant, *, hw_fp8: bool = False):
     helpers, one row per program: the quantizer as a separate kernel."""
     m, h = y.shape
     buf = QuantBuffers(quant, m, h, y.device, hw_fp8)
-    if buf.sf_m:
-        quantize_rows_kernel[(buf.sf_m,)](
-            y, m, buf.sf_m, h, buf.codes, buf.scales, *buf.s_strides, buf.param, buf.scale_ub,
+    if m:
+        quantize_rows_kernel[(m,)](
+            y, m, h, buf.codes, buf.scales, *buf.s_strides, buf.param, buf.scale_ub,
             **buf.constexprs(block_for(h, quant.kind)),
         )
     return buf.out, buf.scale
