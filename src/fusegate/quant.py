@@ -44,6 +44,7 @@ NVFP4_BLOCK = 16  # elements per e4m3 block scale (NVFP4's definition)
 DEEPGEMM_GROUP = 128  # DeepGEMM's activation group along K
 
 KINDS = ("fp8_static", "fp8_per_token", "fp8_per_group", "nvfp4")
+LAYOUTS = {"fp8_static": ("row",), "fp8_per_token": ("row",), "fp8_per_group": ("row", "col"), "nvfp4": ("linear", "swizzled")}
 # The compute capability from which PTX has an e4m3 conversion (cvt.rn.satfinite.e4m3x2.f32,
 # PTX ISA: requires sm_89). Below it the software conversion runs; it gives the same bits.
 FP8_CVT_MIN_CAPABILITY = (8, 9)

@@ -63,10 +63,14 @@ def as_rows(t: torch.Tensor) -> torch.Tensor:
 
 def check_quant(op: str, quant, hidden: int, *, device: torch.device) -> None:
     """`quant` is a fusegate.quant.QuantSpec that fits rows of `hidden` on `device`."""
-    from fusegate.quant import NVFP4_BLOCK, QuantSpec
+    from fusegate.quant import KINDS, LAYOUTS, NVFP4_BLOCK, QuantSpec
 
     if not isinstance(quant, QuantSpec):
         _fail(op, f"quant must be a fusegate.QuantSpec (from fusegate.fp8_static, fp8_per_token, fp8_per_group or nvfp4), got {type(quant).__name__}", TypeError)
+    if quant.kind not in KINDS or quant.layout not in LAYOUTS[quant.kind]:
+        _fail(op, f"quant {quant.kind!r} with layout {quant.layout!r} is not a format; build it with fusegate.{'/'.join(KINDS)}()")
+    if quant.kind == "fp8_per_group" and (quant.group < 16 or quant.group & (quant.group - 1)):
+        _fail(op, f"fp8_per_group group {quant.group} must be a power of two >= 16; use fusegate.fp8_per_group(128)")
     group = quant.group if quant.kind == "fp8_per_group" else NVFP4_BLOCK if quant.kind == "nvfp4" else 1
     if hidden % group:
         _fail(op, f"hidden size {hidden} is not a multiple of {group}, the {quant.kind} group; pad the hidden dimension or use a group that divides it")

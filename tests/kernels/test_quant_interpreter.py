@@ -76,7 +76,20 @@ def _helpers_rank(rank, world_size):
 
     y = crafted_rows()
     full = [tuple(_pack(t) for t in quantize(y, spec)) for spec in SPECS]
-    return full + [tuple(_pack(t) for t in quantize(y[:, :96].contiguous(), spec)) for spec in SPECS_96]
+    return full + [tuple(_pack(t) for t in quantize(y[:, :96].contiguous(), spec)) for spec in SPECS_96], _opchecks()
+
+
+def _opchecks():
+    """torch.library.opcheck of the quantized custom op: its fake (meta) outputs match the real
+    ones in shape, stride and dtype, so torch.compile graphs see the right layouts."""
+    from torch.library import opcheck
+
+    import fusegate.kernels.custom_ops  # noqa: F401  (registers the ops)
+
+    s, r, w = (small_integer_inputs(i, 3, 64, torch.bfloat16) for i in range(3))
+    cases = [("fp8_per_group", 16, "col", None, False, None), ("nvfp4", 16, "swizzled", None, True, torch.tensor([2.0])),
+             ("fp8_static", 0, "row", None, False, torch.tensor([0.5])), ("fp8_per_token", 0, "row", 1.0, False, None)]
+    return {c[0]: opcheck(torch.ops.fusegate.residual_rmsnorm_quant.default, (s, r, w[0], 1e-6) + c) for c in cases}
 
 
 # H = 96: rows shorter than their power-of-two block, so masked lanes and padded scale columns
@@ -85,7 +98,9 @@ SPECS_96 = [Q.fp8_per_token(), Q.fp8_per_group(32, layout="col"), Q.nvfp4(3.0, s
 
 
 def test_helpers_match_reference_bit_for_bit():
-    (results,) = run_ranks(_helpers_rank, 1, env=INTERP, timeout_s=300)
+    ((results, opchecks),) = run_ranks(_helpers_rank, 1, env=INTERP, timeout_s=300)
+    for kind, checks in opchecks.items():
+        assert set(checks.values()) == {"SUCCESS"}, (kind, checks)
     y = crafted_rows()
     inputs = [y] * len(SPECS) + [y[:, :96].contiguous()] * len(SPECS_96)
     for spec, y, (codes, scale) in zip(SPECS + SPECS_96, inputs, results):

@@ -121,6 +121,9 @@ def test_spec_constructors_refuse_bad_input(make, message):
     (Q.fp8_static(torch.ones(2)), 64, TypeError, "one element"),
     (Q.fp8_static(0.0), 64, ValueError, "finite number > 0"),
     ("fp8", 64, TypeError, "must be a fusegate.QuantSpec"),
+    (Q.QuantSpec("fp4", 16), 64, ValueError, "is not a format"),
+    (Q.QuantSpec("nvfp4", 16, "row", scale=1.0), 64, ValueError, "layout 'row' is not a format"),
+    (Q.QuantSpec("fp8_per_group", 24), 48, ValueError, "power of two"),
 ])
 def test_check_quant_names_the_problem(quant, hidden, exc, message):
     with pytest.raises(exc, match=message):

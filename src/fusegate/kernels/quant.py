@@ -9,6 +9,19 @@ with the arithmetic of `fusegate.reference.quantize_ref`, bit for bit. Formats (
     KIND_FP8_GROUP  = 3   one scale per GROUP columns
     KIND_NVFP4      = 4   e2m1 pairs, one e4m3 scale per 16 columns, global scale from param_ptr
 
+A peer kernel (one-shot, two-shot) calls it where it would store the normed row, e.g.
+
+    y = normed_row(s, row, cols, mask, res_ptr, w, newres_ptr, H, eps, HAS_RES, SOFT_BF16)
+    quantize_row(y, row, cols, cols < H, M, H, q_ptr, q_row_stride, s_ptr, s_row_stride,
+                 s_col_stride, param_ptr, scale_ub, KIND, GROUP, BLOCK_H, SWIZZLED, HAS_UB, HW_FP8)
+    if SWIZZLED:  # once per launch
+        if tl.program_id(0) == 0:
+            zero_scale_padding(s_ptr, M, H, BLOCK_H // 16, PAD_CHUNK)
+
+with the buffers, strides and constexprs of a `QuantBuffers` (`constexprs(BLOCK_H)`), as
+`fusegate.kernels.epilogue.residual_rmsnorm_quant_kernel` does. Every rank quantizes the same
+fp32 rows with the same code, so the outputs are identical on every rank.
+
 Conversions are built from integer operations on the fp32 bit patterns (`e4m3_code`,
 `e2m1_code`), so they run wherever Triton runs: the CPU interpreter, SM80, SM90. With HW_FP8 the
 e4m3 rounding uses Triton's fp32 -> float8e4nv cast instead (PTX cvt.rn.satfinite.e4m3x2.f32,
