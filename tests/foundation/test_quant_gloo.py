@@ -50,7 +50,8 @@ def _rank(rank, world_size, strategy):
     return results
 
 
-@pytest.mark.parametrize("strategy, world_size", [("auto", 2), ("ring", 3)]  # auto: the reference strategy on CPU)
+# "auto" is the reference strategy on CPU (the conservative default)
+@pytest.mark.parametrize("strategy, world_size", [("auto", 2), ("ring", 3)])
 def test_quantized_output_on_every_rank(strategy, world_size):
     results = run_ranks(_rank, world_size, args=(strategy,), timeout_s=180)
     xs = [_inputs(r)[0] for r in range(world_size)]
