@@ -26,7 +26,9 @@ Output shapes for `M` tokens (leading dimensions of x flattened) and hidden `H`:
 
 layout="col" is what DeepGEMM reads for its LHS scales on SM90 (`get_mn_major_tma_aligned_tensor`:
 M-major, M padded to a multiple of 4 so that each column starts 16-byte aligned for TMA); the
-padding entries are not written. The 128x4 swizzle is the CUTLASS `Sm1xxBlockScaledConfig` /
+padding entries are not written. (DeepGEMM's own `per_token_cast_to_fp8` also floors the absmax
+at 1e-4, and on SM100 it wants power-of-two UE8M0 scales packed four to an int32; neither is done
+here: an all-zero group gets scale 0.) The 128x4 swizzle is the CUTLASS `Sm1xxBlockScaledConfig` /
 FlashInfer / TensorRT-LLM layout read by the NVFP4 GEMMs: byte offset of scale (m, k) =
 (m // 128) * (K4 * 512) + (k // 4) * 512 + (m % 32) * 16 + ((m % 128) // 32) * 4 + k % 4, with
 K4 = ceil(H / 64) (FlashInfer `include/flashinfer/comm/trtllm_allreduce_fusion.cuh`,

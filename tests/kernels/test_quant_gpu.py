@@ -111,9 +111,28 @@ def _nccl_rank(rank, world_size):
         x = small_integer_inputs(rank, 9, 6144, torch.bfloat16).cuda()
         w = small_integer_inputs(5, 1, 6144, torch.bfloat16)[0].cuda()
         for spec in MODEL_SPECS:
-            out.append([None if t is None else t.contiguous().view(torch.uint8).cpu() if t.element_size() == 1 else t.contiguous().cpu()
-                        for t in comm.all_reduce_residual_rmsnorm(x, x, w, quant=_on(spec))])
+            out.append(_host(comm.all_reduce_residual_rmsnorm(x, x, w, quant=_on(spec))))
+        # CUDA graph: warm up on a side stream, capture, poison the outputs, replay
+        spec = _on(Q.nvfp4(torch.tensor([200.0]), swizzled=True))
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            comm.all_reduce_residual_rmsnorm(x, x, w, quant=spec)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = comm.all_reduce_residual_rmsnorm(x, x, w, quant=spec)
+        for t in captured[:3]:
+            t.view(torch.uint8).fill_(0xFF)
+        graph.replay()
+        torch.cuda.synchronize()
+        out.append(_host(captured))
     return out
+
+
+def _host(result):
+    return [None if t is None else t.contiguous().view(torch.uint8).cpu() if t.element_size() == 1 else t.contiguous().cpu()
+            for t in result]
 
 
 def test_nccl_fused_on_one_rank():
@@ -122,7 +141,9 @@ def test_nccl_fused_on_one_rank():
     (got,) = run_ranks(_nccl_rank, 1, backend="nccl", timeout_s=300)
     x = small_integer_inputs(0, 9, 6144, torch.bfloat16)
     w = small_integer_inputs(5, 1, 6144, torch.bfloat16)[0]
-    for spec, out in zip(MODEL_SPECS, got):
+    graph_spec = Q.nvfp4(torch.tensor([200.0]), swizzled=True)
+    assert len(got) == len(MODEL_SPECS) + 1
+    for spec, out in zip(MODEL_SPECS + [graph_spec], got):
         ref = residual_rmsnorm_quant_ref(x, x, w, 1e-6, spec)
         for g, r in zip(out, ref):
             if r is None:
@@ -130,3 +151,30 @@ def test_nccl_fused_on_one_rank():
                 continue
             r = r.contiguous()
             assert torch.equal(g, r.view(torch.uint8) if r.element_size() == 1 else r), spec.key
+
+
+def _shared_gpu_rank(rank, world_size, strategy):
+    from fusegate import Communicator
+
+    torch.cuda.set_device(0)
+    x = small_integer_inputs(rank, 9, 1024, torch.bfloat16).cuda()
+    res = small_integer_inputs(50, 9, 1024, torch.bfloat16).cuda()
+    w = small_integer_inputs(51, 1, 1024, torch.bfloat16)[0].cuda()
+    with Communicator(strategy=strategy, device="cuda") as comm:
+        return [_host(comm.all_reduce_residual_rmsnorm(x, res, w, quant=_on(spec))) for spec in MODEL_SPECS]
+
+
+@pytest.mark.parametrize("strategy", ["reference", "ring"])
+def test_ranks_sharing_one_gpu_get_the_reference_bits(strategy):
+    """CUDA tensors over gloo, two ranks on one GPU: the reference quantizer on the device."""
+    from fusegate.launch import run_ranks
+    from fusegate.reference import all_reduce_residual_rmsnorm_quant_ref
+
+    results = run_ranks(_shared_gpu_rank, 2, args=(strategy,), timeout_s=300)
+    xs = [small_integer_inputs(r, 9, 1024, torch.bfloat16) for r in range(2)]
+    res, w = small_integer_inputs(50, 9, 1024, torch.bfloat16), small_integer_inputs(51, 1, 1024, torch.bfloat16)[0]
+    for i, spec in enumerate(MODEL_SPECS):
+        ref = _host(all_reduce_residual_rmsnorm_quant_ref(xs, res, w, 1e-6, spec))
+        for rank in range(2):
+            for g, r in zip(results[rank][i], ref):
+                assert (g is None and r is None) or torch.equal(g, r), (strategy, rank, spec.key)
