@@ -198,8 +198,9 @@ def _e4m3_codes(v: torch.Tensor) -> torch.Tensor:
 
 def _e2m1_codes(v: torch.Tensor) -> torch.Tensor:
     r = _to_grid(v, _E2M1)
-    grid = torch.tensor(_E2M1_GRID, dtype=torch.float64, device=v.device)
-    index = torch.searchsorted(grid, r.abs().nan_to_num(nan=6.0).contiguous())
+    a = r.abs().nan_to_num(nan=6.0)
+    # position on the grid _E2M1_GRID: 2a below 2, a + 2 below 4, a / 2 + 4 above (exact)
+    index = torch.where(a < 2, 2 * a, torch.where(a < 4, a + 2, a / 2 + 4)).to(torch.int64)
     codes = (index + 8 * torch.signbit(r).to(index.dtype)).to(torch.uint8)
     return torch.where(torch.isnan(v), torch.full_like(codes, 0x7), codes)
 
@@ -214,8 +215,10 @@ def _amax(blocks: torch.Tensor) -> torch.Tensor:
 
 
 def _scalar(value, device) -> torch.Tensor:
-    t = value if isinstance(value, torch.Tensor) else torch.tensor([float(value)])
-    return t.detach().to(device=device, dtype=torch.float32).reshape(1).to(torch.float64)
+    """A given scale as float64 (1,) on `device`; a float is filled there (graph-capturable)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(device=device, dtype=torch.float32).reshape(1).to(torch.float64)
+    return torch.full((1,), float(value), dtype=torch.float32, device=device).to(torch.float64)
 
 
 def quantize_ref(y: torch.Tensor, quant) -> tuple[torch.Tensor, torch.Tensor]:
@@ -231,8 +234,8 @@ def quantize_ref(y: torch.Tensor, quant) -> tuple[torch.Tensor, torch.Tensor]:
         blocks = y64.reshape(m, h // group, group)
         scale = _f32(_amax(blocks) / 448.0)
         if quant.scale_ub is not None:
-            ub = _f32(torch.tensor(quant.scale_ub, dtype=torch.float64))
-            scale = torch.where(scale > ub, ub.to(scale.device), scale)
+            ub = float(torch.tensor(quant.scale_ub, dtype=torch.float32))  # the bound as fp32, as the kernel takes it
+            scale = torch.where(scale > ub, torch.full_like(scale, ub), scale)
         codes = _e4m3_codes(_f32(blocks * _inverse(scale))).reshape(m, h).view(torch.float8_e4m3fn)
         scale = scale.reshape(m, h // group).to(torch.float32)
         if quant.kind == "fp8_per_token" or quant.layout == "row":
@@ -241,7 +244,8 @@ def quantize_ref(y: torch.Tensor, quant) -> tuple[torch.Tensor, torch.Tensor]:
     assert quant.kind == "nvfp4", quant.kind
     gs = _scalar(quant.scale, y.device)
     blocks = y64.reshape(m, h // 16, 16)
-    sf_codes = _e4m3_codes(_f32(gs * _f32(_amax(blocks) * _f32(torch.tensor(1.0 / 6.0)))))
+    sixth = float(torch.tensor(1.0 / 6.0, dtype=torch.float32))  # fp32(1/6), FlashInfer's RECIPROCAL_6
+    sf_codes = _e4m3_codes(_f32(gs * _f32(_amax(blocks) * sixth)))
     sf = sf_codes.view(torch.float8_e4m3fn).to(torch.float64)
     out_scale = torch.where(sf == 0, torch.zeros_like(sf), _f32(gs / sf))
     codes = _e2m1_codes(_f32(blocks * out_scale)).reshape(m, h)

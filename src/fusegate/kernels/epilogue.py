@@ -17,6 +17,7 @@ collectives call. CUDA-graph safe: no host sync, no allocation except the output
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -219,11 +220,17 @@ def _quant_constexprs(buf, block: int) -> dict:
 def hardware_fp8(device) -> bool:
     """Whether kernels on `device` round to e4m3 with the hardware cvt (sm_89 and newer; never in
     the interpreter, whose float8 cast does not round to nearest even). Same bits either way."""
+    device = torch.device(device)
+    if interpreting() or device.type != "cuda":
+        return False
+    return _capability_has_fp8_cvt(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _capability_has_fp8_cvt(index: int) -> bool:
     from fusegate.quant import FP8_CVT_MIN_CAPABILITY
 
-    if interpreting() or torch.device(device).type != "cuda":
-        return False
-    return torch.cuda.get_device_capability(device) >= FP8_CVT_MIN_CAPABILITY
+    return torch.cuda.get_device_capability(index) >= FP8_CVT_MIN_CAPABILITY
 
 
 def _check(s: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor) -> None:
