@@ -95,6 +95,15 @@ def normed_row(s, row, cols, mask, res_ptr, w, newres_ptr, H, eps, HAS_RES: tl.c
     return h * inv * w
 
 
+@triton.jit
+def load_row(s_ptr, row, cols, cmask, M, H):
+    """(row `row` of the (M, H) input, its mask); rows >= M load zeros."""
+    # The row test is broadcast to a vector first: Triton 3.9's interpreter rejects a mask
+    # built from a vector & a scalar comparison (compiled, both forms give identical sm90 PTX).
+    mask = cmask & ((row + 0 * cols) < M)
+    return tl.load(s_ptr + row.to(tl.int64) * H + cols, mask=mask, other=0.0), mask
+
+
 @triton.jit(do_not_specialize=["M"])  # H stays specialised: its divisibility by 16 enables 128-bit accesses
 def residual_rmsnorm_kernel(
     s_ptr, res_ptr, w_ptr, out_ptr, newres_ptr, M, H, eps,
@@ -107,10 +116,7 @@ def residual_rmsnorm_kernel(
     w = load_weight(w_ptr, cols, cmask, True)
     for i in tl.static_range(ROWS):
         row = pid * ROWS + i
-        # The row test is broadcast to a vector first: Triton 3.9's interpreter rejects a mask
-        # built from a vector & a scalar comparison (compiled, both forms give identical sm90 PTX).
-        mask = cmask & ((row + 0 * cols) < M)
-        s = tl.load(s_ptr + row.to(tl.int64) * H + cols, mask=mask, other=0.0)
+        s, mask = load_row(s_ptr, row, cols, cmask, M, H)
         epilogue_row(s, row, cols, mask, res_ptr, w, out_ptr, newres_ptr, H, eps, HAS_RES, True, SOFT_BF16)
 
 
@@ -130,8 +136,7 @@ def residual_rmsnorm_quant_kernel(
     w = load_weight(w_ptr, cols, cmask, True)
     for i in tl.static_range(ROWS):
         row = pid * ROWS + i
-        mask = cmask & ((row + 0 * cols) < M)
-        s = tl.load(s_ptr + row.to(tl.int64) * H + cols, mask=mask, other=0.0)
+        s, mask = load_row(s_ptr, row, cols, cmask, M, H)
         y = normed_row(s, row, cols, mask, res_ptr, w, newres_ptr, H, eps, HAS_RES, SOFT_BF16)
         if WITH_NORMED:
             tl.store(out_ptr + row.to(tl.int64) * H + cols, round_like(y, s, SOFT_BF16), mask=mask)
