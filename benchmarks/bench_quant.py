@@ -94,10 +94,10 @@ def torch_quant(kind: str, spec: Q.QuantSpec):
 
 def providers(kind: str, spec: Q.QuantSpec, eps: float):
     """name -> factory(x, res, w) -> zero-argument call; plus notes on what could not run."""
-    from fusegate.kernels.epilogue import hardware_fp8, residual_rmsnorm
+    from fusegate.kernels.epilogue import hardware_fp4, hardware_fp8, residual_rmsnorm
     from fusegate.kernels.quant import quantize
 
-    hw = hardware_fp8("cuda")  # the same e4m3 conversion as the fused kernel
+    hw = dict(hw_fp8=hardware_fp8("cuda"), hw_fp4=hardware_fp4("cuda"))  # the fused kernel's conversions
     eager = torch_quant(kind, spec)
     compiled = torch.compile(eager, dynamic=True)
 
@@ -112,7 +112,7 @@ def providers(kind: str, spec: Q.QuantSpec, eps: float):
         "epilogue_only": separate(lambda normed: normed),
         "epilogue+torch": separate(eager),
         "epilogue+compile": separate(compiled),
-        "epilogue+fusegate_quant": separate(lambda normed: quantize(normed, spec, hw_fp8=hw)),
+        "epilogue+fusegate_quant": separate(lambda normed: quantize(normed, spec, **hw)),
     }
     notes = {}
     if kind == "nvfp4":

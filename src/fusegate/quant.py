@@ -50,6 +50,9 @@ LAYOUTS = {"fp8_static": ("row",), "fp8_per_token": ("row",), "fp8_per_group": (
 # The compute capability from which PTX has an e4m3 conversion (cvt.rn.satfinite.e4m3x2.f32,
 # PTX ISA: requires sm_89). Below it the software conversion runs; it gives the same bits.
 FP8_CVT_MIN_CAPABILITY = (8, 9)
+# The e2m1 conversion (cvt.rn.satfinite.e2m1x2.f32) exists on sm_100a-class targets (Blackwell:
+# sm_100a, sm_101a/sm_110a, sm_120a), which Triton compiles for from compute capability 10.0.
+FP4_CVT_MIN_CAPABILITY = (10, 0)
 
 
 @dataclass(frozen=True, eq=False)
@@ -134,12 +137,14 @@ def conversion_path(kind: str, compute_capability: tuple[int, int] | None) -> tu
     """(hardware e4m3 conversion used, reason) for format `kind` on a GPU of this capability
     (None: CPU / interpreter). Both paths give the same bits; only the instruction count differs."""
     fp8_hw = compute_capability is not None and tuple(compute_capability) >= FP8_CVT_MIN_CAPABILITY
+    fp4_hw = compute_capability is not None and tuple(compute_capability) >= FP4_CVT_MIN_CAPABILITY
     cc = "no GPU" if compute_capability is None else f"compute capability {compute_capability[0]}.{compute_capability[1]}"
     fp8 = ("e4m3 by the hardware cvt (PTX cvt.rn.satfinite.e4m3x2 exists from sm_89; " + cc + ")" if fp8_hw
            else "e4m3 by the software conversion from integer ops (" + cc + "; the e4m3 cvt needs sm_89)")
     if kind == "nvfp4":
-        return fp8_hw, ("e2m1 by the software conversion from integer ops on every GPU (the e2m1 cvt "
-                        "exists only on sm_100a/sm_120a-class targets and is not used); block scales " + fp8)
+        fp4 = ("e2m1 by the hardware cvt (cvt.rn.satfinite.e2m1x2, sm_100a-class; " + cc + ")" if fp4_hw
+               else "e2m1 by the software conversion from integer ops (" + cc + "; the e2m1 cvt needs sm_100a-class targets)")
+        return fp8_hw, fp4 + "; block scales " + fp8
     return fp8_hw, fp8
 
 

@@ -27,16 +27,18 @@ def _cpu(result):
     return [None if t is None else (t.cpu() if t.stride(-1) == 1 or t.dim() < 2 else t.contiguous().cpu()) for t in result]
 
 
-@pytest.mark.parametrize("hw_fp8", [False, True])
-def test_helpers_on_gpu_match_reference(hw_fp8):
-    from fusegate.kernels.epilogue import hardware_fp8
+@pytest.mark.parametrize("hw_fp8, hw_fp4", [(False, False), (True, False), (True, True)])
+def test_helpers_on_gpu_match_reference(hw_fp8, hw_fp4):
+    from fusegate.kernels.epilogue import hardware_fp4, hardware_fp8
     from fusegate.kernels.quant import quantize
 
     if hw_fp8 and not hardware_fp8("cuda"):
         pytest.skip("this GPU has no e4m3 cvt (compute capability below 8.9)")
+    if hw_fp4 and not hardware_fp4("cuda"):
+        pytest.skip("this GPU has no e2m1 cvt (compute capability below 10.0)")
     y = crafted_rows()
     for spec in SPECS:
-        codes, scale = quantize(y.cuda(), _on(spec), hw_fp8=hw_fp8)
+        codes, scale = quantize(y.cuda(), _on(spec), hw_fp8=hw_fp8, hw_fp4=hw_fp4)
         ref_codes, ref_scale = quantize_ref(y, spec)
         assert _same(codes.cpu(), ref_codes), f"{spec.key} hw_fp8={hw_fp8}: codes differ"
         assert _same(scale.contiguous().cpu() if scale.dim() > 1 else scale.cpu(), ref_scale.contiguous()), f"{spec.key}: scales differ"

@@ -15,11 +15,11 @@ SIG = {"s_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16
        "H": "i32", "eps": "fp32", "q_ptr": "*u8", "q_row_stride": "i32", "sc_ptr": "*fp32", "s_row_stride": "i32",
        "s_col_stride": "i32", "param_ptr": "*fp32", "scale_ub": "fp32", "BLOCK_H": "constexpr", "ROWS": "constexpr",
        "HAS_RES": "constexpr", "SOFT_BF16": "constexpr", "WITH_NORMED": "constexpr", "KIND": "constexpr",
-       "GROUP": "constexpr", "SWIZZLED": "constexpr", "HAS_UB": "constexpr", "HW_FP8": "constexpr"}
+       "GROUP": "constexpr", "SWIZZLED": "constexpr", "HAS_UB": "constexpr", "HW_CVT": "constexpr"}
 ALIGNED = ("s_ptr", "res_ptr", "w_ptr", "out_ptr", "newres_ptr", "H", "q_ptr", "q_row_stride", "sc_ptr", "param_ptr")
 
 
-def _ptx(cc: int, kind: int, group: int, swizzled: bool, hw: bool) -> str:
+def _ptx(cc: int, kind: int, group: int, swizzled: bool, hw: int) -> str:
     try:
         from triton._C.libtriton import ir
         from triton.backends.compiler import GPUTarget
@@ -33,7 +33,7 @@ def _ptx(cc: int, kind: int, group: int, swizzled: bool, hw: bool) -> str:
     names = list(sig)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in ALIGNED}
     constexprs = {"BLOCK_H": 8192, "ROWS": 1, "HAS_RES": True, "SOFT_BF16": False, "WITH_NORMED": False, "KIND": kind,
-                  "GROUP": group, "SWIZZLED": swizzled, "HAS_UB": False, "HW_FP8": hw}
+                  "GROUP": group, "SWIZZLED": swizzled, "HAS_UB": False, "HW_CVT": hw}
     target = GPUTarget("cuda", cc, 32)
     backend = CUDABackend(target)
     src = ASTSource(residual_rmsnorm_quant_kernel, sig, constexprs, attrs)
@@ -50,9 +50,25 @@ def _ptx(cc: int, kind: int, group: int, swizzled: bool, hw: bool) -> str:
 
 
 def test_software_and_hardware_paths_lower_as_admitted():
-    sm80 = _ptx(80, 2, 16, False, False)  # fp8 per token, software
+    sm80 = _ptx(80, 2, 16, False, 0)  # fp8 per token, software
     assert not re.search(r"cvt\.[a-z.]*e4m3", sm80) and "st.global.v4.b32" in sm80
-    sm90 = _ptx(90, 3, 128, False, True)  # fp8 per group, hardware cvt
+    sm90 = _ptx(90, 3, 128, False, 1)  # fp8 per group, hardware cvt
     assert set(re.findall(r"cvt\.[a-z0-9.]*e4m3[a-z0-9.]*", sm90)) == {"cvt.rn.satfinite.e4m3x2.f32"}
-    fp4 = _ptx(90, 4, 16, True, False)  # nvfp4, swizzled scales, all software
-    assert not re.search(r"e2m1|e4m3", fp4) and "st.global.v4.b32" in fp4
+    fp4 = _ptx(90, 4, 16, True, 1)  # nvfp4 on sm_90: e2m1 in software, block scales by the e4m3 cvt
+    assert not re.search(r"e2m1", fp4) and "st.global.v4.b32" in fp4
+
+
+def test_hardware_e2m1_path_assembles_for_sm100():
+    ptx = _ptx(100, 4, 16, True, 3)
+    assert "cvt.rn.satfinite.e2m1x2.f32" in ptx
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    ptxas = next((str(p) for p in (bin_dir / "ptxas-blackwell", bin_dir / "ptxas") if p.exists()), shutil.which("ptxas"))
+    if ptxas is None:
+        pytest.skip("no ptxas to assemble the sm_100a PTX with")
+    arch = re.search(r"\.target (sm_\w+)", ptx).group(1)
+    proc = subprocess.run([ptxas, f"-arch={arch}", "-o", "/dev/null", "-"], input=ptx, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]

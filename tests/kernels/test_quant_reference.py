@@ -151,6 +151,13 @@ def test_admission_states_the_conversion_path(kind):
             assert not verdicts[name].ok and f"does not implement quantized output {kind}" in verdicts[name].reason
 
 
+def test_e2m1_hardware_cvt_from_compute_capability_10():
+    problem = Problem(Op.ALL_REDUCE_RESIDUAL_RMSNORM, 8, 6144, "bfloat16", NCCL, quant="nvfp4")
+    for cc in ((10, 0), (12, 0)):
+        reason = get_strategy("nccl_fused").admits(problem, _caps(cc)).reason
+        assert "e2m1 by the hardware cvt" in reason and "e4m3 by the hardware cvt" in reason, reason
+
+
 def test_unquantized_problems_are_unchanged():
     problem = Problem(Op.ALL_REDUCE_RESIDUAL_RMSNORM, 8, 6144, "bfloat16", NCCL)
     assert get_strategy("oneshot").admits(problem, _caps((9, 0))).ok

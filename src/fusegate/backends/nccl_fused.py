@@ -15,8 +15,9 @@ NCCL is (it is, with NCCL groups).
 Quantized output (`quant=`, every format of `fusegate.quant`): the same epilogue kernel quantizes
 the normed rows before they leave registers (`fusegate.kernels.quant.quantize_row`), bit for bit
 the reference quantizer of the kernel's fp32 rows. Admitted on every GPU Triton runs on: the e4m3
-and e2m1 conversions have a software path from integer ops; the hardware e4m3 cvt is used where
-the compute capability has it (admission's reason says which).
+and e2m1 conversions have a software path from integer ops; the hardware e4m3 (sm_89+) and e2m1
+(compute capability 10.0+) cvts are used where the capability has them (admission's reason says
+which); the bits are the same.
 """
 
 from __future__ import annotations

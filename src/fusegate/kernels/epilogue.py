@@ -126,7 +126,7 @@ def residual_rmsnorm_quant_kernel(
     q_ptr, q_row_stride, sc_ptr, s_row_stride, s_col_stride, param_ptr, scale_ub,
     BLOCK_H: tl.constexpr, ROWS: tl.constexpr, HAS_RES: tl.constexpr, SOFT_BF16: tl.constexpr,
     WITH_NORMED: tl.constexpr, KIND: tl.constexpr, GROUP: tl.constexpr, SWIZZLED: tl.constexpr,
-    HAS_UB: tl.constexpr, HW_FP8: tl.constexpr,
+    HAS_UB: tl.constexpr, HW_CVT: tl.constexpr,
 ):
     """The epilogue with quantized output (`fusegate.kernels.quant.quantize_row`); with swizzled
     NVFP4 scales program 0 also zeroes the scales of the padding rows up to a multiple of 128."""
@@ -141,7 +141,7 @@ def residual_rmsnorm_quant_kernel(
         if WITH_NORMED:
             tl.store(out_ptr + row.to(tl.int64) * H + cols, round_like(y, s, SOFT_BF16), mask=mask)
         quantize_row(y, row, cols, cmask, M, H, q_ptr, q_row_stride, sc_ptr, s_row_stride, s_col_stride,
-                     param_ptr, scale_ub, KIND, GROUP, BLOCK_H, SWIZZLED, HAS_UB, HW_FP8)
+                     param_ptr, scale_ub, KIND, GROUP, BLOCK_H, SWIZZLED, HAS_UB, HW_CVT)
     if SWIZZLED:
         if pid == 0:
             zero_scale_padding(sc_ptr, M, H, BLOCK_H // 16, PAD_CHUNK)
@@ -201,7 +201,7 @@ def _residual_rmsnorm_quant(s, residual, weight, eps, quant, config):
 
     m, h = s.shape
     check_quant("residual_rmsnorm", quant, h, device=s.device)
-    buf = QuantBuffers(quant, m, h, s.device, hardware_fp8(s.device))
+    buf = QuantBuffers(quant, m, h, s.device, hardware_fp8(s.device), hardware_fp4(s.device))
     normed = torch.empty_like(s) if quant.with_normed else None
     new_res = torch.empty_like(s)
     block, warps, rows = config or launch_config(h, s.element_size(), m)
@@ -231,11 +231,30 @@ def hardware_fp8(device) -> bool:
     return _capability_has_fp8_cvt(device.index if device.index is not None else torch.cuda.current_device())
 
 
-@functools.lru_cache(maxsize=None)
+def hardware_fp4(device) -> bool:
+    """Whether kernels on `device` convert to e2m1 with the hardware cvt (compute capability 10.0
+    and newer, `fusegate.quant.FP4_CVT_MIN_CAPABILITY`). Same bits either way."""
+    device = torch.device(device)
+    if interpreting() or device.type != "cuda":
+        return False
+    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= _min_fp4()
+
+
 def _capability_has_fp8_cvt(index: int) -> bool:
     from fusegate.quant import FP8_CVT_MIN_CAPABILITY
 
-    return torch.cuda.get_device_capability(index) >= FP8_CVT_MIN_CAPABILITY
+    return _capability(index) >= FP8_CVT_MIN_CAPABILITY
+
+
+def _min_fp4():
+    from fusegate.quant import FP4_CVT_MIN_CAPABILITY
+
+    return FP4_CVT_MIN_CAPABILITY
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 def _check(s: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor) -> None:

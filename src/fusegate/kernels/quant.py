@@ -13,7 +13,7 @@ A peer kernel (one-shot, two-shot) calls it where it would store the normed row,
 
     y = normed_row(s, row, cols, mask, res_ptr, w, newres_ptr, H, eps, HAS_RES, SOFT_BF16)
     quantize_row(y, row, cols, cols < H, M, H, q_ptr, q_row_stride, s_ptr, s_row_stride,
-                 s_col_stride, param_ptr, scale_ub, KIND, GROUP, BLOCK_H, SWIZZLED, HAS_UB, HW_FP8)
+                 s_col_stride, param_ptr, scale_ub, KIND, GROUP, BLOCK_H, SWIZZLED, HAS_UB, HW_CVT)
     if SWIZZLED:  # once per launch
         if tl.program_id(0) == 0:
             zero_scale_padding(s_ptr, M, H, BLOCK_H // 16, PAD_CHUNK)
@@ -23,11 +23,15 @@ with the buffers, strides and constexprs of a `QuantBuffers` (`constexprs(BLOCK_
 fp32 rows with the same code, so the outputs are identical on every rank.
 
 Conversions are built from integer operations on the fp32 bit patterns (`e4m3_code`,
-`e2m1_code`), so they run wherever Triton runs: the CPU interpreter, SM80, SM90. With HW_FP8 the
-e4m3 rounding uses Triton's fp32 -> float8e4nv cast instead (PTX cvt.rn.satfinite.e4m3x2.f32,
-sm_89 and newer; the launcher decides from the compute capability, `fusegate.quant.conversion_path`):
-same bits, fewer instructions. There is no hardware e2m1 path: the e2m1 cvt needs sm_100a-class
-targets, and the software path costs a few integer operations per element on a memory-bound pass.
+`e2m1_code`), so they run wherever Triton runs: the CPU interpreter, SM80, SM90. HW_CVT (bit
+flags, chosen by the launcher from the compute capability, `fusegate.quant.conversion_path`)
+switches to the hardware instructions where they exist: bit 1, the e4m3 rounding by Triton's fp32
+-> float8e4nv cast (PTX cvt.rn.satfinite.e4m3x2.f32, sm_89 and newer); bit 2, the e2m1 pairs by
+inline cvt.rn.satfinite.e2m1x2.f32 (sm_100a-class, compute capability 10.0 and newer; never in the
+interpreter, which has no inline assembly). Same bits, fewer instructions: NaN lanes are patched
+to the software result, and both instructions round to nearest even and saturate. The e2m1 path
+is checked here only as far as it compiles and assembles for sm_100a (tests/kernels/test_quant_ptx.py);
+its bits on a Blackwell GPU are checked by the GPU tier there.
 Absolute maxima are taken over the bit patterns as integers (|y| bits, NaN above inf), so NaN
 propagates identically on GPUs (where a float max drops NaN) and in the interpreter (where it
 keeps it). No rounding step may be fused into an FMA: every product is rounded (stored to a
@@ -99,6 +103,20 @@ def e2m1_code(x):
 
 
 @triton.jit
+def e2m1_pair_hw(lo, hi):
+    """(low, high) e2m1 codes of fp32 pairs by the hardware cvt (PTX cvt.rn.satfinite.e2m1x2.f32,
+    sm_100a-class targets; its first source goes to the high nibble). NaN lanes are set to 0x7 as
+    in `e2m1_code`, so the bits do not depend on what the instruction does with NaN."""
+    byte = tl.inline_asm_elementwise(
+        "{ .reg .b8 t; cvt.rn.satfinite.e2m1x2.f32 t, $2, $1; mov.b32 $0, {t, 0, 0, 0}; }",
+        "=r,f,f", [lo, hi], dtype=tl.uint32, is_pure=True, pack=1,
+    )
+    lo_nan = (lo.to(tl.uint32, bitcast=True) & 0x7FFFFFFF) > 0x7F800000
+    hi_nan = (hi.to(tl.uint32, bitcast=True) & 0x7FFFFFFF) > 0x7F800000
+    return tl.where(lo_nan, 0x7, byte & 0xF), tl.where(hi_nan, 0x7, (byte >> 4) & 0xF)
+
+
+@triton.jit
 def e4m3_value(code):
     """fp32 value of non-negative e4m3 codes (uint32 0..0x7F; 0x7F is NaN), exactly."""
     e = code >> 3
@@ -118,7 +136,7 @@ def inverse(scale):
 def quantize_row(
     y, row, cols, cmask, M, H, q_ptr, q_row_stride, s_ptr, s_row_stride, s_col_stride, param_ptr, scale_ub,
     KIND: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr, SWIZZLED: tl.constexpr,
-    HAS_UB: tl.constexpr, HW_FP8: tl.constexpr,
+    HAS_UB: tl.constexpr, HW_CVT: tl.constexpr,
 ):
     """Quantize and store one row.
 
@@ -139,7 +157,7 @@ def quantize_row(
     if KIND == 1:
         inv = inverse(tl.load(param_ptr))  # one scalar load, not one per element
         q = y * inv
-        tl.store(q_ptr + row.to(tl.int64) * q_row_stride + cols, e4m3_code(q, HW_FP8).to(tl.uint8), mask=mask)
+        tl.store(q_ptr + row.to(tl.int64) * q_row_stride + cols, e4m3_code(q, HW_CVT & 1).to(tl.uint8), mask=mask)
     else:
         G: tl.constexpr = BLOCK if KIND == 2 else GROUP
         NG: tl.constexpr = BLOCK // G
@@ -150,12 +168,15 @@ def quantize_row(
         if KIND == 4:
             gs = tl.zeros_like(amax) + tl.load(param_ptr)  # one scalar load, broadcast over the blocks
             t = amax * 0.16666667163372040  # fp32(1/6), as FlashInfer's RECIPROCAL_6
-            sf_code = e4m3_code(gs * t, HW_FP8)
+            sf_code = e4m3_code(gs * t, HW_CVT & 1)
             sfv = e4m3_value(sf_code)
             out_scale = tl.where(sfv == 0.0, 0.0, tl.math.div_rn(gs, sfv))
             q2 = y2 * out_scale[:, None]
-            codes = tl.reshape(e2m1_code(q2), [BLOCK // 2, 2])
-            lo, hi = tl.split(codes)
+            lo, hi = tl.split(tl.reshape(q2, [BLOCK // 2, 2]))
+            if HW_CVT & 2:
+                lo, hi = e2m1_pair_hw(lo, hi)
+            else:
+                lo, hi = e2m1_code(lo), e2m1_code(hi)
             pcols = tl.arange(0, BLOCK // 2)
             pmask = (pcols < H // 2) & ((row + 0 * pcols) < M)
             tl.store(q_ptr + row.to(tl.int64) * q_row_stride + pcols, (lo | (hi << 4)).to(tl.uint8), mask=pmask)
@@ -174,7 +195,7 @@ def quantize_row(
             if HAS_UB:
                 scale = tl.where(scale > scale_ub, scale_ub, scale)
             q2 = y2 * inverse(scale)[:, None]
-            codes = tl.reshape(e4m3_code(q2, HW_FP8), [BLOCK]).to(tl.uint8)
+            codes = tl.reshape(e4m3_code(q2, HW_CVT & 1), [BLOCK]).to(tl.uint8)
             tl.store(q_ptr + row.to(tl.int64) * q_row_stride + cols, codes, mask=mask)
             smask = (gidx < (H + G - 1) // G) & ((row + 0 * gidx) < M)  # per token: G = BLOCK may exceed H
             tl.store(s_ptr + row.to(tl.int64) * s_row_stride + gidx * s_col_stride, scale, mask=smask)
@@ -202,7 +223,7 @@ def zero_scale_padding(s_ptr, M, H, NG: tl.constexpr, CHUNK: tl.constexpr):
 def quantize_rows_kernel(
     y_ptr, M, H, q_ptr, s_ptr, s_row_stride, s_col_stride, param_ptr, scale_ub,
     KIND: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr, SWIZZLED: tl.constexpr,
-    HAS_UB: tl.constexpr, HW_FP8: tl.constexpr,
+    HAS_UB: tl.constexpr, HW_CVT: tl.constexpr,
 ):
     """Quantize rows (M, H) from memory (fp32, or 16-bit widened exactly), one row per program:
     the helpers alone, for tests and as a standalone quantizer."""
@@ -212,7 +233,7 @@ def quantize_rows_kernel(
     y = tl.load(y_ptr + row.to(tl.int64) * H + cols, mask=cmask & ((row + 0 * cols) < M), other=0.0).to(tl.float32)
     q_stride = H // 2 if KIND == 4 else H
     quantize_row(y, row, cols, cmask, M, H, q_ptr, q_stride, s_ptr, s_row_stride, s_col_stride, param_ptr,
-                 scale_ub, KIND, GROUP, BLOCK, SWIZZLED, HAS_UB, HW_FP8)
+                 scale_ub, KIND, GROUP, BLOCK, SWIZZLED, HAS_UB, HW_CVT)
     if SWIZZLED:
         if row == 0:
             zero_scale_padding(s_ptr, M, H, BLOCK // 16, PAD_CHUNK)
@@ -227,7 +248,7 @@ def block_for(hidden: int, kind: str) -> int:
 class QuantBuffers:
     """Outputs of one quantized call and the `quantize_row` arguments that address them."""
 
-    def __init__(self, quant, m: int, h: int, device, hw_fp8: bool) -> None:
+    def __init__(self, quant, m: int, h: int, device, hw_fp8: bool, hw_fp4: bool = False) -> None:
         import torch
 
         self.kind = KIND_BY_NAME[quant.kind]
@@ -235,7 +256,7 @@ class QuantBuffers:
         self.swizzled = quant.layout == "swizzled"
         self.has_ub = quant.scale_ub is not None
         self.scale_ub = float(quant.scale_ub) if self.has_ub else 0.0
-        self.hw_fp8 = hw_fp8
+        self.hw_cvt = int(hw_fp8) | (2 if hw_fp4 else 0)  # HW_CVT bits: 1 e4m3 cvt, 2 e2m1 cvt
         self.sf_m = m
         if quant.kind == "nvfp4":
             self.codes = torch.empty(m, h // 2, dtype=torch.uint8, device=device)
@@ -271,7 +292,7 @@ class QuantBuffers:
             self.scales = self.codes  # any tensor: the kernel stores no scales
 
     def constexprs(self, block: int) -> dict:
-        return dict(KIND=self.kind, GROUP=self.group, BLOCK=block, SWIZZLED=self.swizzled, HAS_UB=self.has_ub, HW_FP8=self.hw_fp8)
+        return dict(KIND=self.kind, GROUP=self.group, BLOCK=block, SWIZZLED=self.swizzled, HAS_UB=self.has_ub, HW_CVT=self.hw_cvt)
 
 
 def _param(value, device):
@@ -282,11 +303,11 @@ def _param(value, device):
     return torch.full((1,), float(value), dtype=torch.float32, device=device)  # filled on the device: capturable
 
 
-def quantize(y, quant, *, hw_fp8: bool = False):
+def quantize(y, quant, *, hw_fp8: bool = False, hw_fp4: bool = False):
     """(codes, scale) of rows `y` (M, H; fp32, bf16 or fp16, contiguous) through the Triton
     helpers, one row per program: the quantizer as a separate kernel."""
     m, h = y.shape
-    buf = QuantBuffers(quant, m, h, y.device, hw_fp8)
+    buf = QuantBuffers(quant, m, h, y.device, hw_fp8, hw_fp4)
     if m:
         quantize_rows_kernel[(m,)](
             y, m, h, buf.codes, buf.scales, *buf.s_strides, buf.param, buf.scale_ub,
