@@ -58,8 +58,9 @@ def test_software_and_hardware_paths_lower_as_admitted():
     assert not re.search(r"e2m1", fp4) and "st.global.v4.b32" in fp4
 
 
-def test_hardware_e2m1_path_assembles_for_sm100():
-    ptx = _ptx(100, 4, 16, True, 3)
+@pytest.mark.parametrize("cc", [100, 120])  # B200-class and RTX PRO 6000-class (Triton targets sm_100a / sm_120a)
+def test_hardware_e2m1_path_assembles_for_blackwell(cc):
+    ptx = _ptx(cc, 4, 16, True, 3)
     assert "cvt.rn.satfinite.e2m1x2.f32" in ptx
     import shutil
     import subprocess
