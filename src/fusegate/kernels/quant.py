@@ -40,6 +40,8 @@ register as fp32) before integer ops read its bits.
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
 
@@ -256,7 +258,10 @@ class QuantBuffers:
         self.swizzled = quant.layout == "swizzled"
         self.has_ub = quant.scale_ub is not None
         self.scale_ub = float(quant.scale_ub) if self.has_ub else 0.0
-        self.hw_cvt = int(hw_fp8) | (2 if hw_fp4 else 0)  # HW_CVT bits: 1 e4m3 cvt, 2 e2m1 cvt
+        # HW_CVT bits: 1 e4m3 cvt, 2 e2m1 cvt. Never in the interpreter: its float8 cast truncates
+        # and it has no inline assembly.
+        interpreted = os.environ.get("TRITON_INTERPRET", "0") == "1"
+        self.hw_cvt = 0 if interpreted else int(hw_fp8) | (2 if hw_fp4 else 0)
         self.sf_m = m
         if quant.kind == "nvfp4":
             self.codes = torch.empty(m, h // 2, dtype=torch.uint8, device=device)
