@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fusegate.kernels.quant import PAD_CHUNK, QuantBuffers, block_for, quantize_row, zero_scale_padding
+from fusegate.kernels.quant import PAD_CHUNK, QuantBuffers, block_for, pad_programs, quantize_row, zero_scale_padding
 
 MAX_HIDDEN = 16384  # one row in registers; BLOCK_H 16384 x fp32 over 16 warps = 32 floats a thread
 SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
@@ -129,22 +129,23 @@ def residual_rmsnorm_quant_kernel(
     HAS_UB: tl.constexpr, HW_CVT: tl.constexpr,
 ):
     """The epilogue with quantized output (`fusegate.kernels.quant.quantize_row`); with swizzled
-    NVFP4 scales program 0 also zeroes the scales of the padding rows up to a multiple of 128."""
+    NVFP4 scales the programs after the row programs zero the scales of the padding rows."""
     pid = tl.program_id(0)
-    cols = tl.arange(0, BLOCK_H)
-    cmask = cols < H
-    w = load_weight(w_ptr, cols, cmask, True)
-    for i in tl.static_range(ROWS):
-        row = pid * ROWS + i
-        s, mask = load_row(s_ptr, row, cols, cmask, M, H)
-        y = normed_row(s, row, cols, mask, res_ptr, w, newres_ptr, H, eps, HAS_RES, SOFT_BF16)
-        if WITH_NORMED:
-            tl.store(out_ptr + row.to(tl.int64) * H + cols, round_like(y, s, SOFT_BF16), mask=mask)
-        quantize_row(y, row, cols, cmask, M, H, q_ptr, q_row_stride, sc_ptr, s_row_stride, s_col_stride,
-                     param_ptr, scale_ub, KIND, GROUP, BLOCK_H, SWIZZLED, HAS_UB, HW_CVT)
-    if SWIZZLED:
-        if pid == 0:
-            zero_scale_padding(sc_ptr, M, H, BLOCK_H // 16, PAD_CHUNK)
+    row_programs = (M + ROWS - 1) // ROWS
+    if pid < row_programs:
+        cols = tl.arange(0, BLOCK_H)
+        cmask = cols < H
+        w = load_weight(w_ptr, cols, cmask, True)
+        for i in tl.static_range(ROWS):
+            row = pid * ROWS + i
+            s, mask = load_row(s_ptr, row, cols, cmask, M, H)
+            y = normed_row(s, row, cols, mask, res_ptr, w, newres_ptr, H, eps, HAS_RES, SOFT_BF16)
+            if WITH_NORMED:
+                tl.store(out_ptr + row.to(tl.int64) * H + cols, round_like(y, s, SOFT_BF16), mask=mask)
+            quantize_row(y, row, cols, cmask, M, H, q_ptr, q_row_stride, sc_ptr, s_row_stride, s_col_stride,
+                         param_ptr, scale_ub, KIND, GROUP, BLOCK_H, SWIZZLED, HAS_UB, HW_CVT)
+    elif SWIZZLED:
+        zero_scale_padding(sc_ptr, M, H, pid - row_programs, BLOCK_H // 16, PAD_CHUNK)
 
 
 def launch_config(hidden: int, itemsize: int, num_tokens: int) -> tuple[int, int, int]:
@@ -207,7 +208,8 @@ def _residual_rmsnorm_quant(s, residual, weight, eps, quant, config):
     block, warps, rows = config or launch_config(h, s.element_size(), m)
     block = max(block, block_for(h, quant.kind))
     if m:
-        residual_rmsnorm_quant_kernel[(triton.cdiv(m, rows),)](
+        grid = triton.cdiv(m, rows) + (pad_programs(m) if buf.swizzled else 0)
+        residual_rmsnorm_quant_kernel[(grid,)](
             s, residual if residual is not None else s, weight, normed if normed is not None else s, new_res,
             m, h, float(eps), buf.codes, buf.codes.stride(0), buf.scales, *buf.s_strides, buf.param,
             buf.scale_ub, BLOCK_H=block, ROWS=rows, HAS_RES=residual is not None, SOFT_BF16=interpreting(),

@@ -14,9 +14,10 @@ A peer kernel (one-shot, two-shot) calls it where it would store the normed row,
     y = normed_row(s, row, cols, mask, res_ptr, w, newres_ptr, H, eps, HAS_RES, SOFT_BF16)
     quantize_row(y, row, cols, cols < H, M, H, q_ptr, q_row_stride, s_ptr, s_row_stride,
                  s_col_stride, param_ptr, scale_ub, KIND, GROUP, BLOCK_H, SWIZZLED, HAS_UB, HW_CVT)
-    if SWIZZLED:  # once per launch
-        if tl.program_id(0) == 0:
-            zero_scale_padding(s_ptr, M, H, BLOCK_H // 16, PAD_CHUNK)
+    # with SWIZZLED, pad_programs(M) extra programs (pid >= the row programs) each call
+    zero_scale_padding(s_ptr, M, H, pid - row_programs, BLOCK_H // 16, PAD_CHUNK)
+    # (a persistent, grid-strided kernel can instead spread chunk = 0 .. pad_programs(M) - 1
+    # over its programs; M must then be known to every program, as it is)
 
 with the buffers, strides and constexprs of a `QuantBuffers` (`constexprs(BLOCK_H)`), as
 `fusegate.kernels.epilogue.residual_rmsnorm_quant_kernel` does. Every rank quantizes the same
@@ -144,8 +145,8 @@ def quantize_row(
 
     y: fp32 [BLOCK], the normalised row (any values in masked lanes); cols = tl.arange(0, BLOCK);
     cmask = cols < H; row: the row index (scalar); M: rows that exist (row >= M stores nothing).
-    H: columns, a multiple of GROUP (16 for nvfp4). With SWIZZLED, one program of the launch must
-    also call `zero_scale_padding` for the padding rows M .. align128(M) - 1.
+    H: columns, a multiple of GROUP (16 for nvfp4). With SWIZZLED the launch must also zero the
+    padding rows' scales (`zero_scale_padding` from `pad_programs(M)` extra programs).
     q_ptr: uint8 codes, row r at q_ptr + r * q_row_stride (H bytes, or H/2 for nvfp4).
     s_ptr: scales: fp32 at s_ptr + r * s_row_stride + g * s_col_stride (token: g = 0; group: g =
     column // GROUP; any strides, e.g. DeepGEMM's column-major (1, align4(M))); nvfp4: uint8
@@ -203,22 +204,26 @@ def quantize_row(
             tl.store(s_ptr + row.to(tl.int64) * s_row_stride + gidx * s_col_stride, scale, mask=smask)
 
 
+def pad_programs(m: int) -> int:
+    """Extra programs a launch with 128x4-swizzled NVFP4 scales needs for `zero_scale_padding`."""
+    return -(-(-(-m // 128) * 128 - m) // PAD_CHUNK.value)
+
+
 @triton.jit
-def zero_scale_padding(s_ptr, M, H, NG: tl.constexpr, CHUNK: tl.constexpr):
-    """Zero the 128x4-swizzled NVFP4 scales of padding rows M .. align128(M) - 1 (all columns up
-    to align4(H / 16)), CHUNK rows per store; NG: a power of two >= align4(H / 16). Call it from one
-    program: the NVFP4 GEMMs read the whole padded tile."""
+def zero_scale_padding(s_ptr, M, H, chunk, NG: tl.constexpr, CHUNK: tl.constexpr):
+    """Zero the 128x4-swizzled NVFP4 scales of padding rows M + chunk * CHUNK .. + CHUNK - 1
+    (those below align128(M)), all columns up to align4(H / 16); NG: a power of two >=
+    align4(H / 16). The NVFP4 GEMMs read the whole padded tile, so a launch gives
+    `pad_programs(M)` extra programs, chunk = 0, 1, ..., one call each: on idle SMs at decode
+    sizes, they add no latency to the row programs."""
     k4 = (H // 16 + 3) // 4
     gidx = tl.arange(0, NG)
-    r0 = M
     sf_m = (M + 127) // 128 * 128
-    while r0 < sf_m:
-        rows = r0 + tl.arange(0, CHUNK)
-        offs = ((rows // 128).to(tl.int64) * (k4 * 512) + (rows % 32) * 16 + ((rows % 128) // 32) * 4)[:, None] \
-            + ((gidx // 4) * 512 + gidx % 4)[None, :]
-        mask = (rows < sf_m)[:, None] & (gidx < 4 * k4)[None, :]
-        tl.store(s_ptr + offs, tl.zeros([CHUNK, NG], tl.uint8), mask=mask)
-        r0 += CHUNK
+    rows = M + chunk * CHUNK + tl.arange(0, CHUNK)
+    offs = ((rows // 128).to(tl.int64) * (k4 * 512) + (rows % 32) * 16 + ((rows % 128) // 32) * 4)[:, None] \
+        + ((gidx // 4) * 512 + gidx % 4)[None, :]
+    mask = (rows < sf_m)[:, None] & (gidx < 4 * k4)[None, :]
+    tl.store(s_ptr + offs, tl.zeros([CHUNK, NG], tl.uint8), mask=mask)
 
 
 @triton.jit
@@ -230,15 +235,15 @@ def quantize_rows_kernel(
     """Quantize rows (M, H) from memory (fp32, or 16-bit widened exactly), one row per program:
     the helpers alone, for tests and as a standalone quantizer."""
     row = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
-    cmask = cols < H
-    y = tl.load(y_ptr + row.to(tl.int64) * H + cols, mask=cmask & ((row + 0 * cols) < M), other=0.0).to(tl.float32)
-    q_stride = H // 2 if KIND == 4 else H
-    quantize_row(y, row, cols, cmask, M, H, q_ptr, q_stride, s_ptr, s_row_stride, s_col_stride, param_ptr,
-                 scale_ub, KIND, GROUP, BLOCK, SWIZZLED, HAS_UB, HW_CVT)
-    if SWIZZLED:
-        if row == 0:
-            zero_scale_padding(s_ptr, M, H, BLOCK // 16, PAD_CHUNK)
+    if row < M:
+        cols = tl.arange(0, BLOCK)
+        cmask = cols < H
+        y = tl.load(y_ptr + row.to(tl.int64) * H + cols, mask=cmask & ((row + 0 * cols) < M), other=0.0).to(tl.float32)
+        q_stride = H // 2 if KIND == 4 else H
+        quantize_row(y, row, cols, cmask, M, H, q_ptr, q_stride, s_ptr, s_row_stride, s_col_stride, param_ptr,
+                     scale_ub, KIND, GROUP, BLOCK, SWIZZLED, HAS_UB, HW_CVT)
+    elif SWIZZLED:
+        zero_scale_padding(s_ptr, M, H, row - M, BLOCK // 16, PAD_CHUNK)
 
 
 def block_for(hidden: int, kind: str) -> int:
@@ -314,7 +319,7 @@ def quantize(y, quant, *, hw_fp8: bool = False, hw_fp4: bool = False):
     m, h = y.shape
     buf = QuantBuffers(quant, m, h, y.device, hw_fp8, hw_fp4)
     if m:
-        quantize_rows_kernel[(m,)](
+        quantize_rows_kernel[(m + (pad_programs(m) if buf.swizzled else 0),)](
             y, m, h, buf.codes, buf.scales, *buf.s_strides, buf.param, buf.scale_ub,
             **buf.constexprs(block_for(h, quant.kind)),
         )
