@@ -24,6 +24,13 @@ _LAZY = {
     "residual_rmsnorm_ref": "fusegate.reference",
     "all_reduce_residual_rmsnorm_ref": "fusegate.reference",
     "TOLERANCE": "fusegate.reference",
+    "QuantSpec": "fusegate.quant",
+    "QuantOutput": "fusegate.quant",
+    "fp8_static": "fusegate.quant",
+    "fp8_per_token": "fusegate.quant",
+    "fp8_per_group": "fusegate.quant",
+    "nvfp4": "fusegate.quant",
+    "quantize_ref": "fusegate.reference",
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -3,6 +3,7 @@
     comm = fusegate.Communicator()                       # world group, strategy="auto"
     y = comm.all_reduce(x)                               # sum over ranks, out of place
     normed, residual = comm.all_reduce_residual_rmsnorm(x, residual, weight, eps=1e-6)
+    q, scale, residual, _ = comm.all_reduce_residual_rmsnorm(x, residual, weight, quant=fusegate.nvfp4(gs))
 
 Every method is a collective: all ranks of the group call it in the same order with the same
 shapes and dtypes. Construction is a collective too (ranks agree on the group's facts once).
@@ -31,7 +32,7 @@ from fusegate.group import agree_group_info, agree_settings, device_type_of
 from fusegate.spec import Op, Problem, dtype_name
 from fusegate.tune.agree import agreed_table
 from fusegate.tune.candidates import is_fused
-from fusegate.validation import SUPPORTED_DTYPES, as_rows, check_all_reduce, check_residual_rmsnorm
+from fusegate.validation import SUPPORTED_DTYPES, as_rows, check_all_reduce, check_quant, check_residual_rmsnorm
 
 
 _SETTING_FIXES = {
@@ -106,18 +107,28 @@ class Communicator:
             return self._strategy(problem).all_reduce(rows).view(x.shape)
 
     def all_reduce_residual_rmsnorm(
-        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float = 1e-6
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float = 1e-6, *, quant=None
+    ):
         """(normed, new_residual): new_residual = residual + allreduce(x); normed = rmsnorm(new_residual) * weight.
 
         `residual=None` means no residual (the first layer): new_residual is allreduce(x). Shapes
         (..., hidden); weight (hidden,); all in one floating dtype. Rounding points: see
         fusegate.reference. Zero tokens returns empty outputs without communicating.
+
+        `quant` (a `fusegate.QuantSpec`: fusegate.fp8_static, fp8_per_token, fp8_per_group, nvfp4)
+        quantizes the normed output and returns a `fusegate.QuantOutput` (out, scale, residual,
+        normed) instead: shapes and layouts in `fusegate.quant`; normed is None unless the spec
+        has with_normed=True. Every strategy that admits the format gives the reference's bits.
         """
         check_residual_rmsnorm(x, residual, weight, eps, device=self.device)
+        if quant is not None:
+            check_quant("all_reduce_residual_rmsnorm", quant, x.shape[-1], device=self.device)
         rows = as_rows(x)
         res_rows = as_rows(residual) if residual is not None else None
-        problem = self._problem(Op.ALL_REDUCE_RESIDUAL_RMSNORM, rows, has_residual=residual is not None)
+        problem = self._problem(Op.ALL_REDUCE_RESIDUAL_RMSNORM, rows, has_residual=residual is not None,
+                                quant=None if quant is None else quant.kind)
+        if quant is not None:
+            return _shaped(self._quantized(problem, rows, res_rows, weight.contiguous(), float(eps), quant), x.shape, quant.kind)
         if rows.shape[0] == 0:
             empty = torch.empty_like(x, memory_format=torch.contiguous_format)
             return empty, empty.clone()
@@ -166,15 +177,22 @@ class Communicator:
 
     # ---- internals --------------------------------------------------------------------------
 
-    def _problem(self, op: Op, rows: torch.Tensor, *, has_residual: bool) -> Problem:
+    def _quantized(self, problem: Problem, rows, res_rows, weight, eps: float, quant):
+        if rows.shape[0] == 0:  # nothing to communicate; the reference gives the empty outputs
+            from fusegate.reference import residual_rmsnorm_quant_ref
+
+            return residual_rmsnorm_quant_ref(rows, res_rows, weight, eps, quant)
+        return self._strategy(problem).all_reduce_residual_rmsnorm(rows, res_rows, weight, eps, quant=quant)
+
+    def _problem(self, op: Op, rows: torch.Tensor, *, has_residual: bool, quant: str | None = None) -> Problem:
         if self._closed:
             raise RuntimeError("Communicator: used after close(); create a new Communicator")
         if self.debug:
             self._check_ranks_agree(op, rows)
-        return Problem(op, rows.shape[0], rows.shape[1], dtype_name(rows.dtype), self.info, has_residual)
+        return Problem(op, rows.shape[0], rows.shape[1], dtype_name(rows.dtype), self.info, has_residual, quant)
 
     def _choose(self, problem: Problem) -> Choice:
-        key = (problem.op, problem.num_tokens, problem.hidden, problem.dtype, problem.has_residual)
+        key = (problem.op, problem.num_tokens, problem.hidden, problem.dtype, problem.has_residual, problem.quant)
         choice = self._choices.get(key)
         if choice is not None:
             return choice
@@ -229,6 +247,17 @@ class Communicator:
             table = "; ".join(f"rank {r}: {ops[c[0]].value} ({c[1]}, {c[2]}) {SUPPORTED_DTYPES[c[3]]}"
                               for r, c in enumerate(calls))
             raise ValueError(f"{op.value}: ranks disagree on the call ({table}); every rank must pass the same shape and dtype")
+
+
+def _shaped(result, shape, kind: str):
+    """A QuantOutput of (M, H) rows given the leading dimensions of `shape` (per-token scales
+    too; the other scales keep their 2-D layouts)."""
+    lead = tuple(shape[:-1])
+    out = result.out.view(*lead, result.out.shape[-1])
+    scale = result.scale.view(*lead, 1) if kind == "fp8_per_token" else result.scale
+    normed = None if result.normed is None else result.normed.view(shape)
+    return type(result)(out, scale, result.residual.view(shape), normed)
+
 
 def _token_buckets(max_tokens: int) -> list[int]:
     buckets, tokens = [], 1

@@ -72,13 +72,21 @@ def residual_rmsnorm_ref(
     acc_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The fused epilogue: (normed, new_residual) from an allreduce output `s`, rounded as documented."""
+    y, new_residual = normed_unrounded_ref(s, residual, weight, eps, acc_dtype=acc_dtype)
+    return y.to(s.dtype), new_residual
+
+
+def normed_unrounded_ref(
+    s: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float = 1e-6, *, acc_dtype=None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, new_residual): the normed output before its rounding to the data dtype (in `acc`,
+    fp32 by default), which is what quantized output is computed from."""
     dtype = s.dtype
     acc = acc_dtype or accumulation_dtype(dtype)
     new_residual = s if residual is None else (s.to(acc) + residual.to(acc)).to(dtype)
     h = new_residual.to(acc)
     inv_rms = _inverse_rms(h, eps)
-    normed = (h * inv_rms * weight.to(acc)).to(dtype)
-    return normed, new_residual
+    return h * inv_rms * weight.to(acc), new_residual
 
 
 def _inverse_rms(h: torch.Tensor, eps: float) -> torch.Tensor:
@@ -139,3 +147,144 @@ def random_inputs(
     """Deterministic standard-normal inputs for `rank` (never zeros), rebuildable by any process."""
     gen = torch.Generator().manual_seed(seed * 1_000_003 + rank + 7919)
     return torch.randn(num_tokens, hidden, generator=gen, dtype=torch.float32).to(dtype).to(device)
+
+
+# ---- quantized output ------------------------------------------------------------------------
+#
+# Every step below is one IEEE fp32 operation: computed in float64 and rounded once to fp32
+# (`_f32`), which is the correctly rounded fp32 result for +, x and / (float64 carries more than
+# 2 x 24 + 2 bits). The last step rounds onto the format's grid by definition (`_to_grid`):
+# round to nearest, ties to even, saturating to the largest finite value. Contract:
+#
+#   inv(s)       = 0 if s == 0 else f32(1 / s)
+#   fp8_static   : q = e4m3(f32(y * inv(scale)))
+#   fp8_per_token: amax = max |y| over the row; scale = f32(amax / 448), then min(scale, scale_ub);
+#                  q = e4m3(f32(y * inv(scale)))            (an all-zero row: scale 0, q = 0)
+#   fp8_per_group: the same over each `group` consecutive columns
+#   nvfp4        : amax over 16 columns; sf = e4m3(f32(gs * f32(amax * f32(1/6))));
+#                  out_scale = 0 if sf == 0 else f32(gs / sf); q = e2m1(f32(y * out_scale))
+#
+# NaN and inf: a NaN in y makes amax NaN (max over the bit patterns: NaN is above inf), so its
+# row (per token), group or block gets a NaN scale (e4m3 0x7F for nvfp4 block scales) and every
+# element of it a NaN code: 0x7F in e4m3 (the sign is dropped), 0x7 (+6) in e2m1, which has no
+# NaN (its block scale is NaN, so it dequantizes to NaN). inf saturates to +-448 / +-6 where it
+# is quantized with a finite non-zero inverse scale; a dynamic scale of inf has inverse 0, and
+# inf * 0 is NaN. -0.0 keeps its sign (e4m3 0x80, e2m1 0x8).
+
+_E4M3 = (3, -6, 448.0)  # mantissa bits, smallest normal exponent, largest finite
+_E2M1 = (1, 0, 6.0)
+_E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    """One rounding to fp32, kept in float64."""
+    return t.to(torch.float32).to(torch.float64)
+
+
+def _to_grid(v: torch.Tensor, fmt: tuple[int, int, float]) -> torch.Tensor:
+    """float64 `v` rounded to nearest-even onto a minifloat grid, saturating; NaN stays NaN."""
+    mant_bits, emin, largest = fmt
+    a = v.abs()
+    _, e = torch.frexp(a)  # a = m * 2^e with m in [0.5, 1): floor(log2 a) = e - 1
+    quantum = torch.ldexp(torch.ones_like(a), torch.clamp(e - 1, min=emin) - mant_bits)
+    r = torch.clamp(torch.round(a / quantum) * quantum, max=largest)  # a / quantum is exact
+    return torch.copysign(r, v)
+
+
+def _e4m3_codes(v: torch.Tensor) -> torch.Tensor:
+    codes = _to_grid(v, _E4M3).to(torch.float32).to(torch.float8_e4m3fn).view(torch.uint8)
+    return torch.where(torch.isnan(v), torch.full_like(codes, 0x7F), codes)
+
+
+def _e2m1_codes(v: torch.Tensor) -> torch.Tensor:
+    r = _to_grid(v, _E2M1)
+    a = r.abs().nan_to_num(nan=6.0)
+    # position on the grid _E2M1_GRID: 2a below 2, a + 2 below 4, a / 2 + 4 above (exact)
+    index = torch.where(a < 2, 2 * a, torch.where(a < 4, a + 2, a / 2 + 4)).to(torch.int64)
+    codes = (index + 8 * torch.signbit(r).to(index.dtype)).to(torch.uint8)
+    return torch.where(torch.isnan(v), torch.full_like(codes, 0x7), codes)
+
+
+def _inverse(scale: torch.Tensor) -> torch.Tensor:
+    return torch.where(scale == 0, torch.zeros_like(scale), _f32(1.0 / scale))
+
+
+def _amax(blocks: torch.Tensor) -> torch.Tensor:
+    """max |.| over the last dimension, NaN if any element is NaN (torch.amax propagates NaN)."""
+    return blocks.abs().amax(dim=-1, keepdim=True)
+
+
+def _scalar(value, device) -> torch.Tensor:
+    """A given scale as float64 (1,) on `device`; a float is filled there (graph-capturable)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(device=device, dtype=torch.float32).reshape(1).to(torch.float64)
+    return torch.full((1,), float(value), dtype=torch.float32, device=device).to(torch.float64)
+
+
+def quantize_ref(y: torch.Tensor, quant) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, scales) of fp32 rows `y` (M, H) in the format and layout of `quant`
+    (a `fusegate.quant.QuantSpec`; shapes and layouts in `fusegate.quant`), by the contract above."""
+    m, h = y.shape
+    y64 = y.to(torch.float32).to(torch.float64)
+    if quant.kind == "fp8_static":
+        scale = _scalar(quant.scale, y.device)
+        return _e4m3_codes(_f32(y64 * _inverse(scale))).view(torch.float8_e4m3fn), scale.to(torch.float32)
+    if quant.kind in ("fp8_per_token", "fp8_per_group"):
+        group = h if quant.kind == "fp8_per_token" else quant.group
+        blocks = y64.reshape(m, h // group, group)
+        scale = _f32(_amax(blocks) / 448.0)
+        if quant.scale_ub is not None:
+            ub = float(torch.tensor(quant.scale_ub, dtype=torch.float32))  # the bound as fp32, as the kernel takes it
+            scale = torch.where(scale > ub, torch.full_like(scale, ub), scale)
+        codes = _e4m3_codes(_f32(blocks * _inverse(scale))).reshape(m, h).view(torch.float8_e4m3fn)
+        scale = scale.reshape(m, h // group).to(torch.float32)
+        if quant.kind == "fp8_per_token" or quant.layout == "row":
+            return codes, scale
+        return codes, _column_major(scale)
+    assert quant.kind == "nvfp4", quant.kind
+    gs = _scalar(quant.scale, y.device)
+    blocks = y64.reshape(m, h // 16, 16)
+    sixth = float(torch.tensor(1.0 / 6.0, dtype=torch.float32))  # fp32(1/6), FlashInfer's RECIPROCAL_6
+    sf_codes = _e4m3_codes(_f32(gs * _f32(_amax(blocks) * sixth)))
+    sf = sf_codes.view(torch.float8_e4m3fn).to(torch.float64)
+    out_scale = torch.where(sf == 0, torch.zeros_like(sf), _f32(gs / sf))
+    codes = _e2m1_codes(_f32(blocks * out_scale)).reshape(m, h)
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    sf_codes = sf_codes.reshape(m, h // 16)
+    if quant.layout == "swizzled":
+        sf_codes = swizzle_128x4(sf_codes)
+    return packed, sf_codes.view(torch.float8_e4m3fn)
+
+
+def _column_major(scale: torch.Tensor) -> torch.Tensor:
+    """(M, G) scales as a view of a (G, align4(M)) buffer: DeepGEMM's MN-major TMA-aligned layout."""
+    m, g = scale.shape
+    storage = torch.zeros(g, -(-m // 4) * 4, dtype=scale.dtype, device=scale.device)
+    storage[:, :m] = scale.t()
+    return storage.t()[:m]
+
+
+def swizzle_128x4(sf: torch.Tensor) -> torch.Tensor:
+    """(M, K) block scales (one byte each) in the 128x4 layout: (align128(M), align4(K)) bytes,
+    padding zero, offset formula in `fusegate.quant`."""
+    m, k = sf.shape
+    mp, kp = -(-m // 128) * 128, -(-k // 4) * 4
+    padded = torch.zeros(mp, kp, dtype=torch.uint8, device=sf.device)
+    padded[:m, :k] = sf.view(torch.uint8)
+    # (m_tile, 4 m_inner, 32 m_outer, k_tile, 4 k_inner) -> (m_tile, k_tile, m_outer, m_inner, k_inner)
+    tiles = padded.reshape(mp // 128, 4, 32, kp // 4, 4).permute(0, 3, 2, 1, 4)
+    return tiles.reshape(mp, kp).contiguous()
+
+
+def residual_rmsnorm_quant_ref(s, residual, weight, eps: float, quant, *, acc_dtype=None):
+    """The epilogue with quantized output: a `fusegate.quant.QuantOutput` (out, scale, residual, normed)."""
+    from fusegate.quant import QuantOutput
+
+    y, new_residual = normed_unrounded_ref(s, residual, weight, eps, acc_dtype=acc_dtype)
+    codes, scales = quantize_ref(y.to(torch.float32), quant)
+    return QuantOutput(codes, scales, new_residual, y.to(s.dtype) if quant.with_normed else None)
+
+
+def all_reduce_residual_rmsnorm_quant_ref(xs, residual, weight, eps: float, quant):
+    """allreduce(xs) -> residual add -> RMSNorm -> quantization (contract above)."""
+    return residual_rmsnorm_quant_ref(all_reduce_ref(xs), residual, weight, eps, quant)

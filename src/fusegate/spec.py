@@ -77,6 +77,7 @@ class Problem:
     dtype: str
     group: GroupInfo
     has_residual: bool = True
+    quant: str | None = None  # quantized-output format (fusegate.quant.KINDS), None for none
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_BYTES:
@@ -118,4 +119,5 @@ class Needs:
     hidden_multiple: int = 1
     max_input_bytes: int | None = None
     ops: tuple[Op, ...] = (Op.ALL_REDUCE, Op.ALL_REDUCE_RESIDUAL_RMSNORM)
+    quant: tuple[str, ...] = ()  # quantized-output formats implemented (fusegate.quant.KINDS)
     notes: tuple[str, ...] = field(default=())

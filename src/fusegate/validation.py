@@ -68,3 +68,28 @@ def check_residual_rmsnorm(x, residual, weight, eps, *, device: torch.device) ->
 def as_rows(t: torch.Tensor) -> torch.Tensor:
     """(..., hidden) -> contiguous (tokens, hidden) view (a copy only when `t` is not contiguous)."""
     return t.contiguous().view(-1, t.shape[-1])
+
+
+def check_quant(op: str, quant, hidden: int, *, device: torch.device) -> None:
+    """`quant` is a fusegate.quant.QuantSpec that fits rows of `hidden` on `device`."""
+    from fusegate.quant import KINDS, LAYOUTS, NVFP4_BLOCK, QuantSpec
+
+    if not isinstance(quant, QuantSpec):
+        _fail(op, f"quant must be a fusegate.QuantSpec (from fusegate.fp8_static, fp8_per_token, fp8_per_group or nvfp4), got {type(quant).__name__}", TypeError)
+    if quant.kind not in KINDS or quant.layout not in LAYOUTS[quant.kind]:
+        _fail(op, f"quant {quant.kind!r} with layout {quant.layout!r} is not a format; build it with fusegate.{'/'.join(KINDS)}()")
+    if quant.kind == "fp8_per_group" and (quant.group < 16 or quant.group & (quant.group - 1)):
+        _fail(op, f"fp8_per_group group {quant.group} must be a power of two >= 16; use fusegate.fp8_per_group(128)")
+    group = quant.group if quant.kind == "fp8_per_group" else NVFP4_BLOCK if quant.kind == "nvfp4" else 1
+    if hidden % group:
+        _fail(op, f"hidden size {hidden} is not a multiple of {group}, the {quant.kind} group; pad the hidden dimension or use a group that divides it")
+    if quant.kind in ("fp8_static", "nvfp4"):
+        what = "scale" if quant.kind == "fp8_static" else "global_scale"
+        value = quant.scale
+        if isinstance(value, torch.Tensor):
+            if value.numel() != 1 or value.dtype != torch.float32:
+                _fail(op, f"the {quant.kind} {what} has shape {tuple(value.shape)} and dtype {value.dtype}; pass a float32 tensor of one element", TypeError)
+            if value.device.type != device.type or (device.type == "cuda" and device.index is not None and value.device.index != device.index):
+                _fail(op, f"the {quant.kind} {what} is on {value.device} but the data is on {device}; move it with .to({str(device)!r})")
+        elif isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
+            _fail(op, f"the {quant.kind} {what} is {value!r}; pass a finite number > 0 or a float32 tensor of one element")

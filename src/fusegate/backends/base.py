@@ -67,7 +67,11 @@ class Strategy(ABC):
     def all_reduce_residual_rmsnorm(
         self, x: "torch.Tensor", residual: "torch.Tensor | None", weight: "torch.Tensor", eps: float
     ) -> tuple["torch.Tensor", "torch.Tensor"]:
-        """(normed, new_residual) as defined in fusegate.reference, on validated inputs."""
+        """(normed, new_residual) as defined in fusegate.reference, on validated inputs.
+
+        Strategies whose `needs.quant` lists formats also take `quant=` (a fusegate.quant.QuantSpec
+        of one of them) and then return a fusegate.quant.QuantOutput; they are called with it only
+        for problems whose `quant` they admitted."""
 
     def check(self) -> None:
         """Raise if an earlier asynchronous call failed on the device (e.g. a peer timeout seen
@@ -82,6 +86,9 @@ def check_needs(needs: Needs, problem: Problem, caps: "Capabilities") -> Verdict
     group = problem.group
     if problem.op not in needs.ops:
         return Verdict.no(f"does not implement {problem.op.value}")
+    if problem.quant is not None and problem.quant not in needs.quant:
+        return Verdict.no(f"does not implement quantized output {problem.quant}"
+                          + (f" (implements {', '.join(needs.quant)})" if needs.quant else " (no quantized output)"))
     if problem.dtype not in needs.dtypes:
         return Verdict.no(f"dtype {problem.dtype} not supported (supports {', '.join(needs.dtypes)})")
     if needs.cuda and group.device_type != "cuda":

@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 from fusegate.backends.base import Strategy
-from fusegate.reference import residual_rmsnorm_ref
+from fusegate.quant import KINDS
+from fusegate.reference import residual_rmsnorm_quant_ref, residual_rmsnorm_ref
 from fusegate.spec import Needs
 
 
@@ -26,7 +27,7 @@ class NcclEagerStrategy(Strategy):
     name = "nccl_eager"
     description = "NCCL all_reduce (input dtype), then torch add + RMSNorm (separate kernels)"
     fused = False
-    needs = Needs(cuda=True, nccl=True)
+    needs = Needs(cuda=True, nccl=True, quant=KINDS)  # quantized output: the reference quantizer (eager torch)
 
     def _reduced(self, x: torch.Tensor) -> torch.Tensor:
         s = x.clone()
@@ -37,5 +38,7 @@ class NcclEagerStrategy(Strategy):
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         return self._reduced(x)
 
-    def all_reduce_residual_rmsnorm(self, x, residual, weight, eps):
+    def all_reduce_residual_rmsnorm(self, x, residual, weight, eps, *, quant=None):
+        if quant is not None:
+            return residual_rmsnorm_quant_ref(self._reduced(x), residual, weight, eps, quant)
         return residual_rmsnorm_ref(self._reduced(x), residual, weight, eps)

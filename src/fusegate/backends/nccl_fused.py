@@ -11,6 +11,13 @@ exact either way, so it matches the reference bit for bit on them; on other inpu
 `fusegate.reference.TOLERANCE` instead. Every rank receives the same reduced buffer, so every
 rank still returns identical bits. Runs on the caller's stream; CUDA-graph capturable as far as
 NCCL is (it is, with NCCL groups).
+
+Quantized output (`quant=`, every format of `fusegate.quant`): the same epilogue kernel quantizes
+the normed rows before they leave registers (`fusegate.kernels.quant.quantize_row`), bit for bit
+the reference quantizer of the kernel's fp32 rows. Admitted on every GPU Triton runs on: the e4m3
+and e2m1 conversions have a software path from integer ops; the hardware e4m3 (sm_89+) and e2m1
+(compute capability 10.0+) cvts are used where the capability has them (admission's reason says
+which); the bits are the same.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from fusegate.backends.base import Strategy
+from fusegate.quant import KINDS, conversion_path
 from fusegate.spec import Needs, Problem, Verdict
 
 MAX_HIDDEN = 16384  # fusegate.kernels.epilogue.MAX_HIDDEN (not imported: admission needs no Triton)
@@ -30,7 +38,7 @@ class NcclFusedStrategy(Strategy):
     name = "nccl_fused"
     description = "NCCL all_reduce (input dtype), then one fused residual-add + RMSNorm Triton kernel"
     fused = False
-    needs = Needs(cuda=True, nccl=True, dtypes=("float16", "bfloat16", "float32"))
+    needs = Needs(cuda=True, nccl=True, dtypes=("float16", "bfloat16", "float32"), quant=KINDS)
 
     @classmethod
     def extra_admits(cls, problem: Problem, caps) -> Verdict:
@@ -38,6 +46,10 @@ class NcclFusedStrategy(Strategy):
             return Verdict.no("needs the 'triton' package for the epilogue kernel (pip install 'fusegate[triton]')")
         if problem.hidden > MAX_HIDDEN:
             return Verdict.no(f"hidden size {problem.hidden} exceeds {MAX_HIDDEN} (one row per program in registers)")
+        if problem.quant is not None:
+            capabilities = [gpu.compute_capability for gpu in caps.gpus]
+            _, path = conversion_path(problem.quant, min(capabilities) if capabilities else None)
+            return Verdict.yes(f"NCCL group with CUDA tensors; {problem.quant}: {path}")
         return Verdict.yes("NCCL group with CUDA tensors")
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -45,11 +57,11 @@ class NcclFusedStrategy(Strategy):
         dist.all_reduce(y, group=self.ctx.group)  # also at world size 1, so one GPU exercises the NCCL path
         return y
 
-    def all_reduce_residual_rmsnorm(self, x, residual, weight, eps):
+    def all_reduce_residual_rmsnorm(self, x, residual, weight, eps, *, quant=None):
         from fusegate.kernels.epilogue import residual_rmsnorm
 
         s = self.all_reduce(x)
-        return residual_rmsnorm(s, residual, weight, eps)
+        return residual_rmsnorm(s, residual, weight, eps, quant=quant)
 
     def prepare(self, *, hidden: int, dtype: torch.dtype, max_tokens: int) -> None:
         """Compile the epilogue kernel for this shape family before any graph capture."""

@@ -18,7 +18,8 @@ import torch.distributed as dist
 
 from fusegate.backends.base import Strategy
 from fusegate.backends.host_wait import PeerGuard, goes_through_host, strategy_timeout_s
-from fusegate.reference import accumulation_dtype, residual_rmsnorm_ref
+from fusegate.quant import KINDS
+from fusegate.reference import accumulation_dtype, residual_rmsnorm_quant_ref, residual_rmsnorm_ref
 from fusegate.spec import Needs
 
 
@@ -26,7 +27,7 @@ class ReferenceStrategy(Strategy):
     name = "reference"
     description = "torch.distributed all_reduce (fp32 accumulation), then torch add + RMSNorm"
     fused = False
-    needs = Needs()
+    needs = Needs(quant=KINDS)  # quantized output through fusegate.reference.quantize_ref
 
     def __init__(self, ctx) -> None:
         super().__init__(ctx)
@@ -45,6 +46,8 @@ class ReferenceStrategy(Strategy):
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         return self._reduced(x).to(x.dtype)
 
-    def all_reduce_residual_rmsnorm(self, x, residual, weight, eps):
+    def all_reduce_residual_rmsnorm(self, x, residual, weight, eps, *, quant=None):
         s = self._reduced(x).to(x.dtype)
+        if quant is not None:
+            return residual_rmsnorm_quant_ref(s, residual, weight, eps, quant)
         return residual_rmsnorm_ref(s, residual, weight, eps)

@@ -30,7 +30,8 @@ import torch.distributed as dist
 
 from fusegate.backends.base import Strategy
 from fusegate.backends.host_wait import PeerGuard, goes_through_host, strategy_timeout_s
-from fusegate.reference import accumulation_dtype, residual_rmsnorm_ref
+from fusegate.quant import KINDS
+from fusegate.reference import accumulation_dtype, residual_rmsnorm_quant_ref, residual_rmsnorm_ref
 from fusegate.spec import Needs
 
 
@@ -38,7 +39,7 @@ class RingStrategy(Strategy):
     name = "ring"
     description = "ring reduce-scatter + all-gather over send/recv (fp32 sums, rows split for the epilogue)"
     fused = False
-    needs = Needs()
+    needs = Needs(quant=KINDS)
 
     def __init__(self, ctx) -> None:
         super().__init__(ctx)
@@ -102,7 +103,11 @@ class RingStrategy(Strategy):
         self._all_gather(chunks)
         return torch.cat(chunks).view(x.shape)
 
-    def all_reduce_residual_rmsnorm(self, x, residual, weight, eps):
+    def all_reduce_residual_rmsnorm(self, x, residual, weight, eps, *, quant=None):
+        if quant is not None:
+            # Quantized rows mix codes and scales of other shapes, so the ring all-gathers the sum
+            # (the plain allreduce) and every rank quantizes all rows with the reference.
+            return residual_rmsnorm_quant_ref(self.all_reduce(x), residual, weight, eps, quant)
         w = self.ctx.world_size
         acc = x.to(accumulation_dtype(x.dtype))
         if w == 1:

@@ -37,6 +37,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--tokens", type=int, default=DEFAULT_TOKENS, help=f"tokens per call (default {DEFAULT_TOKENS})")
     p.add_argument("--dtype", default=DEFAULT_DTYPE, help=f"activation dtype (default {DEFAULT_DTYPE})")
     p.add_argument("--op", default=DEFAULT_OP, help=f"collective op (default {DEFAULT_OP})")
+    p.add_argument("--quant", default=None, help="quantized output format of the problem: fp8_static, fp8_per_token, "
+                   "fp8_per_group or nvfp4 (admission then says which conversion each strategy uses)")
     p.add_argument("--shared-gpu", action="store_true",
                    help="model ranks that share one GPU (gloo with CUDA tensors); allows --world-size above the GPU count")
     p.add_argument("--measure", action="store_true", help="also measure peer read/write bandwidth and latency between GPUs")
@@ -50,6 +52,10 @@ def _check_args(args) -> "object":
     ops = [op.value for op in Op]
     if args.op not in ops:
         raise UsageError(f"--op {args.op!r} is not an op; use one of: {', '.join(ops)}")
+    from fusegate.quant import KINDS
+
+    if args.quant is not None and (args.quant not in KINDS or args.op != DEFAULT_OP):
+        raise UsageError(f"--quant {args.quant!r} needs --op {DEFAULT_OP} and one of: {', '.join(KINDS)}")
     if args.dtype not in DTYPE_BYTES:
         raise UsageError(f"--dtype {args.dtype!r} is not supported; use one of: {', '.join(DTYPE_BYTES)}")
     for flag, value in (("--hidden", args.hidden), ("--tokens", args.tokens), ("--world-size", args.world_size)):
@@ -80,7 +86,8 @@ def representative_problem(args, caps, op):
                 "or --shared-gpu to model ranks sharing one GPU"
             )
         group = expected_group(caps, world, backend="nccl", device="cuda")
-    return Problem(op, args.tokens, args.hidden, args.dtype, group, has_residual=op is Op.ALL_REDUCE_RESIDUAL_RMSNORM)
+    return Problem(op, args.tokens, args.hidden, args.dtype, group, has_residual=op is Op.ALL_REDUCE_RESIDUAL_RMSNORM,
+                   quant=getattr(args, "quant", None))
 
 
 def moe_runner_section(caps) -> dict:
@@ -153,7 +160,7 @@ def build_report(args):
         "probe": caps.to_dict(),
         "problem": {
             "op": problem.op.value, "num_tokens": problem.num_tokens, "hidden": problem.hidden,
-            "dtype": problem.dtype, "group": dataclasses.asdict(problem.group),
+            "dtype": problem.dtype, "quant": problem.quant, "group": dataclasses.asdict(problem.group),
         },
         "admission": {name: {"admitted": v.ok, "reason": v.reason} for name, v in verdicts.items()},
         "moe_runners": moe_runner_section(caps),
@@ -191,7 +198,8 @@ def render(caps, report: dict, console) -> None:
         line(f"note: {note}")
     p, g = report["problem"], report["problem"]["group"]
     line(
-        f"Strategy admission for {p['op']}, {p['num_tokens']} tokens x {p['hidden']} hidden, {p['dtype']}, world size "
+        f"Strategy admission for {p['op']}{', ' + p['quant'] + ' output' if p.get('quant') else ''}, "
+        f"{p['num_tokens']} tokens x {p['hidden']} hidden, {p['dtype']}, world size "
         f"{g['world_size']} ({g['backend']}, {g['device_type']}, peer access {'yes' if g['peer_access'] else 'no'}"
         f"{', one shared GPU' if g['shares_device'] else ''}):"
     )

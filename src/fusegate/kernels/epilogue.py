@@ -17,11 +17,14 @@ collectives call. CUDA-graph safe: no host sync, no allocation except the output
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
+
+from fusegate.kernels.quant import PAD_CHUNK, QuantBuffers, block_for, pad_programs, quantize_row, zero_scale_padding
 
 MAX_HIDDEN = 16384  # one row in registers; BLOCK_H 16384 x fp32 over 16 warps = 32 floats a thread
 SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
@@ -69,19 +72,36 @@ def epilogue_row(
     """
     offs = row.to(tl.int64) * H + cols
     if HAS_NORM:
-        if HAS_RES:
-            r = tl.load(res_ptr + offs, mask=mask, other=0.0)
-            nr = round_like(s.to(tl.float32) + r.to(tl.float32), s, SOFT_BF16)
-        else:
-            nr = s
-        tl.store(newres_ptr + offs, nr, mask=mask)
-        h = nr.to(tl.float32)
-        ms = tl.math.div_rn(tl.sum(h * h, axis=0), H.to(tl.float32))
-        inv = tl.math.div_rn(1.0, tl.math.sqrt_rn(ms + eps))
-        y = h * inv * w
+        y = normed_row(s, row, cols, mask, res_ptr, w, newres_ptr, H, eps, HAS_RES, SOFT_BF16)
         tl.store(out_ptr + offs, round_like(y, s, SOFT_BF16), mask=mask)
     else:
         tl.store(out_ptr + offs, s, mask=mask)
+
+
+@triton.jit
+def normed_row(s, row, cols, mask, res_ptr, w, newres_ptr, H, eps, HAS_RES: tl.constexpr, SOFT_BF16: tl.constexpr):
+    """Store the row's new residual and return its normed values in fp32, before any rounding:
+    what `epilogue_row` rounds to the data dtype and `fusegate.kernels.quant.quantize_row` quantizes."""
+    offs = row.to(tl.int64) * H + cols
+    if HAS_RES:
+        r = tl.load(res_ptr + offs, mask=mask, other=0.0)
+        nr = round_like(s.to(tl.float32) + r.to(tl.float32), s, SOFT_BF16)
+    else:
+        nr = s
+    tl.store(newres_ptr + offs, nr, mask=mask)
+    h = nr.to(tl.float32)
+    ms = tl.math.div_rn(tl.sum(h * h, axis=0), H.to(tl.float32))
+    inv = tl.math.div_rn(1.0, tl.math.sqrt_rn(ms + eps))
+    return h * inv * w
+
+
+@triton.jit
+def load_row(s_ptr, row, cols, cmask, M, H):
+    """(row `row` of the (M, H) input, its mask); rows >= M load zeros."""
+    # The row test is broadcast to a vector first: Triton 3.9's interpreter rejects a mask
+    # built from a vector & a scalar comparison (compiled, both forms give identical sm90 PTX).
+    mask = cmask & ((row + 0 * cols) < M)
+    return tl.load(s_ptr + row.to(tl.int64) * H + cols, mask=mask, other=0.0), mask
 
 
 @triton.jit(do_not_specialize=["M"])  # H stays specialised: its divisibility by 16 enables 128-bit accesses
@@ -96,11 +116,36 @@ def residual_rmsnorm_kernel(
     w = load_weight(w_ptr, cols, cmask, True)
     for i in tl.static_range(ROWS):
         row = pid * ROWS + i
-        # The row test is broadcast to a vector first: Triton 3.9's interpreter rejects a mask
-        # built from a vector & a scalar comparison (compiled, both forms give identical sm90 PTX).
-        mask = cmask & ((row + 0 * cols) < M)
-        s = tl.load(s_ptr + row.to(tl.int64) * H + cols, mask=mask, other=0.0)
+        s, mask = load_row(s_ptr, row, cols, cmask, M, H)
         epilogue_row(s, row, cols, mask, res_ptr, w, out_ptr, newres_ptr, H, eps, HAS_RES, True, SOFT_BF16)
+
+
+@triton.jit(do_not_specialize=["M", "s_row_stride", "s_col_stride"])
+def residual_rmsnorm_quant_kernel(
+    s_ptr, res_ptr, w_ptr, out_ptr, newres_ptr, M, H, eps,
+    q_ptr, q_row_stride, sc_ptr, s_row_stride, s_col_stride, param_ptr, scale_ub,
+    BLOCK_H: tl.constexpr, ROWS: tl.constexpr, HAS_RES: tl.constexpr, SOFT_BF16: tl.constexpr,
+    WITH_NORMED: tl.constexpr, KIND: tl.constexpr, GROUP: tl.constexpr, SWIZZLED: tl.constexpr,
+    HAS_UB: tl.constexpr, HW_CVT: tl.constexpr,
+):
+    """The epilogue with quantized output (`fusegate.kernels.quant.quantize_row`); with swizzled
+    NVFP4 scales the programs after the row programs zero the scales of the padding rows."""
+    pid = tl.program_id(0)
+    row_programs = (M + ROWS - 1) // ROWS
+    if pid < row_programs:
+        cols = tl.arange(0, BLOCK_H)
+        cmask = cols < H
+        w = load_weight(w_ptr, cols, cmask, True)
+        for i in tl.static_range(ROWS):
+            row = pid * ROWS + i
+            s, mask = load_row(s_ptr, row, cols, cmask, M, H)
+            y = normed_row(s, row, cols, mask, res_ptr, w, newres_ptr, H, eps, HAS_RES, SOFT_BF16)
+            if WITH_NORMED:
+                tl.store(out_ptr + row.to(tl.int64) * H + cols, round_like(y, s, SOFT_BF16), mask=mask)
+            quantize_row(y, row, cols, cmask, M, H, q_ptr, q_row_stride, sc_ptr, s_row_stride, s_col_stride,
+                         param_ptr, scale_ub, KIND, GROUP, BLOCK_H, SWIZZLED, HAS_UB, HW_CVT)
+    elif SWIZZLED:
+        zero_scale_padding(sc_ptr, M, H, pid - row_programs, BLOCK_H // 16, PAD_CHUNK)
 
 
 def launch_config(hidden: int, itemsize: int, num_tokens: int) -> tuple[int, int, int]:
@@ -129,9 +174,15 @@ def residual_rmsnorm(
     *,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
     config: tuple[int, int, int] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(normed, new_residual) of `s` (M, H); see the module docstring. `out` reuses buffers."""
+    quant=None,
+):
+    """(normed, new_residual) of `s` (M, H); see the module docstring. `out` reuses buffers.
+
+    With `quant` (a `fusegate.quant.QuantSpec`) the normed rows are quantized in the same pass and
+    a `fusegate.quant.QuantOutput` (out, scale, residual, normed) is returned instead."""
     _check(s, residual, weight)
+    if quant is not None:
+        return _residual_rmsnorm_quant(s, residual, weight, eps, quant, config)
     m, h = s.shape
     normed, new_res = out if out is not None else (torch.empty_like(s), torch.empty_like(s))
     if m == 0:
@@ -143,6 +194,69 @@ def residual_rmsnorm(
         BLOCK_H=block, ROWS=rows, HAS_RES=residual is not None, SOFT_BF16=interpreting(), num_warps=warps,
     )
     return normed, new_res
+
+
+def _residual_rmsnorm_quant(s, residual, weight, eps, quant, config):
+    from fusegate.quant import QuantOutput
+    from fusegate.validation import check_quant
+
+    m, h = s.shape
+    check_quant("residual_rmsnorm", quant, h, device=s.device)
+    buf = QuantBuffers(quant, m, h, s.device, hardware_fp8(s.device), hardware_fp4(s.device))
+    normed = torch.empty_like(s) if quant.with_normed else None
+    new_res = torch.empty_like(s)
+    block, warps, rows = config or launch_config(h, s.element_size(), m)
+    block = max(block, block_for(h, quant.kind))
+    if m:
+        grid = triton.cdiv(m, rows) + (pad_programs(m) if buf.swizzled else 0)
+        residual_rmsnorm_quant_kernel[(grid,)](
+            s, residual if residual is not None else s, weight, normed if normed is not None else s, new_res,
+            m, h, float(eps), buf.codes, buf.codes.stride(0), buf.scales, *buf.s_strides, buf.param,
+            buf.scale_ub, BLOCK_H=block, ROWS=rows, HAS_RES=residual is not None, SOFT_BF16=interpreting(),
+            WITH_NORMED=normed is not None, num_warps=warps, **_quant_constexprs(buf, block),
+        )
+    return QuantOutput(buf.out, buf.scale, new_res, normed)
+
+
+def _quant_constexprs(buf, block: int) -> dict:
+    kw = buf.constexprs(block)
+    del kw["BLOCK"]
+    return kw
+
+
+def hardware_fp8(device) -> bool:
+    """Whether kernels on `device` round to e4m3 with the hardware cvt (sm_89 and newer; never in
+    the interpreter, whose float8 cast does not round to nearest even). Same bits either way."""
+    device = torch.device(device)
+    if interpreting() or device.type != "cuda":
+        return False
+    return _capability_has_fp8_cvt(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def hardware_fp4(device) -> bool:
+    """Whether kernels on `device` convert to e2m1 with the hardware cvt (compute capability 10.0
+    and newer, `fusegate.quant.FP4_CVT_MIN_CAPABILITY`). Same bits either way."""
+    device = torch.device(device)
+    if interpreting() or device.type != "cuda":
+        return False
+    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= _min_fp4()
+
+
+def _capability_has_fp8_cvt(index: int) -> bool:
+    from fusegate.quant import FP8_CVT_MIN_CAPABILITY
+
+    return _capability(index) >= FP8_CVT_MIN_CAPABILITY
+
+
+def _min_fp4():
+    from fusegate.quant import FP4_CVT_MIN_CAPABILITY
+
+    return FP4_CVT_MIN_CAPABILITY
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 def _check(s: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor) -> None:
