@@ -1,7 +1,9 @@
 """`fusegate audit` / `patch` / `revert`: find, explain and open architecture gates in an engine's source.
 
 Exit codes: 0 ok; 1 gates found with --fail-on-gates, or a patch/revert that could not do all it
-was asked; 2 usage or environment error (bad path, unknown arch, read-only file, changed file).
+was asked; 2 usage or environment error (bad path, unknown arch, read-only file, changed file);
+3 (audit) the scan is incomplete: some file could not be read, decoded or parsed, or is above the
+per-file size bound; each is listed under `skipped` with its reason, and 3 wins over 1.
 Imports nothing heavy at module import (no torch, no libcst until `patch` runs).
 """
 
@@ -13,9 +15,16 @@ from pathlib import Path
 
 from fusegate.cli.main import EXIT_NEGATIVE, EXIT_OK, UsageError, dumps_json
 
+EXIT_INCOMPLETE = 3  # audit: some file was not scanned (listed under `skipped`)
+AUDIT_EXIT_CODES = (
+    "exit codes: 0 scanned everything (gates or not, without --fail-on-gates); 1 gates found with --fail-on-gates; "
+    "2 usage or environment error; 3 incomplete scan: a file could not be read, decoded or parsed, or is above the "
+    "per-file size bound (FUSEGATE_AUDIT_MAX_BYTES, default 2 MiB); each is listed under 'skipped' with its reason; 3 wins over 1"
+)
+
 
 def add_parser(subparsers) -> None:
-    p = subparsers.add_parser("audit", help="list architecture gates that are false on --arch", description=__doc__.splitlines()[0])
+    p = subparsers.add_parser("audit", help="list architecture gates that are false on --arch", description=__doc__.splitlines()[0], epilog=AUDIT_EXIT_CODES)
     _common(p)
     p.add_argument("--sarif", metavar="FILE", help="also write SARIF 2.1.0 to FILE")
     p.add_argument("--all", action="store_true", help="also list non-gates (test skips, log/message branches, helper and flag definitions)")
@@ -88,6 +97,8 @@ def run_audit(args) -> int:
     else:
         report.print_table(result, selected, arch, like)
     gates = [f for f in selected if f.category == "gate"]
+    if result.skipped:
+        return EXIT_INCOMPLETE
     return EXIT_NEGATIVE if args.fail_on_gates and gates else EXIT_OK
 
 
@@ -157,5 +168,7 @@ def run_revert(args) -> int:
         print(dumps_json({"target": str(root), "restored": restored}))
     else:
         for row in restored:
-            print(f"restored {row['path']} (sha256 {row['sha256'][:12]})")
+            print(f"{row.get('action', 'restored')} {row['path']} (sha256 {row['sha256'][:12]})")
+        if not restored:
+            print(f"nothing to restore: an interrupted patch had changed no file of {root}; removed its leftover state")
     return EXIT_OK
