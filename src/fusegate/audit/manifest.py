@@ -22,8 +22,9 @@ A second apply refuses while a manifest exists. A manifest that cannot be read (
 truncated, missing keys) is never guessed at: the error names it, lists the backups SHA256SUMS
 verifies, and gives the command that restores them without it (`fusegate revert ROOT --force`).
 
-Fault injection: `durable.fault_hook` is called at each step: `backup:<rel>`, `sums`, `intent`, and
-per file `tmp-half:<rel>`, `tmp-written:<rel>`, `replaced:<rel>`, then `commit`.
+Fault injection: `durable.fault_hook` is called at each step. Apply: `backup:<rel>`, `sums`, `intent`,
+per file `tmp-half:<rel>`, `tmp-written:<rel>`, `replaced:<rel>`, then `commit`. Revert: per file
+`tmp-half:revert:<rel>`, `tmp-written:revert:<rel>`, `restored:<rel>`, then `manifest-removed`.
 """
 
 from __future__ import annotations
@@ -199,8 +200,13 @@ def _leftover_differs(root: Path, sdir: Path) -> list:
 
 def _remove_state(sdir: Path) -> None:
     """Delete the state: the manifest first (a kill after it leaves backups equal to the files: harmless)."""
-    if durable.remove(sdir / MANIFEST):
+    try:
+        removed = durable.remove(sdir / MANIFEST)
+    except OSError:  # not a plain file (a directory in its place): the rmtree below takes it
+        removed = False
+    if removed:
         durable.fsync_dir(sdir)
+        durable.checkpoint("manifest-removed")
     shutil.rmtree(sdir, ignore_errors=True)
 
 
@@ -367,7 +373,8 @@ def revert(root: Path, *, force: bool = False, state_dir=None) -> list[dict]:
         durable.remove(durable.tmp_path(path))
         if row["action"] == "restored":
             path.parent.mkdir(parents=True, exist_ok=True)
-            durable.write(path, (sdir / BACKUPS / entry["path"]).read_bytes(), entry.get("mode", 0o644))
+            durable.write(path, (sdir / BACKUPS / entry["path"]).read_bytes(), entry.get("mode", 0o644), step=f"revert:{entry['path']}")
+            durable.checkpoint(f"restored:{entry['path']}")
     _remove_state(sdir)
     return rows
 
@@ -390,7 +397,7 @@ def _restore_backups(root: Path, sdir: Path) -> list[dict]:
         same = _hash_or_none(path) == sha256(data)
         if not same:
             path.parent.mkdir(parents=True, exist_ok=True)
-            durable.write(path, data, stat.S_IMODE(backup.stat().st_mode))
+            durable.write(path, data, stat.S_IMODE(backup.stat().st_mode), step=f"revert:{rel}")
         out.append({"path": rel, "sha256": sha256(data), "was_changed": False, "action": "already original" if same else "restored"})
     _remove_state(sdir)
     return out
