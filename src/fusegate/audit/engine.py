@@ -24,7 +24,7 @@ from pathlib import Path
 from fusegate.audit.arch import ARCHS, Arch
 from fusegate.audit.resolve import Resolver, module_name_for
 from fusegate.audit.scan import ModuleScanner, Site
-from fusegate.audit.target import SourceSkip, Target, read_bytes, read_source, resolve_target
+from fusegate.audit.target import SourceSkip, Target, read_bytes, read_source, resolve_target, stream_matches
 
 # Text that any Python file holding an architecture condition contains (gate-idioms.md sections 3.1-3.13).
 # Plain substring tests and a regex with a literal prefix: an alternation with IGNORECASE took
@@ -40,6 +40,20 @@ _TEXT_WORDS = (
 def _mentions_arch(text: str) -> bool:
     lower = text.lower()
     return any(w in lower for w in _TEXT_WORDS) or bool(_TEXT_RE.search(lower))
+
+
+def _native_mentions_arch(text: str) -> bool:
+    return "__CUDA_ARCH" in text or "arch" in text.lower()  # what native.py's #if and CMake scans need
+
+
+def _holds_no_arch(path: Path, skip: SourceSkip, *, native: bool = False) -> bool:
+    """A file above the size bound whose text, streamed, never mentions an architecture holds no gate."""
+    if skip.reason != "too-large":
+        return False
+    try:
+        return not stream_matches(path, _native_mentions_arch if native else _mentions_arch)
+    except SourceSkip:
+        return False
 
 
 @dataclass
@@ -152,7 +166,8 @@ def _audit(spec: str, *, native: bool, overlay: dict | None, progress, only: set
             try:  # a file that cannot be read, decoded or is above the size bound is reported, never fatal
                 text, _, data = read_source(path)
             except SourceSkip as exc:
-                skipped.append({"path": rel, "reason": exc.reason, "error": str(exc)})
+                if not _holds_no_arch(path, exc):
+                    skipped.append({"path": rel, "reason": exc.reason, "error": str(exc)})
                 if progress:
                     progress(i + 1, total)
                 continue
@@ -183,7 +198,8 @@ def _audit(spec: str, *, native: bool, overlay: dict | None, progress, only: set
             try:
                 data = read_bytes(path)
             except SourceSkip as exc:
-                skipped.append({"path": rel, "reason": exc.reason, "error": str(exc)})
+                if not _holds_no_arch(path, exc, native=True):
+                    skipped.append({"path": rel, "reason": exc.reason, "error": str(exc)})
                 continue
             found = scan_native(rel, data.decode("utf-8", errors="replace"))
             if found:

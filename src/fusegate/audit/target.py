@@ -5,12 +5,17 @@ import system's finders and never executes the package) and, failing that, by se
 `sys.path` directly. Files are listed in a stable order; caches and VCS directories are skipped,
 and a directory that cannot be listed is recorded in `Target.unlisted`.
 
-Reading (`read_bytes`, `read_source`) never raises anything but `SourceSkip`, whose `reason` is
-one of `REASONS`: the audit reports it and goes on. A file is read only if it is a regular file of
-at most `max_source_bytes()` bytes (2 MiB unless FUSEGATE_AUDIT_MAX_BYTES says otherwise), opened
-once and checked with `fstat`, so a FIFO, a device or a file that grows cannot block the audit or
-take its memory: the audit holds about 65 bytes per source byte while it parses a file (measured:
-a 4.2 MB module peaks at 292 MB RSS), so a file at the bound costs about 140 MB.
+Reading (`read_bytes`, `read_source`, `stream_matches`) never raises anything but `SourceSkip`,
+whose `reason` is one of `REASONS`: the audit reports it and goes on. A file is read only if it is
+a regular file, opened once (non-blocking) and checked with `fstat`, so a FIFO, a device or a file
+that grows cannot block the audit or take its memory. `read_bytes` holds at most
+`max_source_bytes()` bytes (1 MiB unless FUSEGATE_AUDIT_MAX_BYTES says otherwise); a larger file is
+only streamed through the audit's text filter in 1 MiB chunks, and skipped as too large if the
+filter says it may hold a gate. The bound is what bounds memory (peak RSS measured with a 1 MiB
+module, `fusegate audit FILE`): 74 MB for ordinary code (sglang's scheduler.py repeated), 260 MB for
+the densest (one-line definitions), as parsing costs 50 to 230 bytes per source byte; `patch`'s
+libcst tree costs 400 to 1400 bytes per byte of a file it edits (0.4 to 1.5 GB at the bound).
+Parsed modules stay in memory for the whole audit: sglang 0.5.23 (813 modules) peaks at 854 MB.
 Python source is decoded as Python decodes it (PEP 263: BOM, coding cookie, else UTF-8), strictly:
 text that Python itself could not import is skipped, never silently altered.
 """
@@ -31,9 +36,9 @@ PY_SUFFIXES = (".py",)
 NATIVE_SUFFIXES = (".cu", ".cuh", ".h", ".hpp", ".hh", ".cpp", ".cc", ".cxx", ".c", ".inl")
 _SKIP_DIRS = {"__pycache__", ".git", ".hg", ".svn", ".tox", ".venv", "node_modules", ".mypy_cache", ".pytest_cache", ".fusegate"}
 KNOWN_PACKAGES = ("sglang", "vllm", "flashinfer", "tensorrt_llm")
-# The largest Python file of sglang 0.5.23 is 282 KB (srt/managers/scheduler.py): 2 MiB leaves 7x room
-# and keeps one file's parse near 140 MB (65 bytes of AST per source byte, see the module docstring).
-MAX_SOURCE_BYTES = 2 * 2**20
+# The largest Python file of sglang 0.5.23 is 282 KB (srt/managers/scheduler.py): 1 MiB leaves 3.6x
+# room and keeps one file's parse at 74 MB (ordinary code) to 260 MB (densest) peak RSS.
+MAX_SOURCE_BYTES = 2**20
 MAX_BYTES_ENV = "FUSEGATE_AUDIT_MAX_BYTES"
 # Why a file was not scanned (the `reason` of a `skipped` entry); append-only, reports carry them.
 REASONS = ("symlink-loop", "dangling-link", "unreadable", "not-a-file", "too-large", "undecodable", "unparsable", "unlistable")
@@ -97,12 +102,42 @@ def _too_large(size: int, limit: int) -> str:
     return f"{size} bytes, above the audit's per-file bound of {limit} bytes; set {MAX_BYTES_ENV} to a larger byte count to scan it"
 
 
+def stream_matches(path: Path, predicate, *, chunk: int = 1 << 20, overlap: int = 64) -> bool:
+    """True if `predicate(text)` holds for some window of the file, read `chunk` bytes at a time.
+
+    Windows overlap by `overlap` bytes, so a match shorter than that is never split (the audit's
+    filter words are at most 21 characters). Bytes map to text one to one (latin-1): the filter
+    looks for ASCII words only."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        raise _open_error(Path(path), exc) from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise SourceSkip("not-a-file", "not a regular file")
+        tail = b""
+        while True:
+            block = os.read(fd, chunk)
+            if not block:
+                return False
+            if predicate((tail + block).decode("latin-1")):
+                return True
+            tail = (tail + block)[-overlap:]
+    except OSError as exc:
+        raise SourceSkip("unreadable", f"cannot be read ({exc.strerror or exc})") from None
+    finally:
+        os.close(fd)
+
+
 def source_encoding(data: bytes) -> str:
     """The encoding Python reads `data` with (PEP 263); SourceSkip('undecodable') for a bad cookie."""
     try:
         return tokenize.detect_encoding(io.BytesIO(data).readline)[0]
     except SyntaxError as exc:
-        raise SourceSkip("undecodable", f"bad encoding declaration ({exc.msg if hasattr(exc, 'msg') else exc})") from None
+        msg = getattr(exc, "msg", None) or str(exc)
+        if msg.startswith("invalid or missing encoding declaration"):
+            return "utf-8"  # no cookie and not UTF-8 in the first two lines: the decode says where
+        raise SourceSkip("undecodable", f"bad encoding declaration ({msg})") from None
 
 
 def decode_source(data: bytes) -> tuple[str, str]:
@@ -113,7 +148,7 @@ def decode_source(data: bytes) -> tuple[str, str]:
     try:
         return data.decode(encoding), encoding
     except UnicodeDecodeError as exc:
-        raise SourceSkip("undecodable", f"not valid {encoding} at byte {exc.start} (declare the file's encoding with a coding cookie)") from None
+        raise SourceSkip("undecodable", f"not valid {encoding} at byte {exc.start}; Python cannot import it either (declare its encoding with a coding cookie)") from None
 
 
 def read_source(path: Path, *, limit: int | None = None) -> tuple[str, str, bytes]:

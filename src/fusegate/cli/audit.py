@@ -19,7 +19,7 @@ EXIT_INCOMPLETE = 3  # audit: some file was not scanned (listed under `skipped`)
 AUDIT_EXIT_CODES = (
     "exit codes: 0 scanned everything (gates or not, without --fail-on-gates); 1 gates found with --fail-on-gates; "
     "2 usage or environment error; 3 incomplete scan: a file could not be read, decoded or parsed, or is above the "
-    "per-file size bound (FUSEGATE_AUDIT_MAX_BYTES, default 2 MiB); each is listed under 'skipped' with its reason; 3 wins over 1"
+    "per-file size bound (FUSEGATE_AUDIT_MAX_BYTES, default 1 MiB); each is listed under 'skipped' with its reason; 3 wins over 1"
 )
 
 
@@ -136,7 +136,7 @@ def run_patch(args) -> int:
         print(report.dumps({
             "target": str(result.target.root), "arch": arch.name, "applied": bool(written), "manifest": str(written) if written else None,
             "diff": {rel: unified_diff(rel, old, new) for rel, (old, new) in changes.items()},
-            "gates": checks, "errors": [{"id": i, "error": e} for i, e in errors],
+            "gates": checks, "errors": [{"id": i, "error": e} for i, e in errors], "skipped": result.skipped,
         }))
     else:
         for rel, (old, new) in changes.items():
