@@ -115,6 +115,17 @@ def test_a_file_that_cannot_be_scanned_is_skipped_with_its_reason(capsys, engine
     assert code == 3 and f"skipped {rel} ({reason})" in out
 
 
+def test_files_that_cannot_hold_a_gate_are_not_decoded_or_parsed(capsys, engine):
+    """Like a syntax error, a decode error or a size above the bound only matters where the text filter sees an architecture."""
+    (engine / "broken.py").unlink()
+    (engine / "layers/legacy.py").write_bytes(b"# r\xe9glage\nX = 1\n")
+    with open(engine / "layers/table.py", "wb") as f:
+        f.write(b"TABLE = None\n")
+        f.truncate(3 * 2**20)
+    code, out, _ = run(capsys, "audit", str(engine), "--arch", "sm120", "--json")
+    assert code == 0 and json.loads(out)["skipped"] == []
+
+
 def test_unreadable_file_and_directory(capsys, engine, monkeypatch):
     """Permission errors, simulated (root reads a chmod 000 file; the next test does it for real)."""
     locked = str(engine / "layers/caps.py")

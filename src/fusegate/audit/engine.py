@@ -24,7 +24,7 @@ from pathlib import Path
 from fusegate.audit.arch import ARCHS, Arch
 from fusegate.audit.resolve import Resolver, module_name_for
 from fusegate.audit.scan import ModuleScanner, Site
-from fusegate.audit.target import SourceSkip, Target, read_bytes, read_source, resolve_target, stream_matches
+from fusegate.audit.target import SourceSkip, Target, decode_source, read_bytes, resolve_target, stream_matches
 
 # Text that any Python file holding an architecture condition contains (gate-idioms.md sections 3.1-3.13).
 # Plain substring tests and a regex with a literal prefix: an alternation with IGNORECASE took
@@ -161,10 +161,15 @@ def _audit(spec: str, *, native: bool, overlay: dict | None, progress, only: set
             continue
         if path in overlay:
             text = overlay[path]
+            mentions = _mentions_arch(text)
             digest = sha256_bytes(text.encode("utf-8"))
         else:
             try:  # a file that cannot be read, decoded or is above the size bound is reported, never fatal
-                text, _, data = read_source(path)
+                data = read_bytes(path)
+                # The filter's words are ASCII: it reads the raw bytes, and only a file that may hold a
+                # gate is decoded (strictly), as only such a file is parsed.
+                mentions = _mentions_arch(data.decode("latin-1"))
+                text = decode_source(data)[0] if mentions else ""
             except SourceSkip as exc:
                 if not _holds_no_arch(path, exc):
                     skipped.append({"path": rel, "reason": exc.reason, "error": str(exc)})
@@ -173,7 +178,7 @@ def _audit(spec: str, *, native: bool, overlay: dict | None, progress, only: set
                 continue
             digest = sha256_bytes(data)
             del data
-        if _mentions_arch(text):
+        if mentions:
             info = resolver.module(name, path)
             scanned += 1
             if info is None:
