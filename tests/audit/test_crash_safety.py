@@ -298,3 +298,29 @@ def test_deleted_manifest_with_patched_files_is_recoverable(pristine, tmp_path, 
     assert main(["revert", str(root), "--state-dir", job["state_dir"], "--force"]) == 0
     capsys.readouterr()
     assert tree(root) == tree(src)
+
+
+def test_a_symlinked_file_is_refused_and_nothing_written(pristine, tmp_path):
+    src, changes, _ = pristine
+    root, job = fresh(pristine, tmp_path)
+    first = next(iter(changes))
+    real = tmp_path / "elsewhere.py"
+    real.write_bytes((root / first).read_bytes())
+    (root / first).unlink()
+    os.symlink(real, root / first)
+    before = tree(root)
+    with pytest.raises(manifest.ManifestError, match=rf"{first} is a symbolic link to .*nothing was written"):
+        manifest.apply(root, changes, job["expected"], {}, state_dir=job["state_dir"])
+    assert tree(root) == before and not manifest.state_dir_for(root, job["state_dir"]).exists()
+
+
+def test_owner_of_a_replaced_file_is_kept(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("only root can give a file to another user")
+    path = tmp_path / "f.py"
+    path.write_bytes(b"x = 1\n")
+    os.chown(path, 65534, 65534)
+    durable.write(path, b"x = 2\n", 0o640)
+    st = path.stat()
+    assert (st.st_uid, st.st_gid, st.st_mode & 0o777, path.read_bytes()) == (65534, 65534, 0o640, b"x = 2\n")
+    assert not durable.tmp_path(path).exists()

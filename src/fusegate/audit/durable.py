@@ -1,8 +1,9 @@
 """Durable file writes for `patch --apply` / `revert`: a write is on disk before the next step starts.
 
 `write(path, data, mode)` writes `data` to `tmp_path(path)` (a fixed name beside `path`, so a
-later `revert` finds and removes it after a crash), fsyncs it, renames it over `path` and fsyncs
-the directory: at every instant `path` holds either its old bytes or all of its new ones.
+later `revert` finds and removes it after a crash), gives it `mode` and the owner of the file it
+replaces, fsyncs it, renames it over `path` and fsyncs the directory: at every instant `path`
+holds either its old bytes or all of its new ones.
 
 `checkpoint(step)` marks the points between durable steps; `fault_hook`, when set, is called with
 each step's name, which is how the crash tests kill a patch at every boundary (manifest.py lists the
@@ -49,6 +50,7 @@ def write(path: Path, data: bytes, mode: int, *, step: str | None = None) -> Non
                 checkpoint(f"tmp-half:{step}")  # a kill in the middle of a write
             _write_all(fd, view[len(data) // 2:])
             os.fchmod(fd, mode)
+            _keep_owner(fd, path)
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -59,6 +61,16 @@ def write(path: Path, data: bytes, mode: int, *, step: str | None = None) -> Non
         remove(tmp)
         raise
     fsync_dir(path.parent)
+
+
+def _keep_owner(fd: int, path: Path) -> None:
+    """Give the new file the owner of the one it replaces (root patching another user's tree)."""
+    try:
+        st = os.stat(path)
+        if (st.st_uid, st.st_gid) != (os.geteuid(), os.getegid()):
+            os.fchown(fd, st.st_uid, st.st_gid)
+    except OSError:  # nothing to replace yet, or not permitted: the writer's ownership stands
+        pass
 
 
 def _write_all(fd: int, view: memoryview) -> None:

@@ -271,6 +271,9 @@ def apply(root: Path, changes: dict, expected: dict, meta: dict, *, state_dir=No
             raise ManifestError(f"patch: {rel} cannot be read ({exc.strerror or exc}); nothing was written; audit again") from None
         if sha256(data) != expected.get(rel):
             raise ManifestError(f"patch: {rel} changed since it was audited; run `fusegate audit` again and re-select the gates")
+        if path.is_symlink():  # os.replace would put a file where the link was, and revert could not bring the link back
+            raise ManifestError(f"patch: {rel} is a symbolic link to {os.readlink(path)}; nothing was written; "
+                                f"patch the tree it points into instead (fusegate patch {path.resolve().parent})")
         problem = _check_writable(path)
         if problem:
             raise ManifestError(f"patch: {rel} is {problem}; nothing was written; make it writable (chmod u+w) or patch a copy")
@@ -293,7 +296,8 @@ def apply(root: Path, changes: dict, expected: dict, meta: dict, *, state_dir=No
         _remove_state(sdir)
         if not isinstance(exc, Exception):
             raise
-        raise ManifestError(f"patch: writing the backups to {sdir} failed ({exc}); no target file was changed, nothing changed") from exc
+        raise ManifestError(f"patch: writing the backups to {sdir} failed ({exc}); no target file was changed, nothing changed; "
+                            f"free space there or pass --state-dir DIR on a writable disk") from exc
     done = 0
     try:
         for entry in files:
