@@ -324,3 +324,31 @@ def test_owner_of_a_replaced_file_is_kept(tmp_path):
     st = path.stat()
     assert (st.st_uid, st.st_gid, st.st_mode & 0o777, path.read_bytes()) == (65534, 65534, 0o640, b"x = 2\n")
     assert not durable.tmp_path(path).exists()
+
+
+def test_revert_that_cannot_write_keeps_the_state_and_can_be_rerun(pristine, tmp_path, monkeypatch, capsys):
+    src, changes, _ = pristine
+    root, job = fresh(pristine, tmp_path)
+    manifest.apply(root, changes, job["expected"], {}, state_dir=job["state_dir"])
+    second = list(changes)[1]
+
+    def read_only_fs(step):
+        if step == f"tmp-half:revert:{second}":
+            raise OSError(30, "Read-only file system (simulated)")
+
+    monkeypatch.setattr(durable, "fault_hook", read_only_fs)
+    assert main(["revert", str(root), "--state-dir", job["state_dir"]]) == 2
+    err = capsys.readouterr().err
+    assert f"restoring {second} failed" in err and f"`fusegate revert {root} --state-dir {job['state_dir']}` again" in err and "Traceback" not in err
+    monkeypatch.setattr(durable, "fault_hook", None)
+    assert main(["revert", str(root), "--state-dir", job["state_dir"]]) == 0
+    capsys.readouterr()
+    assert tree(root) == tree(src)
+
+
+def test_corrupt_audit_json_is_a_usage_error(capsys, engine, tmp_path):
+    bad = tmp_path / "audit.json"
+    bad.write_text('{"file_hashes": ')
+    assert main(["patch", str(engine), "--arch", "sm120", "--audit-json", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert str(bad) in err and "run the audit again" in err and "Traceback" not in err

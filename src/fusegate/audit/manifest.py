@@ -351,13 +351,13 @@ def revert(root: Path, *, force: bool = False, state_dir=None) -> list[dict]:
         if not force:
             raise ManifestError(f"revert: {sdir} holds backups but no manifest, and {', '.join(differ)} differ from the files in {root}; "
                                 f"{_recovery('revert', root, sdir, state_dir)}")
-        return _restore_backups(root, sdir)
+        return _restore_backups(root, sdir, state_dir)
     try:
         manifest = _read_manifest(sdir / MANIFEST)
     except _Unreadable:
         if not force:
             _load("revert", root, sdir, state_dir)  # raises with the recovery message
-        return _restore_backups(root, sdir)
+        return _restore_backups(root, sdir, state_dir)
     changed, rows = [], []
     for entry in manifest["files"]:
         rel = entry["path"]
@@ -377,13 +377,22 @@ def revert(root: Path, *, force: bool = False, state_dir=None) -> list[dict]:
         durable.remove(durable.tmp_path(path))
         if row["action"] == "restored":
             path.parent.mkdir(parents=True, exist_ok=True)
-            durable.write(path, (sdir / BACKUPS / entry["path"]).read_bytes(), entry.get("mode", 0o644), step=f"revert:{entry['path']}")
+            _restore(path, (sdir / BACKUPS / entry["path"]).read_bytes(), entry.get("mode", 0o644), entry["path"], root, state_dir, force)
             durable.checkpoint(f"restored:{entry['path']}")
     _remove_state(sdir)
     return rows
 
 
-def _restore_backups(root: Path, sdir: Path) -> list[dict]:
+def _restore(path: Path, data: bytes, mode: int, rel: str, root: Path, state_dir, force: bool) -> None:
+    """One file back from its backup; a write error keeps the patch state, so the same revert can finish the job."""
+    try:
+        durable.write(path, data, mode, step=f"revert:{rel}")
+    except OSError as exc:
+        raise ManifestError(f"revert: restoring {rel} failed ({exc}); the backups and the manifest are kept; make {path.parent} "
+                            f"writable and run `{_revert_cmd(root, state_dir, force=force)}` again") from None
+
+
+def _restore_backups(root: Path, sdir: Path, state_dir) -> list[dict]:
     """`revert --force` without a readable manifest: every backup SHA256SUMS does not contradict goes back."""
     rows = _backups(sdir)
     corrupt = [rel for rel, st in rows if st == "corrupt"]
@@ -401,7 +410,7 @@ def _restore_backups(root: Path, sdir: Path) -> list[dict]:
         same = _hash_or_none(path) == sha256(data)
         if not same:
             path.parent.mkdir(parents=True, exist_ok=True)
-            durable.write(path, data, stat.S_IMODE(backup.stat().st_mode), step=f"revert:{rel}")
+            _restore(path, data, stat.S_IMODE(backup.stat().st_mode), rel, root, state_dir, True)
         out.append({"path": rel, "sha256": sha256(data), "was_changed": False, "action": "already original" if same else "restored"})
     _remove_state(sdir)
     return out

@@ -119,7 +119,10 @@ def run_patch(args) -> int:
     changes, plans, errors = build_changes(result, candidates, arch, like)
     expected = dict(result.file_hashes)
     if args.audit_json:
-        earlier = json.loads(Path(args.audit_json).read_text()).get("file_hashes", {})
+        try:
+            earlier = json.loads(Path(args.audit_json).read_text()).get("file_hashes", {})
+        except (OSError, ValueError, AttributeError) as exc:
+            raise UsageError(f"--audit-json: {args.audit_json} is not the output of `fusegate audit --json` ({type(exc).__name__}: {exc}); run the audit again") from None
         stale = [rel for rel in changes if rel in earlier and earlier[rel] != expected.get(rel)]
         if stale:
             raise UsageError(f"patch: {', '.join(stale)} changed since the audit in {args.audit_json}; audit again")
