@@ -352,3 +352,35 @@ def test_corrupt_audit_json_is_a_usage_error(capsys, engine, tmp_path):
     assert main(["patch", str(engine), "--arch", "sm120", "--audit-json", str(bad)]) == 2
     err = capsys.readouterr().err
     assert str(bad) in err and "run the audit again" in err and "Traceback" not in err
+
+
+def test_a_second_patch_or_revert_while_one_runs_is_refused(pristine, tmp_path):
+    src, changes, _ = pristine
+    root, job = fresh(pristine, tmp_path)
+    sdir = manifest.state_dir_for(root, job["state_dir"])
+    fd = durable.lock(sdir.with_name(sdir.name + ".lock"))  # what a running apply holds
+    try:
+        with pytest.raises(manifest.ManifestError, match="another fusegate patch or revert is running"):
+            manifest.apply(root, changes, job["expected"], {}, state_dir=job["state_dir"])
+        assert tree(root) == tree(src) and not sdir.exists()
+    finally:
+        os.close(fd)
+    manifest.apply(root, changes, job["expected"], {}, state_dir=job["state_dir"])
+    fd = durable.lock(sdir.with_name(sdir.name + ".lock"))
+    try:
+        with pytest.raises(manifest.ManifestError, match="another fusegate patch or revert is running"):
+            manifest.revert(root, state_dir=job["state_dir"])
+    finally:
+        os.close(fd)
+    manifest.revert(root, state_dir=job["state_dir"])
+    assert tree(root) == tree(src)
+
+
+def test_unwritable_state_location_is_a_clean_error(pristine, tmp_path):
+    src, changes, _ = pristine
+    root, job = fresh(pristine, tmp_path)
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    with pytest.raises(manifest.ManifestError, match=r"cannot create the patch state .*--state-dir DIR"):
+        manifest.apply(root, changes, job["expected"], {}, state_dir=blocker / "state")
+    assert tree(root) == tree(src)

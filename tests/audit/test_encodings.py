@@ -90,4 +90,4 @@ def test_an_edit_the_encoding_cannot_hold_writes_nothing(engine, tmp_path):
     expected = {"layers/caps.py": manifest.sha256(before)}
     with pytest.raises(manifest.ManifestError, match=r"cannot be written in its encoding latin-1.*nothing was written"):
         manifest.apply(engine, {"layers/caps.py": before.decode("latin-1") + "# \u20ac\n"}, expected, {}, state_dir=tmp_path / "s")
-    assert path.read_bytes() == before and not (tmp_path / "s").exists()
+    assert path.read_bytes() == before and not manifest.state_dir_for(engine, tmp_path / "s").exists()

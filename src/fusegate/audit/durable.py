@@ -12,6 +12,7 @@ steps). Production code never sets it.
 
 from __future__ import annotations
 
+import fcntl
 import os
 from pathlib import Path
 from typing import Callable
@@ -85,3 +86,17 @@ def remove(path: Path) -> bool:
     except FileNotFoundError:
         return False
     return True
+
+
+def lock(path: Path) -> int:
+    """An fd holding an exclusive flock on `path` (created if needed); BlockingIOError at once if held.
+
+    The kernel drops a flock when its holder dies, so a killed patch never leaves the lock held."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd

@@ -20,7 +20,9 @@ after patching and is overwritten only with `force`; the temp files beside the t
 the manifest is deleted before the backups, so a revert killed midway is finished by running it again.
 A second apply refuses while a manifest exists. A manifest that cannot be read (unreadable, empty,
 truncated, missing keys) is never guessed at: the error names it, lists the backups SHA256SUMS
-verifies, and gives the command that restores them without it (`fusegate revert ROOT --force`).
+verifies, and gives the command that restores them without it (`fusegate revert ROOT --force`);
+patchstate.py reads and checks that state. One apply or revert runs at a time per target: each
+holds a flock on `<hash>.lock` beside the state directory, which the kernel drops if it is killed.
 
 Fault injection: `durable.fault_hook` is called at each step. Apply: `backup:<rel>`, `sums`, `intent`,
 per file `tmp-half:<rel>`, `tmp-written:<rel>`, `replaced:<rel>`, then `commit`. Revert: per file
@@ -29,47 +31,19 @@ per file `tmp-half:<rel>`, `tmp-written:<rel>`, `replaced:<rel>`, then `commit`.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
-import hashlib
 import json
 import os
-import shutil
 import stat
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 from fusegate.audit import durable
+from fusegate.audit import patchstate as ps
+from fusegate.audit.patchstate import ManifestError, load, sha256, state_dir_for
 from fusegate.audit.target import SourceSkip, source_encoding
 
-MANIFEST, SUMS, BACKUPS = "manifest.json", "SHA256SUMS", "backups"
-_ENTRY_KEYS = ("path", "sha256_before", "sha256_after")
-
-
-class ManifestError(RuntimeError):
-    """The tree is not in the state the operation needs; the message says what to do."""
-
-
-class _Unreadable(Exception):
-    """manifest.json exists but cannot be used; the message says why."""
-
-
-def sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def state_dir_for(root: Path, state_dir: str | Path | None = None) -> Path:
-    base = Path(state_dir) if state_dir else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fusegate" / "patches"
-    return base / hashlib.sha1(str(Path(root).resolve()).encode()).hexdigest()[:12]
-
-
-def _revert_cmd(root: Path, state_dir, *, force: bool = False) -> str:
-    return f"fusegate revert {root}" + (f" --state-dir {state_dir}" if state_dir else "") + (" --force" if force else "")
-
-
-def _hash_or_none(path: Path) -> str | None:
-    try:
-        return sha256(path.read_bytes())
-    except OSError:
-        return None
+__all__ = ["ManifestError", "apply", "load", "revert", "sha256", "state_dir_for"]
 
 
 def _check_writable(path: Path) -> str | None:
@@ -94,138 +68,9 @@ def _encode(rel: str, text, original: bytes) -> bytes:
         raise ManifestError(f"patch: the edit of {rel} cannot be written in its encoding {exc.encoding} ({exc.reason}); nothing was written; patch it by hand") from None
 
 
-# -- state directory ------------------------------------------------------------------------
-def _safe_rel(rel) -> bool:
-    parts = PurePosixPath(rel).parts if isinstance(rel, str) and rel else ()
-    return bool(parts) and not PurePosixPath(rel).is_absolute() and ".." not in parts
-
-
-def _read_manifest(path: Path) -> dict:
-    """The parsed, validated manifest; _Unreadable with the reason otherwise."""
-    try:
-        raw = path.read_bytes()
-    except OSError as exc:
-        raise _Unreadable(f"cannot be read ({exc.strerror or exc})") from None
-    if not raw.strip():
-        raise _Unreadable("is empty")
-    try:
-        data = json.loads(raw)
-    except ValueError as exc:
-        raise _Unreadable(f"is not valid JSON, probably truncated ({exc})") from None
-    if not isinstance(data, dict):
-        raise _Unreadable(f"holds a JSON {type(data).__name__}, not an object")
-    if not isinstance(data.get("files"), list):
-        raise _Unreadable("lacks its 'files' list")
-    for i, entry in enumerate(data["files"]):
-        if not isinstance(entry, dict):
-            raise _Unreadable(f"has files[{i}] that is not an object")
-        missing = [k for k in _ENTRY_KEYS if not isinstance(entry.get(k), str)]
-        if missing:
-            raise _Unreadable(f"has files[{i}] without {', '.join(repr(k) for k in missing)}")
-        if not _safe_rel(entry["path"]):
-            raise _Unreadable(f"has files[{i}] with a path outside the target ({entry['path']!r})")
-        if not isinstance(entry.get("mode", 0o644), int):
-            raise _Unreadable(f"has files[{i}] with a non-integer 'mode'")
-    return data
-
-
-def _read_sums(sdir: Path) -> dict | None:
-    try:
-        text = (sdir / SUMS).read_text(encoding="utf-8")
-    except (OSError, ValueError):
-        return None
-    sums = {}
-    for line in text.splitlines():
-        digest, sep, rel = line.partition("  ")
-        if sep and len(digest) == 64:
-            sums[rel] = digest
-    return sums
-
-
-def _backups(sdir: Path) -> list:
-    """[(relative path, state)] of the backups on disk, state 'verified' / 'corrupt' / 'unverified' / 'missing'."""
-    sums = _read_sums(sdir)
-    base = sdir / BACKUPS
-    found = {}
-    if base.is_dir():
-        for path in sorted(base.rglob("*")):
-            if path.is_file() and not path.name.endswith(durable.TMP_SUFFIX):
-                rel = path.relative_to(base).as_posix()
-                digest = _hash_or_none(path)
-                found[rel] = "unverified" if sums is None or rel not in sums else "verified" if sums[rel] == digest else "corrupt"
-    for rel in sums or ():
-        found.setdefault(rel, "missing")
-    return sorted(found.items())
-
-
-def _recovery(cmd: str, root: Path, sdir: Path, state_dir) -> str:
-    """What the backups in `sdir` can restore, and the command that does it."""
-    rows = _backups(sdir)
-    by_state: dict = {}
-    for rel, st in rows:
-        by_state.setdefault(st, []).append(rel)
-    if not by_state.get("verified") and not by_state.get("unverified"):
-        return (f"no usable backup is in {sdir / BACKUPS}, so fusegate cannot restore the originals (reinstall the engine for them); "
-                f"remove {sdir} to {'patch again' if cmd == 'patch' else 'clear the state'}")
-    parts = []
-    labels = {"verified": "whose checksums match SHA256SUMS", "unverified": "with no checksum to verify them against",
-              "corrupt": "that do NOT match SHA256SUMS (kept, not restored)", "missing": "listed in SHA256SUMS but absent"}
-    for st in ("verified", "unverified", "corrupt", "missing"):
-        if by_state.get(st):
-            shown = ", ".join(by_state[st][:8]) + (f" and {len(by_state[st]) - 8} more" if len(by_state[st]) > 8 else "")
-            parts.append(f"{len(by_state[st])} original file(s) {labels[st]}: {shown}")
-    return (f"recoverable from the backups in {sdir / BACKUPS}: {'; '.join(parts)}. "
-            f"Restore them byte for byte with `{_revert_cmd(root, state_dir, force=True)}`"
-            f" (it writes each backup over its file and removes the patch state)")
-
-
-def _load(cmd: str, root: Path, sdir: Path, state_dir) -> dict:
-    try:
-        return _read_manifest(sdir / MANIFEST)
-    except _Unreadable as why:
-        raise ManifestError(f"{cmd}: the patch manifest {sdir / MANIFEST} {why}, so it cannot say which files were patched; "
-                            f"{_recovery(cmd, root, sdir, state_dir)}") from None
-
-
-def _leftover_differs(root: Path, sdir: Path) -> list:
-    """Backups (in a state directory without a manifest) whose bytes differ from the target's file."""
-    base = sdir / BACKUPS
-    differ = []
-    for rel, _ in _backups(sdir):
-        backup = base / rel
-        if backup.is_file() and _hash_or_none(backup) != _hash_or_none(root / rel):
-            differ.append(rel)
-    return differ
-
-
-def _remove_state(sdir: Path) -> None:
-    """Delete the state: the manifest first (a kill after it leaves backups equal to the files: harmless)."""
-    try:
-        removed = durable.remove(sdir / MANIFEST)
-    except OSError:  # not a plain file (a directory in its place): the rmtree below takes it
-        removed = False
-    if removed:
-        durable.fsync_dir(sdir)
-        durable.checkpoint("manifest-removed")
-    shutil.rmtree(sdir, ignore_errors=True)
-
-
-def _has_manifest(sdir: Path) -> bool:
-    return os.path.lexists(sdir / MANIFEST)
-
-
-def load(root: Path, *, state_dir=None) -> tuple[Path, dict]:
-    """(manifest path, manifest) of the patch on `root`; ManifestError if none or unreadable (with the recovery)."""
-    root = Path(root).resolve()
-    sdir = state_dir_for(root, state_dir)
-    if not _has_manifest(sdir):
-        raise ManifestError(f"revert: no fusegate patch recorded for {root} (looked in {sdir}); nothing to revert")
-    return sdir / MANIFEST, _load("revert", root, sdir, state_dir)
-
-
 # -- apply ------------------------------------------------------------------------------------
 def _write_manifest(sdir: Path, manifest: dict) -> None:
-    durable.write(sdir / MANIFEST, json.dumps(manifest, indent=2).encode(), 0o644)
+    durable.write(sdir / ps.MANIFEST, json.dumps(manifest, indent=2).encode(), 0o644)
 
 
 def _mkdir(path: Path) -> None:
@@ -240,18 +85,34 @@ def _mkdir(path: Path) -> None:
 
 
 def _refuse_pending(root: Path, sdir: Path, state_dir) -> None:
-    if _has_manifest(sdir):
-        manifest = _load("patch", root, sdir, state_dir)
+    if ps.has_manifest(sdir):
+        manifest = ps.load_or_explain("patch", root, sdir, state_dir)
         if manifest.get("complete", True):
-            raise ManifestError(f"patch: {root} already carries a fusegate patch ({sdir / MANIFEST}); run `{_revert_cmd(root, state_dir)}` first")
+            raise ManifestError(f"patch: {root} already carries a fusegate patch ({sdir / ps.MANIFEST}); run `{ps.revert_cmd(root, state_dir)}` first")
         raise ManifestError(f"patch: an earlier `patch --apply` on {root} was interrupted and may have written some of its "
-                            f"{len(manifest['files'])} file(s) ({sdir / MANIFEST}); run `{_revert_cmd(root, state_dir)}` to restore the originals first")
+                            f"{len(manifest['files'])} file(s) ({sdir / ps.MANIFEST}); run `{ps.revert_cmd(root, state_dir)}` to restore the originals first")
     if sdir.exists():
-        differ = _leftover_differs(root, sdir)
+        differ = ps.leftover_differs(root, sdir)
         if differ:
             raise ManifestError(f"patch: {sdir} holds backups but no manifest, and {', '.join(differ)} differ from the files in {root}; "
-                                f"{_recovery('patch', root, sdir, state_dir)}")
-        _remove_state(sdir)  # an apply killed before its manifest: copies of the current files only
+                                f"{ps.recovery('patch', root, sdir, state_dir)}")
+        ps.remove_state(sdir)  # an apply killed before its manifest: copies of the current files only
+
+
+@contextlib.contextmanager
+def _locked(cmd: str, root: Path, sdir: Path):
+    """One patch or revert at a time per target: a flock on a file beside its state directory."""
+    try:
+        fd = durable.lock(sdir.with_name(sdir.name + ".lock"))
+    except BlockingIOError:
+        raise ManifestError(f"{cmd}: another fusegate patch or revert is running on {root}; wait for it to finish, then run this again") from None
+    except OSError as exc:
+        raise ManifestError(f"{cmd}: cannot create the patch state in {sdir.parent} ({exc.strerror or exc}); nothing was changed; "
+                            f"pass --state-dir DIR on a writable disk") from None
+    try:
+        yield
+    finally:
+        os.close(fd)
 
 
 def apply(root: Path, changes: dict, expected: dict, meta: dict, *, state_dir=None) -> Path:
@@ -260,7 +121,12 @@ def apply(root: Path, changes: dict, expected: dict, meta: dict, *, state_dir=No
     `expected` maps each path to the sha256 its content had when audited. New text is encoded
     with the encoding its file declares."""
     root = Path(root).resolve()
-    sdir = state_dir_for(root, state_dir)
+    sdir = ps.state_dir_for(root, state_dir)
+    with _locked("patch", root, sdir):
+        return _apply(root, sdir, changes, expected, meta, state_dir)
+
+
+def _apply(root: Path, sdir: Path, changes: dict, expected: dict, meta: dict, state_dir) -> Path:
     _refuse_pending(root, sdir, state_dir)
     originals, new_bytes, files = {}, {}, []
     for rel, text in changes.items():
@@ -269,7 +135,7 @@ def apply(root: Path, changes: dict, expected: dict, meta: dict, *, state_dir=No
             data = path.read_bytes()
         except OSError as exc:
             raise ManifestError(f"patch: {rel} cannot be read ({exc.strerror or exc}); nothing was written; audit again") from None
-        if sha256(data) != expected.get(rel):
+        if ps.sha256(data) != expected.get(rel):
             raise ManifestError(f"patch: {rel} changed since it was audited; run `fusegate audit` again and re-select the gates")
         if path.is_symlink():  # os.replace would put a file where the link was, and revert could not bring the link back
             raise ManifestError(f"patch: {rel} is a symbolic link to {os.readlink(path)}; nothing was written; "
@@ -278,22 +144,22 @@ def apply(root: Path, changes: dict, expected: dict, meta: dict, *, state_dir=No
         if problem:
             raise ManifestError(f"patch: {rel} is {problem}; nothing was written; make it writable (chmod u+w) or patch a copy")
         originals[rel], new_bytes[rel] = data, _encode(rel, text, data)
-        files.append({"path": rel, "sha256_before": sha256(data), "sha256_after": sha256(new_bytes[rel]),
-                      "backup": str(sdir / BACKUPS / rel), "mode": stat.S_IMODE(path.stat().st_mode)})
+        files.append({"path": rel, "sha256_before": ps.sha256(data), "sha256_after": ps.sha256(new_bytes[rel]),
+                      "backup": str(sdir / ps.BACKUPS / rel), "mode": stat.S_IMODE(path.stat().st_mode)})
     manifest = {"version": 2, "target": str(root), "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                 **meta, "complete": False, "files": files}
     try:
         for entry in files:
-            backup = sdir / BACKUPS / entry["path"]
+            backup = sdir / ps.BACKUPS / entry["path"]
             _mkdir(backup.parent)
             durable.write(backup, originals[entry["path"]], entry["mode"])
             durable.checkpoint(f"backup:{entry['path']}")
-        durable.write(sdir / SUMS, "".join(f"{e['sha256_before']}  {e['path']}\n" for e in files).encode(), 0o644)
+        durable.write(sdir / ps.SUMS, "".join(f"{e['sha256_before']}  {e['path']}\n" for e in files).encode(), 0o644)
         durable.checkpoint("sums")
         _write_manifest(sdir, manifest)
         durable.checkpoint("intent")
     except BaseException as exc:
-        _remove_state(sdir)
+        ps.remove_state(sdir)
         if not isinstance(exc, Exception):
             raise
         raise ManifestError(f"patch: writing the backups to {sdir} failed ({exc}); no target file was changed, nothing changed; "
@@ -313,11 +179,11 @@ def apply(root: Path, changes: dict, expected: dict, meta: dict, *, state_dir=No
             undone = _undo(root, sdir, files)
         except Exception as again:
             raise ManifestError(f"patch: writing {what} failed ({exc}) and undoing it failed too ({again}); the originals are "
-                                f"safe in {sdir / BACKUPS}; run `{_revert_cmd(root, state_dir)}`") from exc
+                                f"safe in {sdir / ps.BACKUPS}; run `{ps.revert_cmd(root, state_dir)}`") from exc
         if not isinstance(exc, Exception):
             raise
         raise ManifestError(f"patch: writing {what} failed ({exc}); restored the {undone} file(s) written, nothing changed") from exc
-    return sdir / MANIFEST
+    return sdir / ps.MANIFEST
 
 
 def _undo(root: Path, sdir: Path, files: list) -> int:
@@ -326,10 +192,10 @@ def _undo(root: Path, sdir: Path, files: list) -> int:
     for entry in files:
         path = root / entry["path"]
         durable.remove(durable.tmp_path(path))
-        if _hash_or_none(path) == entry["sha256_after"]:
-            durable.write(path, (sdir / BACKUPS / entry["path"]).read_bytes(), entry["mode"])
+        if ps.hash_or_none(path) == entry["sha256_after"]:
+            durable.write(path, (sdir / ps.BACKUPS / entry["path"]).read_bytes(), entry["mode"])
             undone += 1
-    _remove_state(sdir)
+    ps.remove_state(sdir)
     return undone
 
 
@@ -340,32 +206,37 @@ def revert(root: Path, *, force: bool = False, state_dir=None) -> list[dict]:
     Rows: path, sha256 (of the original), was_changed (edited after patching), action ('restored' or
     'already original'). An empty list: a leftover of an apply killed before it changed anything was cleared."""
     root = Path(root).resolve()
-    sdir = state_dir_for(root, state_dir)
-    if not _has_manifest(sdir):
-        if not sdir.exists():
-            raise ManifestError(f"revert: no fusegate patch recorded for {root} (looked in {sdir}); nothing to revert")
-        differ = _leftover_differs(root, sdir)
+    sdir = ps.state_dir_for(root, state_dir)
+    if not sdir.exists():
+        raise ManifestError(f"revert: no fusegate patch recorded for {root} (looked in {sdir}); nothing to revert")
+    with _locked("revert", root, sdir):
+        return _revert(root, sdir, force, state_dir)
+
+
+def _revert(root: Path, sdir: Path, force: bool, state_dir) -> list[dict]:
+    if not ps.has_manifest(sdir):
+        differ = ps.leftover_differs(root, sdir)
         if not differ:
-            _remove_state(sdir)
+            ps.remove_state(sdir)
             return []
         if not force:
             raise ManifestError(f"revert: {sdir} holds backups but no manifest, and {', '.join(differ)} differ from the files in {root}; "
-                                f"{_recovery('revert', root, sdir, state_dir)}")
+                                f"{ps.recovery('revert', root, sdir, state_dir)}")
         return _restore_backups(root, sdir, state_dir)
     try:
-        manifest = _read_manifest(sdir / MANIFEST)
-    except _Unreadable:
+        manifest = ps.read_manifest(sdir / ps.MANIFEST)
+    except ps.Unreadable:
         if not force:
-            _load("revert", root, sdir, state_dir)  # raises with the recovery message
+            ps.load_or_explain("revert", root, sdir, state_dir)  # raises with the recovery message
         return _restore_backups(root, sdir, state_dir)
     changed, rows = [], []
     for entry in manifest["files"]:
         rel = entry["path"]
-        backup = sdir / BACKUPS / rel
-        if _hash_or_none(backup) != entry["sha256_before"]:
+        backup = sdir / ps.BACKUPS / rel
+        if ps.hash_or_none(backup) != entry["sha256_before"]:
             raise ManifestError(f"revert: the backup of {rel} ({backup}) is missing or does not match the manifest; nothing restored; "
                                 f"restore {rel} by hand (reinstall the engine for its original)")
-        current = _hash_or_none(root / rel)
+        current = ps.hash_or_none(root / rel)
         if current not in (entry["sha256_before"], entry["sha256_after"]):
             changed.append(rel)
         rows.append({"path": rel, "sha256": entry["sha256_before"], "was_changed": rel in changed,
@@ -377,9 +248,9 @@ def revert(root: Path, *, force: bool = False, state_dir=None) -> list[dict]:
         durable.remove(durable.tmp_path(path))
         if row["action"] == "restored":
             path.parent.mkdir(parents=True, exist_ok=True)
-            _restore(path, (sdir / BACKUPS / entry["path"]).read_bytes(), entry.get("mode", 0o644), entry["path"], root, state_dir, force)
+            _restore(path, (sdir / ps.BACKUPS / entry["path"]).read_bytes(), entry.get("mode", 0o644), entry["path"], root, state_dir, force)
             durable.checkpoint(f"restored:{entry['path']}")
-    _remove_state(sdir)
+    ps.remove_state(sdir)
     return rows
 
 
@@ -389,28 +260,28 @@ def _restore(path: Path, data: bytes, mode: int, rel: str, root: Path, state_dir
         durable.write(path, data, mode, step=f"revert:{rel}")
     except OSError as exc:
         raise ManifestError(f"revert: restoring {rel} failed ({exc}); the backups and the manifest are kept; make {path.parent} "
-                            f"writable and run `{_revert_cmd(root, state_dir, force=force)}` again") from None
+                            f"writable and run `{ps.revert_cmd(root, state_dir, force=force)}` again") from None
 
 
 def _restore_backups(root: Path, sdir: Path, state_dir) -> list[dict]:
     """`revert --force` without a readable manifest: every backup SHA256SUMS does not contradict goes back."""
-    rows = _backups(sdir)
+    rows = ps.backups(sdir)
     corrupt = [rel for rel, st in rows if st == "corrupt"]
     if corrupt:
-        raise ManifestError(f"revert: the backup(s) {', '.join(corrupt)} in {sdir / BACKUPS} do not match {sdir / SUMS}; nothing restored; "
+        raise ManifestError(f"revert: the backup(s) {', '.join(corrupt)} in {sdir / ps.BACKUPS} do not match {sdir / ps.SUMS}; nothing restored; "
                             f"copy the intact ones back by hand (cp) and reinstall the engine for the others")
     usable = [rel for rel, st in rows if st in ("verified", "unverified")]
     if not usable:
-        raise ManifestError(f"revert: no backup is in {sdir / BACKUPS}; nothing restored; reinstall the engine for the originals, then remove {sdir}")
+        raise ManifestError(f"revert: no backup is in {sdir / ps.BACKUPS}; nothing restored; reinstall the engine for the originals, then remove {sdir}")
     out = []
     for rel in usable:
-        backup, path = sdir / BACKUPS / rel, root / rel
+        backup, path = sdir / ps.BACKUPS / rel, root / rel
         data = backup.read_bytes()
         durable.remove(durable.tmp_path(path))
-        same = _hash_or_none(path) == sha256(data)
+        same = ps.hash_or_none(path) == ps.sha256(data)
         if not same:
             path.parent.mkdir(parents=True, exist_ok=True)
             _restore(path, data, stat.S_IMODE(backup.stat().st_mode), rel, root, state_dir, True)
-        out.append({"path": rel, "sha256": sha256(data), "was_changed": False, "action": "already original" if same else "restored"})
-    _remove_state(sdir)
+        out.append({"path": rel, "sha256": ps.sha256(data), "was_changed": False, "action": "already original" if same else "restored"})
+    ps.remove_state(sdir)
     return out
