@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from fusegate.audit import target
+from fusegate.audit import manifest, target
 from fusegate.audit.engine import audit
 from fusegate.cli.main import main
 
@@ -111,6 +111,7 @@ def test_a_file_that_cannot_be_scanned_is_skipped_with_its_reason(capsys, engine
     assert invocation["executionSuccessful"] is False
     note = next(n for n in invocation["toolExecutionNotifications"] if n["locations"][0]["physicalLocation"]["artifactLocation"]["uri"] == rel)
     assert note["level"] == "error" and note["descriptor"]["id"] == reason and why in note["message"]["text"]
+    assert reason in {d["id"] for d in run0["tool"]["driver"]["notifications"]}  # the descriptor it refers to
     code, out, _ = run(capsys, "audit", str(engine), "--arch", "sm120")
     assert code == 3 and f"skipped {rel} ({reason})" in out
 
@@ -178,6 +179,9 @@ def test_patch_applies_to_the_files_it_can_read(capsys, engine, tmp_path):
     assert data["applied"] and "Traceback" not in err
     assert {"loop.py", "layers/legacy.py"} <= {s["path"] for s in data["skipped"]}
     assert {"layers/caps.py", "layers/fusion.py"} <= set(data["diff"])
+    manifest.revert(engine, state_dir=tmp_path / "s")
+    _, _, err = run(capsys, "patch", str(engine), "--arch", "sm120", "--like", "sm100")  # the diff, with the skips on stderr
+    assert "# skipped loop.py (symlink-loop)" in err and "# skipped layers/legacy.py (undecodable)" in err
 
 
 def test_size_bound_is_inclusive_and_configurable(engine, monkeypatch):

@@ -13,6 +13,7 @@ import sys
 
 from fusegate._version import __version__
 from fusegate.audit.arch import ARCH_NAMES, Arch
+from fusegate.audit.target import REASONS
 
 SARIF_SCHEMA = "https://json.schemastore.org/sarif-2.1.0.json"
 _RULES = {
@@ -78,6 +79,7 @@ def to_sarif(result, selected: list, arch: Arch) -> dict:
             "tool": {"driver": {
                 "name": "fusegate-audit", "version": __version__,
                 "rules": [{"id": k, "name": k, "shortDescription": {"text": v}} for k, v in _RULES.items()],
+                "notifications": [{"id": r, "shortDescription": {"text": f"file not scanned: {r}"}} for r in REASONS],
             }},
             "originalUriBaseIds": {"%SRCROOT%": {"uri": result.target.root.as_uri() + "/"}},
             "invocations": [_invocation(result)],

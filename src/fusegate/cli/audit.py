@@ -149,6 +149,8 @@ def run_patch(args) -> int:
             print(f"# {row['id']} -> {row['new_id']} {row['path']}:{row['line']}: now {state} {arch.name} (enables {' '.join(row['enables'])})", file=sys.stderr)
         for gid, err in errors:
             print(f"# {gid}: {err}", file=sys.stderr)
+        for skip in result.skipped:
+            print(f"# skipped {skip['path']} ({skip['reason']}): {skip['error']}", file=sys.stderr)
         if written:
             print(f"# applied; manifest {written}; undo with `fusegate revert {result.target.root}`", file=sys.stderr)
         elif not candidates:
