@@ -254,3 +254,25 @@ def test_memory_of_a_module_at_the_bound(engine):
     assert rc == 3 and [s["path"] for s in doc["skipped"]] == ["broken.py"]
     assert any(g["path"] == "layers/atbound.py" and g["scope"] == "f" for g in doc["gates"])
     assert rss < 350, rss  # measured 260 MB; 74 MB for the same size of sglang's scheduler.py
+
+
+def test_listing_matches_os_walk_and_survives_deep_nesting(engine, tmp_path):
+    os.symlink(engine / "layers", engine / "utils/layers_link")  # a link to a directory: listed, not followed
+    listed = target.resolve_target(str(engine))
+    walked = []
+    for dirpath, dirnames, filenames in os.walk(engine):
+        dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
+        walked += [Path(dirpath) / f for f in sorted(filenames) if f.endswith(".py")]
+    assert list(listed.python_files) == walked
+    deep = tmp_path / "deep"
+    leaf = Path(os.path.join(deep, *["d"] * 300))
+    os.makedirs(leaf)
+    (leaf / "gate.py").write_text("import torch\nOK = torch.cuda.get_device_capability()[0] == 10\n")
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(250)  # below the depth: os.walk, which recurses per level, raises RecursionError here
+    try:
+        with pytest.raises(RecursionError):
+            list(os.walk(deep))
+        assert target.resolve_target(str(deep)).python_files == (leaf / "gate.py",)
+    finally:
+        sys.setrecursionlimit(limit)

@@ -166,7 +166,33 @@ class Target:
     root: Path
     python_files: tuple
     native_files: tuple
-    unlisted: tuple = ()  # ({"path", "reason", "error"}, ...): directories os.walk could not list
+    unlisted: tuple = ()  # ({"path", "reason", "error"}, ...): directories that could not be listed
+
+
+def _walk(top: Path, onerror):
+    """os.walk(top, onerror=onerror) top-down, without recursion: os.walk recurses once per level
+    (Python 3.11), so a tree nested deeper than the interpreter's recursion limit would crash it.
+    Links to directories are listed, not followed, as by os.walk."""
+    stack = [str(top)]
+    while stack:
+        dirpath = stack.pop()
+        try:
+            with os.scandir(dirpath) as it:
+                entries = list(it)
+        except OSError as exc:
+            onerror(exc)
+            continue
+        dirnames, filenames, follow = [], [], set()
+        for entry in entries:
+            try:
+                is_dir = entry.is_dir()
+            except OSError:
+                is_dir = False
+            (dirnames if is_dir else filenames).append(entry.name)
+            if is_dir and not entry.is_symlink():
+                follow.add(entry.name)
+        yield dirpath, dirnames, filenames
+        stack.extend(os.path.join(dirpath, d) for d in reversed(dirnames) if d in follow)
 
 
 def _is_cmake(name: str) -> bool:
@@ -213,7 +239,7 @@ def resolve_target(spec: str, *, native: bool = True) -> Target:
         rel = Path(exc.filename).relative_to(path).as_posix() if exc.filename else "."
         unlisted.append({"path": rel, "reason": "unlistable", "error": f"directory cannot be listed ({exc.strerror or exc})"})
 
-    for dirpath, dirnames, filenames in os.walk(path, onerror=unlistable):
+    for dirpath, dirnames, filenames in _walk(path, unlistable):
         dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS and not d.endswith(".egg-info"))
         for fname in sorted(filenames):
             full = Path(dirpath) / fname
