@@ -42,7 +42,7 @@ def add_parser(subparsers) -> None:
 
     p = subparsers.add_parser("revert", help="restore the files a `fusegate patch --apply` changed, byte for byte")
     p.add_argument("target", metavar="TARGET", help="the directory, file or package that was patched")
-    p.add_argument("--force", action="store_true", help="restore even files changed after patching")
+    p.add_argument("--force", action="store_true", help="restore even files changed after patching, or, when the manifest is unreadable, every backup SHA256SUMS verifies")
     p.add_argument("--state-dir", metavar="DIR", help="where the manifest was written")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(run=run_revert)
