@@ -384,3 +384,18 @@ def test_unwritable_state_location_is_a_clean_error(pristine, tmp_path):
     with pytest.raises(manifest.ManifestError, match=r"cannot create the patch state .*--state-dir DIR"):
         manifest.apply(root, changes, job["expected"], {}, state_dir=blocker / "state")
     assert tree(root) == tree(src)
+
+
+def test_a_manifest_written_before_the_journal_still_reverts(pristine, tmp_path):
+    """The earlier layout: no SHA256SUMS, no "complete" or "version"; the manifest's hashes suffice."""
+    src, changes, _ = pristine
+    root, job = fresh(pristine, tmp_path)
+    manifest.apply(root, changes, job["expected"], {}, state_dir=job["state_dir"])
+    sdir = manifest.state_dir_for(root, job["state_dir"])
+    (sdir / "SHA256SUMS").unlink()
+    old = json.loads((sdir / "manifest.json").read_text())
+    for key in ("complete", "version"):
+        del old[key]
+    (sdir / "manifest.json").write_text(json.dumps(old))
+    assert sorted(r["path"] for r in manifest.revert(root, state_dir=job["state_dir"])) == sorted(changes)
+    assert tree(root) == tree(src)
