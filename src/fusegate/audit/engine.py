@@ -24,7 +24,7 @@ from pathlib import Path
 from fusegate.audit.arch import ARCHS, Arch
 from fusegate.audit.resolve import Resolver, module_name_for
 from fusegate.audit.scan import ModuleScanner, Site
-from fusegate.audit.target import Target, resolve_target
+from fusegate.audit.target import SourceSkip, Target, decode_source, read_bytes, resolve_target, stream_matches
 
 # Text that any Python file holding an architecture condition contains (gate-idioms.md sections 3.1-3.13).
 # Plain substring tests and a regex with a literal prefix: an alternation with IGNORECASE took
@@ -40,6 +40,20 @@ _TEXT_WORDS = (
 def _mentions_arch(text: str) -> bool:
     lower = text.lower()
     return any(w in lower for w in _TEXT_WORDS) or bool(_TEXT_RE.search(lower))
+
+
+def _native_mentions_arch(text: str) -> bool:
+    return "__CUDA_ARCH" in text or "arch" in text.lower()  # what native.py's #if and CMake scans need
+
+
+def _holds_no_arch(path: Path, skip: SourceSkip, *, native: bool = False) -> bool:
+    """A file above the size bound whose text, streamed, never mentions an architecture holds no gate."""
+    if skip.reason != "too-large":
+        return False
+    try:
+        return not stream_matches(path, _native_mentions_arch if native else _mentions_arch)
+    except SourceSkip:
+        return False
 
 
 @dataclass
@@ -138,26 +152,45 @@ def _audit(spec: str, *, native: bool, overlay: dict | None, progress, only: set
         if root not in roots:
             roots.append(root)
     resolver = Resolver(roots, overlay, within=target.root)
-    findings, sites, hashes, skipped = [], {}, {}, []
+    findings, sites, hashes, skipped = [], {}, {}, list(target.unlisted)
     total = len(modules) + len(target.native_files)
     scanned = 0
     for i, (path, name) in enumerate(modules):
         rel = path.relative_to(target.root).as_posix()
         if only is not None and rel not in only:
             continue
-        text = overlay[path] if path in overlay else path.read_bytes().decode("utf-8", errors="replace")
-        if _mentions_arch(text):
+        if path in overlay:
+            text = overlay[path]
+            mentions = _mentions_arch(text)
+            digest = sha256_bytes(text.encode("utf-8"))
+        else:
+            try:  # a file that cannot be read, decoded or is above the size bound is reported, never fatal
+                data = read_bytes(path)
+                # The filter's words are ASCII: it reads the raw bytes, and only a file that may hold a
+                # gate is decoded (strictly), as only such a file is parsed.
+                mentions = _mentions_arch(data.decode("latin-1"))
+                text = decode_source(data)[0] if mentions else ""
+            except SourceSkip as exc:
+                if not _holds_no_arch(path, exc):
+                    skipped.append({"path": rel, "reason": exc.reason, "error": str(exc)})
+                if progress:
+                    progress(i + 1, total)
+                continue
+            digest = sha256_bytes(data)
+            del data
+        if mentions:
             info = resolver.module(name, path)
             scanned += 1
             if info is None:
-                skipped.append({"path": rel, "error": resolver.errors.get(path.resolve(), "unparsable")})
+                error = resolver.errors.get(path.resolve(), "SyntaxError: unparsable")
+                skipped.append({"path": rel, "reason": "unparsable", "error": error})
             elif info.path.resolve() == path.resolve():
-                hashes[rel] = sha256_bytes(text.encode("utf-8")) if path in overlay else sha256_bytes(path.read_bytes())
+                hashes[rel] = digest
                 try:
                     scanner = ModuleScanner(resolver, name, rel)
                     module_sites = scanner.scan()
                 except RecursionError:  # a pathologically nested expression: report, never crash
-                    skipped.append({"path": rel, "error": "RecursionError: expression nested too deeply"})
+                    skipped.append({"path": rel, "reason": "unparsable", "error": "RecursionError: expression nested too deeply"})
                     continue
                 _collect(module_sites, rel, scanner.lines, findings, sites)
         if progress:
@@ -168,13 +201,14 @@ def _audit(spec: str, *, native: bool, overlay: dict | None, progress, only: set
         for j, path in enumerate(target.native_files):
             rel = path.relative_to(target.root).as_posix()
             try:
-                text = path.read_bytes().decode("utf-8", errors="replace")
-            except OSError as exc:
-                skipped.append({"path": rel, "error": str(exc)})
+                data = read_bytes(path)
+            except SourceSkip as exc:
+                if not _holds_no_arch(path, exc, native=True):
+                    skipped.append({"path": rel, "reason": exc.reason, "error": str(exc)})
                 continue
-            found = scan_native(rel, text)
+            found = scan_native(rel, data.decode("utf-8", errors="replace"))
             if found:
-                hashes[rel] = sha256_bytes(path.read_bytes())
+                hashes[rel] = sha256_bytes(data)
                 findings.extend(found)
             scanned += 1
             if progress:

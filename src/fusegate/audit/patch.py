@@ -17,6 +17,7 @@ import libcst as cst
 from libcst.metadata import MetadataWrapper, PositionProvider
 
 from fusegate.audit.plan import Plan
+from fusegate.audit.target import read_source
 
 
 def _char_col(lines: list, line: int, byte_col: int) -> int:
@@ -158,7 +159,7 @@ def build_changes(result, findings: list, arch, like) -> tuple[dict, dict, list]
     changes = {}
     for rel, file_plans in by_file.items():
         info = result.resolver.module(result.sites[file_plans[0].gate_id].module)
-        old = (result.target.root / rel).read_bytes().decode("utf-8")
+        old = read_source(result.target.root / rel)[0]  # decoded as Python does (coding cookie, BOM); manifest.py re-encodes
         assert old == info.source, f"patch: {rel} changed while it was being patched"
         new = apply_plans(old, file_plans)
         try:

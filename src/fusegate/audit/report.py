@@ -13,6 +13,7 @@ import sys
 
 from fusegate._version import __version__
 from fusegate.audit.arch import ARCH_NAMES, Arch
+from fusegate.audit.target import REASONS
 
 SARIF_SCHEMA = "https://json.schemastore.org/sarif-2.1.0.json"
 _RULES = {
@@ -78,15 +79,29 @@ def to_sarif(result, selected: list, arch: Arch) -> dict:
             "tool": {"driver": {
                 "name": "fusegate-audit", "version": __version__,
                 "rules": [{"id": k, "name": k, "shortDescription": {"text": v}} for k, v in _RULES.items()],
+                "notifications": [{"id": r, "shortDescription": {"text": f"file not scanned: {r}"}} for r in REASONS],
             }},
             "originalUriBaseIds": {"%SRCROOT%": {"uri": result.target.root.as_uri() + "/"}},
+            "invocations": [_invocation(result)],
             "results": results,
         }],
     }
 
 
+def _invocation(result) -> dict:
+    """SARIF `invocation`: each skipped file as an error notification; the run is unsuccessful if any."""
+    notes = [{
+        "level": "error",
+        "message": {"text": f"not scanned: {skip['error']}"},
+        "descriptor": {"id": skip.get("reason", "unreadable")},
+        "locations": [{"physicalLocation": {"artifactLocation": {"uri": skip["path"], "uriBaseId": "%SRCROOT%"}}}],
+    } for skip in result.skipped]
+    return {"executionSuccessful": not notes, "toolExecutionNotifications": notes}
+
+
 def print_table(result, selected: list, arch: Arch, like: Arch | None, *, console=None) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     # Off a terminal (a pipe, a CI log) rich would wrap at 80 columns; paths and conditions need more.
@@ -104,7 +119,8 @@ def print_table(result, selected: list, arch: Arch, like: Arch | None, *, consol
     counts = ", ".join(f"{v} {k}" for k, v in sorted(_counts(result).items()))
     console.print(f"scanned {result.files_scanned} files in {result.seconds:.2f} s; all architecture conditions: {counts or 'none'}")
     for skip in result.skipped:
-        console.print(f"[yellow]skipped[/] {skip['path']}: {skip['error']}")
+        # escape: an error text such as "[Errno 13] ..." is not rich markup
+        console.print(f"[yellow]skipped[/] {escape(skip['path'])} ({skip.get('reason', 'unreadable')}): {escape(skip['error'])}", highlight=False)
 
 
 def dumps(obj) -> str:

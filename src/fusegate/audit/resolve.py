@@ -25,6 +25,7 @@ from pathlib import Path
 from fusegate.audit.arch import ArchBool, ArchNum
 from fusegate.audit.evaluate import Evaluator, ite, seed_for, to_bool
 from fusegate.audit.predicates import ALWAYS, sglang_fact
+from fusegate.audit.target import SourceSkip, read_source
 from fusegate.audit.values import UNKNOWN, Const, External, ModuleRef, Obj, SeedFn, UserFunc
 
 # Identifiers that may carry an architecture meaning; from the idioms in research/gate-idioms.md.
@@ -145,10 +146,14 @@ class Resolver:
         return self._paths[name]
 
     def read(self, path: Path) -> str:
-        path = path.resolve()
+        """Source text of `path` (the overlay's, else the file's, decoded as Python does); SourceSkip if unreadable."""
+        try:
+            path = path.resolve()
+        except (OSError, RuntimeError) as exc:  # RuntimeError: Path.resolve on a symlink loop (Python < 3.13)
+            raise SourceSkip("symlink-loop", f"cannot be resolved ({exc})") from None
         if path in self.overlay:
             return self.overlay[path]
-        return path.read_bytes().decode("utf-8", errors="replace")
+        return read_source(path)[0]
 
     def module(self, name: str, path: Path | None = None) -> ModuleInfo | None:
         if name in self._modules:
@@ -156,10 +161,12 @@ class Resolver:
         path = path or self.path_of(name)
         info = None
         if path is not None:
-            source = self.read(path)
             try:
+                source = self.read(path)
                 tree = ast.parse(source, filename=str(path))
-            except (SyntaxError, ValueError) as exc:
+            except SourceSkip as exc:  # unreadable, undecodable or too large: the module is unknown, never fatal
+                self.errors[path] = str(exc)
+            except (SyntaxError, ValueError, RecursionError) as exc:
                 self.errors[path] = f"{type(exc).__name__}: {exc}"
             else:
                 info = ModuleInfo(name, path, source, tree, path.name == "__init__.py")

@@ -1,7 +1,9 @@
 """`fusegate audit` / `patch` / `revert`: find, explain and open architecture gates in an engine's source.
 
 Exit codes: 0 ok; 1 gates found with --fail-on-gates, or a patch/revert that could not do all it
-was asked; 2 usage or environment error (bad path, unknown arch, read-only file, changed file).
+was asked; 2 usage or environment error (bad path, unknown arch, read-only file, changed file);
+3 (audit) the scan is incomplete: some file could not be read, decoded or parsed, or is above the
+per-file size bound; each is listed under `skipped` with its reason, and 3 wins over 1.
 Imports nothing heavy at module import (no torch, no libcst until `patch` runs).
 """
 
@@ -13,9 +15,16 @@ from pathlib import Path
 
 from fusegate.cli.main import EXIT_NEGATIVE, EXIT_OK, UsageError, dumps_json
 
+EXIT_INCOMPLETE = 3  # audit: some file was not scanned (listed under `skipped`)
+AUDIT_EXIT_CODES = (
+    "exit codes: 0 scanned everything (gates or not, without --fail-on-gates); 1 gates found with --fail-on-gates; "
+    "2 usage or environment error; 3 incomplete scan: a file could not be read, decoded or parsed, or is above the "
+    "per-file size bound (FUSEGATE_AUDIT_MAX_BYTES, default 1 MiB); each is listed under 'skipped' with its reason; 3 wins over 1"
+)
+
 
 def add_parser(subparsers) -> None:
-    p = subparsers.add_parser("audit", help="list architecture gates that are false on --arch", description=__doc__.splitlines()[0])
+    p = subparsers.add_parser("audit", help="list architecture gates that are false on --arch", description=__doc__.splitlines()[0], epilog=AUDIT_EXIT_CODES)
     _common(p)
     p.add_argument("--sarif", metavar="FILE", help="also write SARIF 2.1.0 to FILE")
     p.add_argument("--all", action="store_true", help="also list non-gates (test skips, log/message branches, helper and flag definitions)")
@@ -33,7 +42,7 @@ def add_parser(subparsers) -> None:
 
     p = subparsers.add_parser("revert", help="restore the files a `fusegate patch --apply` changed, byte for byte")
     p.add_argument("target", metavar="TARGET", help="the directory, file or package that was patched")
-    p.add_argument("--force", action="store_true", help="restore even files changed after patching")
+    p.add_argument("--force", action="store_true", help="restore even files changed after patching, or, when the manifest is unreadable, every backup SHA256SUMS verifies")
     p.add_argument("--state-dir", metavar="DIR", help="where the manifest was written")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(run=run_revert)
@@ -88,6 +97,8 @@ def run_audit(args) -> int:
     else:
         report.print_table(result, selected, arch, like)
     gates = [f for f in selected if f.category == "gate"]
+    if result.skipped:
+        return EXIT_INCOMPLETE
     return EXIT_NEGATIVE if args.fail_on_gates and gates else EXIT_OK
 
 
@@ -108,7 +119,10 @@ def run_patch(args) -> int:
     changes, plans, errors = build_changes(result, candidates, arch, like)
     expected = dict(result.file_hashes)
     if args.audit_json:
-        earlier = json.loads(Path(args.audit_json).read_text()).get("file_hashes", {})
+        try:
+            earlier = json.loads(Path(args.audit_json).read_text()).get("file_hashes", {})
+        except (OSError, ValueError, AttributeError) as exc:
+            raise UsageError(f"--audit-json: {args.audit_json} is not the output of `fusegate audit --json` ({type(exc).__name__}: {exc}); run the audit again") from None
         stale = [rel for rel in changes if rel in earlier and earlier[rel] != expected.get(rel)]
         if stale:
             raise UsageError(f"patch: {', '.join(stale)} changed since the audit in {args.audit_json}; audit again")
@@ -125,7 +139,7 @@ def run_patch(args) -> int:
         print(report.dumps({
             "target": str(result.target.root), "arch": arch.name, "applied": bool(written), "manifest": str(written) if written else None,
             "diff": {rel: unified_diff(rel, old, new) for rel, (old, new) in changes.items()},
-            "gates": checks, "errors": [{"id": i, "error": e} for i, e in errors],
+            "gates": checks, "errors": [{"id": i, "error": e} for i, e in errors], "skipped": result.skipped,
         }))
     else:
         for rel, (old, new) in changes.items():
@@ -135,6 +149,8 @@ def run_patch(args) -> int:
             print(f"# {row['id']} -> {row['new_id']} {row['path']}:{row['line']}: now {state} {arch.name} (enables {' '.join(row['enables'])})", file=sys.stderr)
         for gid, err in errors:
             print(f"# {gid}: {err}", file=sys.stderr)
+        for skip in result.skipped:
+            print(f"# skipped {skip['path']} ({skip['reason']}): {skip['error']}", file=sys.stderr)
         if written:
             print(f"# applied; manifest {written}; undo with `fusegate revert {result.target.root}`", file=sys.stderr)
         elif not candidates:
@@ -157,5 +173,7 @@ def run_revert(args) -> int:
         print(dumps_json({"target": str(root), "restored": restored}))
     else:
         for row in restored:
-            print(f"restored {row['path']} (sha256 {row['sha256'][:12]})")
+            print(f"{row.get('action', 'restored')} {row['path']} (sha256 {row['sha256'][:12]})")
+        if not restored:
+            print(f"nothing to restore: an interrupted patch had changed no file of {root}; removed its leftover state")
     return EXIT_OK
