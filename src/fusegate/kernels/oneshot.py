@@ -111,7 +111,7 @@ def residual_step(
             nr = s
         tl.store(newres_ptr + offs, nr, mask=cmask)
         h = nr.to(tl.float32)
-        ss = tl.sum(tl.where(cmask, h * h, 0.0), axis=0)
+        ss = tl.sum(tl.where(cmask, h * h, 0.0))
         if SPLIT:
             publish_partial(part_ptr, i, ss, calls)
         else:
@@ -134,7 +134,7 @@ def sum_in_rank_order(v, x, srcs, rank, W: tl.constexpr):
     acc = tl.zeros(x.shape, dtype=tl.float32)
     vf = v.to(tl.float32)
     for src in tl.static_range(W):
-        mine = tl.sum(tl.where(srcs[:, None] == src, vf, 0.0), axis=0)  # one row: in-thread adds
+        mine = tl.sum(tl.where(srcs[:, None] == src, vf, 0.0), axis=0, keep_dims=True)  # one row: in-thread adds
         acc += tl.where(rank == src, x.to(tl.float32), mine)
     return acc
 
@@ -149,7 +149,8 @@ def oneshot_kernel(
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    cols = tl.arange(0, CHUNK)
+    # [1, CHUNK] tensors share the [sources, CHUNK] block's layout: no layout conversions
+    cols = tl.arange(0, CHUNK)[None, :]
     srcs = tl.arange(0, WP)
     items = M * NCHUNK
     # One item per program (decode sizes): its inputs are loaded first, so their latency overlaps
@@ -174,13 +175,12 @@ def oneshot_kernel(
             dst = slot_base + rank * region + offs
             for p in tl.static_range(W):
                 tl.store(bufs[p] + dst, x, mask=and_scalar(cmask, (p != rank) & (dead == 0)))
-            ptrs = local_ptr + slot_base + srcs[:, None] * region + offs[None, :]
-            m2 = peer_rows & cmask[None, :]
-            v, pending = poll_block(ptrs, m2, deadline, max_spins, dead, abort_ptr, SENT, ELEM_BITS, USE_ASM)
-            missing = pending_ranks(pending, srcs)
-            if (missing != 0) & (dead == 0):
-                fail(err_ptr, abort_ptr, bufs, rank, missing, row, calls, W)
-            dead = dead | (missing != 0)
+            ptrs = local_ptr + slot_base + srcs[:, None] * region + offs
+            m2 = peer_rows & cmask
+            v, pending, arrived = poll_block(ptrs, m2, deadline, max_spins, dead, abort_ptr, SENT, ELEM_BITS, USE_ASM)
+            if (arrived == 0) & (dead == 0):
+                fail(err_ptr, abort_ptr, bufs, rank, pending_ranks(pending, srcs), row, calls, W)
+            dead = dead | (arrived == 0)
             tl.store(ptrs, fill, mask=m2)  # re-arm exactly what was read (a failed workspace is never read again)
             acc = tl.where(dead, float("nan"), sum_in_rank_order(v, x, srcs, rank, W))
             s = round_like(acc, x, SOFT_BF16)
@@ -190,7 +190,7 @@ def oneshot_kernel(
                     nr = round_like(s.to(tl.float32) + r.to(tl.float32), s, SOFT_BF16)
                 tl.store(newres_ptr + offs, nr, mask=cmask)
                 h = nr.to(tl.float32)
-                publish_partial(part_ptr, pid, tl.sum(tl.where(cmask, h * h, 0.0), axis=0), calls)
+                publish_partial(part_ptr, pid, tl.sum(tl.where(cmask, h * h, 0.0)), calls)
                 parts = tl.arange(0, NCP)
                 p, ok = wait_partials(part_ptr + row * NCHUNK + parts, parts < NCHUNK, calls, deadline, max_spins,
                                       dead, USE_ASM)
@@ -223,25 +223,24 @@ def oneshot_kernel(
         # are loaded before this item is finished, so their latency overlaps this item's work.
         i = pid
         row, col, cmask, offs = item_at(i, H, cols, CHUNK, NCHUNK)
-        ptrs = local_ptr + slot_base + srcs[:, None] * region + offs[None, :]
-        m2 = peer_rows & cmask[None, :]
+        ptrs = local_ptr + slot_base + srcs[:, None] * region + offs
+        m2 = peer_rows & cmask
         v_next = tl.load(ptrs, mask=and_scalar(m2, dead == 0), other=0.0, volatile=True)
         while i < items:
             row, col, cmask, offs = item_at(i, H, cols, CHUNK, NCHUNK)
             x = canonicalize(tl.load(x_ptr + offs, mask=cmask, other=0.0), SENT, ELEM_BITS)
             r = tl.load(res_ptr + offs, mask=cmask & HAS_RES, other=0.0)
             w = tl.load(w_ptr + col, mask=cmask & HAS_NORM & (NCHUNK == 1), other=0.0).to(tl.float32)
-            ptrs = local_ptr + slot_base + srcs[:, None] * region + offs[None, :]
-            m2 = peer_rows & cmask[None, :]
-            v, pending = poll_from(v_next, ptrs, m2, deadline, max_spins, dead, abort_ptr, SENT, ELEM_BITS, USE_ASM)
-            missing = pending_ranks(pending, srcs)
-            if (missing != 0) & (dead == 0):
-                fail(err_ptr, abort_ptr, bufs, rank, missing, row, calls, W)
-            dead = dead | (missing != 0)
+            ptrs = local_ptr + slot_base + srcs[:, None] * region + offs
+            m2 = peer_rows & cmask
+            v, pending, arrived = poll_from(v_next, ptrs, m2, deadline, max_spins, dead, abort_ptr, SENT, ELEM_BITS, USE_ASM)
+            if (arrived == 0) & (dead == 0):
+                fail(err_ptr, abort_ptr, bufs, rank, pending_ranks(pending, srcs), row, calls, W)
+            dead = dead | (arrived == 0)
             j = i + nprog
             _, _, cmask_j, offs_j = item_at(j, H, cols, CHUNK, NCHUNK)
-            v_next = tl.load(local_ptr + slot_base + srcs[:, None] * region + offs_j[None, :],
-                             mask=and_scalar(peer_rows & cmask_j[None, :], (dead == 0) & (j < items)),
+            v_next = tl.load(local_ptr + slot_base + srcs[:, None] * region + offs_j,
+                             mask=and_scalar(peer_rows & cmask_j, (dead == 0) & (j < items)),
                              other=0.0, volatile=True)
             tl.store(ptrs, fill, mask=m2)  # re-arm exactly what was read (a failed workspace is never read again)
             acc = tl.where(dead, float("nan"), sum_in_rank_order(v, x, srcs, rank, W))

@@ -101,7 +101,8 @@ def poll_block(
 
     All sources' loads are issued at once (`ptrs` is a [sources, chunk] block, 16 bytes per
     thread and source); one reduction per retry decides whether to go on.
-    Returns (values, pending): `pending` is all False on success. The wait ends early, with
+    Returns (values, pending, arrived): `arrived` is the scalar "nothing pending" (`pending` says
+    which elements are not, for the failure record). The wait ends early, with
     elements still pending, when `dead` (an earlier failure of this rank) is set, when the abort
     word says that some rank gave up, or at the deadline.
     """
@@ -116,7 +117,7 @@ def poll_from(
 ):
     """`poll_block` starting from values `v` already loaded from `ptrs` (a prefetch)."""
     pending = mask & (as_bits(v, ELEM_BITS) == SENT)
-    busy = tl.max(tl.max(pending.to(tl.int32), axis=1), axis=0) > 0
+    busy = tl.max(tl.max(pending.to(tl.int32), axis=0), axis=0) > 0  # sources (in-thread) first
     failed = dead
     spins = 0
     while busy & (failed == 0):
@@ -124,11 +125,11 @@ def poll_from(
         # vector loads into 2-byte ones, and arrived data stays put until this rank re-arms it
         v = tl.load(ptrs, mask=mask, other=0.0, volatile=True)
         pending = mask & (as_bits(v, ELEM_BITS) == SENT)
-        busy = tl.max(tl.max(pending.to(tl.int32), axis=1), axis=0) > 0
+        busy = tl.max(tl.max(pending.to(tl.int32), axis=0), axis=0) > 0  # sources (in-thread) first
         spins += 1
         aborted = tl.load(abort_ptr, volatile=True) != 0
         failed = deadline_passed(deadline_ns, spins, max_spins, USE_ASM) | aborted
-    return v, pending
+    return v, pending, busy == 0
 
 
 @triton.jit

@@ -32,6 +32,7 @@ from fusegate.kernels.oneshot import (
     launch_args,
     norm_partials_pass,
     residual_step,
+    sum_in_rank_order,
     spin_bounds,
 )
 from fusegate.kernels.protocol import NUM_SLOTS, STATE_ARRIVE, STATE_CALLS, make_plan
@@ -70,7 +71,7 @@ def twoshot_kernel(
     abort_ptr = int32_ptr(local_ptr)
     dead = entry_state(err_ptr, abort_ptr, rank, calls)
     deadline = start_deadline(timeout_ns, USE_ASM)
-    cols = tl.arange(0, CHUNK)
+    cols = tl.arange(0, CHUNK)[None, :]  # [1, CHUNK]: the layout of the [sources, CHUNK] blocks
     srcs = tl.arange(0, WP)
     items = M * NCHUNK
     per_owner = tl.cdiv(items, W)
@@ -99,19 +100,14 @@ def twoshot_kernel(
         col = (i % NCHUNK) * CHUNK + cols
         cmask = col < H
         x = canonicalize(tl.load(x_ptr + row.to(tl.int64) * H + col, mask=cmask, other=0.0), SENT, ELEM_BITS)
-        ptrs = local_ptr + slot_base + srcs[:, None] * region + ((i - rank * per_owner).to(tl.int64) * CHUNK + cols)[None, :]
-        m2 = (srcs[:, None] != rank) & (srcs[:, None] < W) & cmask[None, :]
-        v, pending = poll_block(ptrs, m2, deadline, max_spins, dead, abort_ptr, SENT, ELEM_BITS, USE_ASM)
-        missing = pending_ranks(pending, srcs)
-        if (missing != 0) & (dead == 0):
-            fail(err_ptr, abort_ptr, bufs, rank, missing, row, calls, W)
-        dead = dead | (missing != 0)
+        ptrs = local_ptr + slot_base + srcs[:, None] * region + ((i - rank * per_owner).to(tl.int64) * CHUNK + cols)
+        m2 = (srcs[:, None] != rank) & (srcs[:, None] < W) & cmask
+        v, pending, arrived = poll_block(ptrs, m2, deadline, max_spins, dead, abort_ptr, SENT, ELEM_BITS, USE_ASM)
+        if (arrived == 0) & (dead == 0):
+            fail(err_ptr, abort_ptr, bufs, rank, pending_ranks(pending, srcs), row, calls, W)
+        dead = dead | (arrived == 0)
         tl.store(ptrs, fill, mask=m2)  # re-arm exactly what was read (a failed workspace is never read again)
-        acc = tl.zeros([CHUNK], dtype=tl.float32)
-        vf = v.to(tl.float32)
-        for src in tl.static_range(W):
-            mine = tl.sum(tl.where(srcs[:, None] == src, vf, 0.0), axis=0)
-            acc += tl.where(rank == src, x.to(tl.float32), mine)
+        acc = sum_in_rank_order(v, x, srcs, rank, W)
         s = canonicalize(round_like(acc, x, SOFT_BF16), SENT, ELEM_BITS)
         dst = gather_base + row.to(tl.int64) * H + col
         for o in tl.static_range(W):
@@ -119,7 +115,6 @@ def twoshot_kernel(
         i += nprog
 
     # 3. wait for each item's sum from its owner, then residual + norm (or its partial)
-    one = tl.arange(0, 1)
     fill1 = sentinel_like(tl.zeros([1, CHUNK], dtype=local_ptr.dtype.element_ty), SENT, ELEM_BITS)
     i = pid
     while i < items:
@@ -130,16 +125,14 @@ def twoshot_kernel(
         offs = row.to(tl.int64) * H + col
         r = tl.load(res_ptr + offs, mask=cmask & HAS_RES, other=0.0)
         w = tl.load(w_ptr + col, mask=cmask & HAS_NORM & (NCHUNK == 1), other=0.0).to(tl.float32)
-        ptrs = local_ptr + gather_base + offs[None, :] + 0 * one[:, None]  # a [1, CHUNK] block: one source
-        m1 = (one[:, None] == 0) & cmask[None, :]
-        v, pending = poll_block(ptrs, m1, deadline, max_spins, dead, abort_ptr, SENT, ELEM_BITS, USE_ASM)
-        missing = pending_ranks(pending, one)
-        if (missing != 0) & (dead == 0):
+        ptrs = local_ptr + gather_base + offs  # a [1, CHUNK] block: one source
+        m1 = cmask
+        v, pending, arrived = poll_block(ptrs, m1, deadline, max_spins, dead, abort_ptr, SENT, ELEM_BITS, USE_ASM)
+        if (arrived == 0) & (dead == 0):
             fail(err_ptr, abort_ptr, bufs, rank, 1 << owner, row, calls, W)
-        dead = dead | (missing != 0)
+        dead = dead | (arrived == 0)
         tl.store(ptrs, fill1, mask=m1)  # re-arm what was read
-        s = tl.sum(v.to(tl.float32), axis=0)  # the one source's values, exactly
-        s = tl.where(dead, float("nan"), s).to(local_ptr.dtype.element_ty)
+        s = tl.where(dead, float("nan"), v.to(tl.float32)).to(local_ptr.dtype.element_ty)
         residual_step(s, row, col, cmask, offs, r, w, newres_ptr, out_ptr, part_ptr, i, H, eps, calls,
                       HAS_RES, HAS_NORM, SPLIT, SOFT_BF16)
         i += nprog
