@@ -33,11 +33,15 @@ from fusegate.validation import as_rows, check_all_reduce, check_residual_rmsnor
 
 class Communicator:
     def __init__(
-        self, group=None, *, strategy: str = "auto", device=None, debug: bool | None = None, **options
+        self, group=None, *, strategy: str = "auto", device=None, debug: bool | None = None, cpu_group=None,
+        **options,
     ) -> None:
         """`device`: where the tensors live; default CUDA (current device) for NCCL groups, else CPU.
         Pass device="cuda" with a gloo group to run CUDA tensors over gloo, e.g. several ranks
-        sharing one GPU (NCCL refuses that). `options` reach every strategy (see each strategy)."""
+        sharing one GPU (NCCL refuses that). `cpu_group`: a gloo group of the same ranks in the same
+        order; construction's handshakes (group facts, table agreement) and debug checks then run
+        on it while the data moves over `group` (engines pass theirs, to keep object collectives
+        off NCCL). `options` reach every strategy (see each strategy)."""
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "Communicator: torch.distributed is not initialized; call "
@@ -46,6 +50,7 @@ class Communicator:
         from fusegate.probe import probe
 
         self.group = group if group is not None else dist.group.WORLD
+        self.cpu_group = cpu_group if cpu_group is not None else self.group
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         requested = env.strategy_override() or strategy
@@ -62,7 +67,7 @@ class Communicator:
             raise ValueError(f"Communicator: device {device!r} is not supported; use 'cpu' or 'cuda'")
         if device_type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("Communicator: device='cuda' but torch sees no CUDA GPU; use a gloo group with device='cpu'")
-        self.info = agree_group_info(self.group, self.caps, device_type=device_type)
+        self.info = agree_group_info(self.group, self.caps, device_type=device_type, handshake_group=self.cpu_group)
         self.device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
         self._instances: dict[str, Strategy] = {}
         self._choices: dict[tuple, Choice] = {}
@@ -70,7 +75,7 @@ class Communicator:
         # Collective: every rank loads its dispatch table and all agree on its digest, or all
         # use none (fusegate.tune.agree). Loaded once; `fusegate tune` output applies to new
         # Communicators.
-        self.table, self.table_note = agreed_table(self.group, self.info, self.caps)
+        self.table, self.table_note = agreed_table(self.cpu_group, self.info, self.caps)
 
     # ---- public ops -------------------------------------------------------------------------
 
@@ -195,7 +200,7 @@ class Communicator:
     def _check_ranks_agree(self, op: Op, rows: torch.Tensor) -> None:
         mine = (op.value, tuple(rows.shape), str(rows.dtype))
         everyone: list = [None] * self.world_size
-        dist.all_gather_object(everyone, mine, group=self.group)
+        dist.all_gather_object(everyone, mine, group=self.cpu_group)
         if any(e != everyone[0] for e in everyone):
             table = "; ".join(f"rank {r}: {e[0]} {e[1]} {e[2]}" for r, e in enumerate(everyone))
             raise ValueError(f"{op.value}: ranks disagree on the call ({table}); every rank must pass the same shape and dtype")
