@@ -78,3 +78,11 @@ def test_rewritten_graph_is_fusegate_and_matches_the_unfused_path(results, name)
             assert relative_error(got[0], unfused[0].double()) <= TOLERANCE[torch.bfloat16]
             if name == "exact":  # small integers: the allreduce and the residual add are exact in both
                 assert torch.equal(got[1], unfused[1])
+
+
+def test_pass_construction_prepares_the_tp_group_once(results):
+    for out in results:
+        assert out["prepared"] == {"tp:0": 64}
+        plans = [m for m in out["log"] if m.startswith("fusegate: vllm group tp:0 (world size 2, gloo, cpu)")]
+        assert len(plans) == 1, out["log"]
+        assert "\n  tokens 1-64: reference (conservative default (no dispatch table" in plans[0], plans[0]

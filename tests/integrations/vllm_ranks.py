@@ -52,6 +52,27 @@ def rank_main(rank: int, world_size: int) -> dict:
             out["uuid"] = manager.uuid()
         fusegate_pass = manager.passes[out["passes"].index("FusegateAllReduceNormPass")]
 
+        # With a model config the pass prepares the TP group's Communicator at construction (on
+        # every rank, before compilation). VllmConfig() cannot hold a model without its HF config
+        # files, so the pass gets the fields it reads.
+        import logging
+        from types import SimpleNamespace
+
+        from fusegate.integrations.vllm_pass import FusegateAllReduceNormPass
+
+        out["log"] = []
+        handler = logging.Handler()
+        handler.emit = lambda record: out["log"].append(record.getMessage())
+        logging.getLogger("fusegate.integrations").addHandler(handler)
+        logging.getLogger("fusegate.integrations").setLevel(logging.INFO)
+        with_model = SimpleNamespace(
+            compilation_config=config.compilation_config, device_config=config.device_config,
+            model_config=SimpleNamespace(dtype=torch.bfloat16, get_hidden_size=lambda: H),
+            scheduler_config=SimpleNamespace(max_num_batched_tokens=64))
+        FusegateAllReduceNormPass(with_model)
+        FusegateAllReduceNormPass(with_model)  # prepared already: no second collective, no second plan line
+        out["prepared"] = dict(runtime._PREPARED)
+
         group = ps.get_tp_group().unique_name
         weight = (1 + 0.1 * torch.randn(H, generator=torch.Generator().manual_seed(7))).to(torch.bfloat16)
 
@@ -83,7 +104,6 @@ def rank_main(rank: int, world_size: int) -> dict:
                 out[(name, kind, "count")] = fusegate_pass.matched_count
                 out[(name, kind, "targets")] = sorted({str(n.target) for n in gm.graph.nodes if n.op == "call_function"})
                 out[(name, kind, "fusegate")] = gm(*(a.clone() for a in args))
-        out["prepared"] = dict(runtime._PREPARED)
     return out
 
 
