@@ -88,6 +88,20 @@ def rank_main(rank: int, world_size: int) -> dict:
         out["exact"] = norm.forward_with_allreduce_fusion(xi, ri)
     out["weight"] = norm.weight.detach().clone()
     out["calls"] = list(calls)
+
+    # Standing down: with the cutedsl backend chosen, gate and op fall through to sglang's own code
+    # (sglang's own op is registered for CUDA only, so on CPU the fall-through shows as its error).
+    from sglang.srt.runtime_context import get_context
+
+    get_context().override("test", flashinfer_allreduce_fusion_backend="cutedsl")
+    out["down_gate"] = gate(TOKENS)
+    try:
+        fc.flashinfer_allreduce_residual_rmsnorm(input_tensor=x, residual=residual, weight=norm.weight.detach(), eps=1e-6)
+        out["down_op"] = "returned"
+    except NotImplementedError as exc:
+        out["down_op"] = str(exc).splitlines()[0]
+    out["down_calls"] = len(calls) - len(out["calls"])
+    get_context().override("test", flashinfer_allreduce_fusion_backend=None)
     fc.cleanup_flashinfer_workspace()
     out["after_cleanup"] = dict(runtime._COMMS)
     return out

@@ -73,3 +73,12 @@ def test_plan_logged_once_and_cleanup_closes(results):
         # No dispatch table (an empty FUSEGATE_CACHE_DIR): one run, the conservative default's reason.
         assert "\n  tokens 1-2048: reference (conservative default (no dispatch table" in plans[0], plans[0]
         assert out["after_cleanup"] == {}
+
+
+def test_stand_down_falls_through_to_sglang_and_says_why(results):
+    for out in results:
+        assert out["down_gate"] is False and out["down_calls"] == 0
+        # sglang's own op ran (it exists for CUDA only, hence its error on CPU), not fusegate's.
+        assert out["down_op"].startswith("Could not run 'sglang::flashinfer_allreduce_residual_rmsnorm' with arguments from the 'CPU' backend")
+        assert [m for m in out["log"] if "stands down" in m] == [
+            "fusegate: stands down in sglang: --flashinfer-allreduce-fusion-backend cutedsl owns its own fused path"]
