@@ -62,7 +62,7 @@ def engine_rows(environ=None) -> list[dict]:
         else:
             would = f"it {action}"
         rows.append({"engine": engine, "installed": version, "supported": versions, "entry_point": entry,
-                     "enabled": engine in enabled and not filtered and entry is not None, "would": would})
+                     "enabled": engine in enabled and not filtered and entry is not None and version is not None, "would": would})
     return rows
 
 
