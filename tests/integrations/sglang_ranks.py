@@ -66,7 +66,9 @@ def rank_main(rank: int, world_size: int) -> dict:
     runner = SimpleNamespace(model_runner=SimpleNamespace(model_config=SimpleNamespace(hidden_size=H), dtype=torch.bfloat16))
     BaseRunner._pre_initialize_flashinfer_allreduce_workspace(runner)
     BaseRunner._pre_initialize_flashinfer_allreduce_workspace(runner)  # covered: no second plan line
-    out["prepared"] = dict(runtime._PREPARED)
+    draft = SimpleNamespace(model_runner=SimpleNamespace(model_config=SimpleNamespace(hidden_size=H // 2), dtype=torch.bfloat16))
+    BaseRunner._pre_initialize_flashinfer_allreduce_workspace(draft)  # another width (a draft model): prepared too
+    out["prepared"] = {f"{n} {h} {str(d).removeprefix('torch.')}": t for (n, h, d), t in runtime._PREPARED.items()}
     gate = add_norm.flashinfer_ar_fusion_applies
     out["gate"] = {bs: gate(bs) for bs in (0, 1, TOKENS, 2048, 2049)}
     out["gate_rebound"] = fusions_allreduce.flashinfer_ar_fusion_applies is gate

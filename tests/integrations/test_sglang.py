@@ -49,7 +49,7 @@ def test_plugin_discovered_and_every_hook_applied_once(results):
 def test_gate_is_static_and_follows_what_was_prepared(results):
     for out in results:
         assert out["gate_before_prepare"] is False  # no warm-up, no fusion: every rank alike
-        assert out["prepared"] == {"tp:0": 2048}  # FUSE_ALLREDUCE_MAX_BATCH_SIZE
+        assert out["prepared"] == {"tp:0 256 bfloat16": 2048, "tp:0 128 bfloat16": 2048}  # FUSE_ALLREDUCE_MAX_BATCH_SIZE
         assert out["gate"] == {0: False, 1: True, TOKENS: True, 2048: True, 2049: False}
 
 
@@ -69,6 +69,8 @@ def test_rmsnorm_forward_with_allreduce_fusion_is_fusegate_bit_for_bit(results):
 def test_plan_logged_once_and_cleanup_closes(results):
     for out in results:
         plans = [m for m in out["log"] if m.startswith("fusegate: sglang group tp:0")]
+        assert len(plans) == 2 and "hidden 128 bfloat16" in plans[1], out["log"]
+        plans = [m for m in plans if "hidden 256 bfloat16" in m]
         assert len(plans) == 1, out["log"]
         # No dispatch table (an empty FUSEGATE_CACHE_DIR): one run, the conservative default's reason.
         assert "\n  tokens 1-2048: reference (conservative default (no dispatch table" in plans[0], plans[0]

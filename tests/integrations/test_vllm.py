@@ -82,7 +82,7 @@ def test_rewritten_graph_is_fusegate_and_matches_the_unfused_path(results, name)
 
 def test_pass_construction_prepares_the_tp_group_once(results):
     for out in results:
-        assert out["prepared"] == {"tp:0": 64}
+        assert out["prepared"] == {"tp:0 256 bfloat16": 64}
         plans = [m for m in out["log"] if m.startswith("fusegate: vllm group tp:0 (world size 2, gloo, cpu)")]
         assert len(plans) == 1, out["log"]
         assert "\n  tokens 1-64: reference (conservative default (no dispatch table" in plans[0], plans[0]

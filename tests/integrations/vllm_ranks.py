@@ -71,7 +71,7 @@ def rank_main(rank: int, world_size: int) -> dict:
             scheduler_config=SimpleNamespace(max_num_batched_tokens=64))
         FusegateAllReduceNormPass(with_model)
         FusegateAllReduceNormPass(with_model)  # prepared already: no second collective, no second plan line
-        out["prepared"] = dict(runtime._PREPARED)
+        out["prepared"] = {f"{n} {h} {str(d).removeprefix('torch.')}": t for (n, h, d), t in runtime._PREPARED.items()}
 
         group = ps.get_tp_group().unique_name
         weight = (1 + 0.1 * torch.randn(H, generator=torch.Generator().manual_seed(7))).to(torch.bfloat16)

@@ -29,7 +29,7 @@ from fusegate.spec import Op
 logger = logging.getLogger("fusegate.integrations")
 
 _COMMS: dict[str, Any] = {}  # group name -> fusegate.Communicator
-_PREPARED: dict[str, int] = {}  # group name -> max tokens prepare() covered
+_PREPARED: dict[tuple, int] = {}  # (group name, hidden, dtype) -> max tokens prepare() covered
 _RESOLVERS: dict[str, Callable[[str], "Optional[EngineGroup]"]] = {}
 _LOGGED: set = set()
 
@@ -72,17 +72,19 @@ def communicator(group: EngineGroup):
 def prepare(engine: str, group: EngineGroup, *, hidden: int, dtype: torch.dtype, max_tokens: int) -> None:
     """Collective: create `group`'s Communicator and prepare it for up to `max_tokens x hidden`
     (before graph capture); logs the per-bucket plan once. Repeated calls that are covered are free."""
-    if _PREPARED.get(group.name, 0) >= max_tokens:
+    key = (group.name, hidden, dtype)
+    if _PREPARED.get(key, 0) >= max_tokens:
         return
     comm = communicator(group)
     comm.prepare(hidden=hidden, dtype=dtype, max_tokens=max_tokens)
-    _PREPARED[group.name] = max_tokens
+    _PREPARED[key] = max_tokens
     log_once(f"plan:{engine}:{group.name}:{hidden}:{dtype}", plan_text(engine, group, comm, hidden, dtype, max_tokens))
 
 
 def prepared_tokens(names) -> int:
-    """The largest token count every named group was prepared for (0 if one was not)."""
-    return min((_PREPARED.get(name, 0) for name in names), default=0)
+    """The token count every named group was prepared for, for some hidden size and dtype (0 if one was not)."""
+    per_group = [max((tokens for (name, _, _), tokens in _PREPARED.items() if name == wanted), default=0) for wanted in names]
+    return min(per_group, default=0)
 
 
 def plan_text(engine: str, group: EngineGroup, comm, hidden: int, dtype: torch.dtype, max_tokens: int) -> str:
