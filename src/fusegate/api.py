@@ -44,11 +44,15 @@ _SETTING_FIXES = {
 
 class Communicator:
     def __init__(
-        self, group=None, *, strategy: str = "auto", device=None, debug: bool | None = None, **options
+        self, group=None, *, strategy: str = "auto", device=None, debug: bool | None = None, cpu_group=None,
+        **options,
     ) -> None:
         """`device`: where the tensors live; default CUDA (current device) for NCCL groups, else CPU.
         Pass device="cuda" with a gloo group to run CUDA tensors over gloo, e.g. several ranks
-        sharing one GPU (NCCL refuses that). `options` reach every strategy (see each strategy)."""
+        sharing one GPU (NCCL refuses that). `cpu_group`: a gloo group of the same ranks in the same
+        order; construction's handshakes (group facts, table agreement) and debug checks then run
+        on it while the data moves over `group` (engines pass theirs, to keep object collectives
+        off NCCL). `options` reach every strategy (see each strategy)."""
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "Communicator: torch.distributed is not initialized; call "
@@ -57,6 +61,7 @@ class Communicator:
         from fusegate.probe import probe
 
         self.group = group if group is not None else dist.group.WORLD
+        self.cpu_group = cpu_group if cpu_group is not None else self.group
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         requested, problem = env.strategy_override() or strategy, ""
@@ -73,18 +78,18 @@ class Communicator:
         if device_type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("Communicator: device='cuda' but torch sees no CUDA GPU; use a gloo group with device='cpu'")
         # Collective, before any other: ranks that differ here would run different collectives.
-        agree_settings(self.group, "Communicator", {"strategy": requested, "debug": debug_on, "device": device_type},
+        agree_settings(self.cpu_group, "Communicator", {"strategy": requested, "debug": debug_on, "device": device_type},
                        problem, fixes=_SETTING_FIXES)
         self.requested = requested
         self.debug = debug_on
         self.options = options
         if self.debug:
-            host = goes_through_host(self.group, torch.device(device_type))
+            host = goes_through_host(self.cpu_group, torch.device(device_type))
             self._debug_device = torch.device("cpu") if host else torch.device("cuda", torch.cuda.current_device())
             self._debug_guard = PeerGuard("Communicator", self.rank, strategy_timeout_s(options, "Communicator"),
                                           bounded=host)
         self.caps = probe()
-        self.info = agree_group_info(self.group, self.caps, device_type=device_type)
+        self.info = agree_group_info(self.group, self.caps, device_type=device_type, handshake_group=self.cpu_group)
         self.device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
         self._instances: dict[str, Strategy] = {}
         self._choices: dict[tuple, Choice] = {}
@@ -92,7 +97,7 @@ class Communicator:
         # Collective: every rank loads its dispatch table and all agree on its digest, or all
         # use none (fusegate.tune.agree). Loaded once; `fusegate tune` output applies to new
         # Communicators.
-        self.table, self.table_note = agreed_table(self.group, self.info, self.caps)
+        self.table, self.table_note = agreed_table(self.cpu_group, self.info, self.caps)
 
     # ---- public ops -------------------------------------------------------------------------
 
@@ -240,7 +245,7 @@ class Communicator:
         mine = torch.tensor([ops.index(op), rows.shape[0], rows.shape[1], SUPPORTED_DTYPES.index(rows.dtype)],
                             dtype=torch.int64, device=self._debug_device)
         everyone = [torch.empty_like(mine) for _ in range(self.world_size)]
-        request = dist.all_gather(everyone, mine, group=self.group, async_op=True)
+        request = dist.all_gather(everyone, mine, group=self.cpu_group, async_op=True)
         self._debug_guard.wait([request], f"the other ranks (debug check before {op.value})")
         calls = [tuple(t.tolist()) for t in everyone]
         if any(c != calls[0] for c in calls):

@@ -4,8 +4,11 @@ FUSEGATE_STRATEGY   force one strategy for every Communicator (same as strategy=
                     must set the same value).
 FUSEGATE_DEBUG      "1": check before each collective that all ranks agree on shape and dtype.
 FUSEGATE_CACHE_DIR  where dispatch tables live (default: $XDG_CACHE_HOME/fusegate or ~/.cache/fusegate).
-FUSEGATE_TIMEOUT_S  bound on every device-side spin-wait and every gloo wait of the host strategies,
-                    seconds (default 5).
+FUSEGATE_TIMEOUT_S  seconds: bound on every device-side spin-wait (default 5) and every gloo wait
+                    of the host strategies (default 30 when unset; fusegate.backends.host_wait).
+FUSEGATE_ENGINES    serving engines in which fusegate takes the fused allreduce + residual + RMSNorm
+                    call: "sglang", "vllm", both comma-separated, or "all"; unset or "0": none
+                    (the engine plugins stay inert). Set it for the server and all its workers.
 FUSEGATE_STRATEGIES extra strategies to register, "name=package.module:Class,..." (plugins; spawned
                     ranks inherit the environment, so they see the same registry as the parent).
 """
@@ -57,3 +60,19 @@ def extra_strategies() -> dict[str, str]:
             )
         entries[name.strip()] = target.strip()
     return entries
+
+
+ENGINES = ("sglang", "vllm")
+
+
+def engines_enabled() -> frozenset[str]:
+    raw = os.environ.get("FUSEGATE_ENGINES", "").strip().lower()
+    if raw in ("", "0", "false", "none"):
+        return frozenset()
+    if raw in ("1", "true", "all"):
+        return frozenset(ENGINES)
+    names = {part.strip() for part in raw.split(",") if part.strip()}
+    unknown = sorted(names - set(ENGINES))
+    if unknown:
+        raise ValueError(f"FUSEGATE_ENGINES={raw!r}: unknown engine(s) {', '.join(unknown)}; use {', '.join(ENGINES)} or all")
+    return frozenset(names)

@@ -73,14 +73,24 @@ def device_type_of(group) -> str:
     return "cuda" if "nccl" in backend else "cpu"
 
 
-def agree_group_info(group, caps=None, *, device_type: str | None = None) -> GroupInfo:
+def agree_group_info(group, caps=None, *, device_type: str | None = None, handshake_group=None) -> GroupInfo:
     """Collective: the GroupInfo of `group`, identical on every rank.
 
     `device_type` defaults to "cuda" for NCCL groups and "cpu" otherwise; "cuda" with a gloo
-    group describes ranks that hold CUDA tensors but talk over gloo (e.g. sharing one GPU)."""
+    group describes ranks that hold CUDA tensors but talk over gloo (e.g. sharing one GPU).
+    `handshake_group` (default `group`): where the object collectives run, e.g. an engine's gloo
+    group of the same ranks; the facts (backend, devices) are still those of `group`."""
     world_size = dist.get_world_size(group)
     backend = str(dist.get_backend(group)).lower()
     device_type = device_type or device_type_of(group)
+    if handshake_group is None:
+        handshake_group = group
+    elif dist.get_process_group_ranks(handshake_group) != dist.get_process_group_ranks(group):
+        raise ValueError(
+            "Communicator: cpu_group has other ranks than group "
+            f"({dist.get_process_group_ranks(handshake_group)} vs {dist.get_process_group_ranks(group)}); "
+            "pass the CPU group created together with the device group"
+        )
     host = socket.gethostname()
     if device_type == "cuda":
         index = torch.cuda.current_device()
@@ -88,14 +98,14 @@ def agree_group_info(group, caps=None, *, device_type: str | None = None) -> Gro
     else:
         me = {"host": host, "device": "cpu", "index": -1}
     everyone: list = [None] * world_size
-    dist.all_gather_object(everyone, me, group=group)
+    dist.all_gather_object(everyone, me, group=handshake_group)
     hosts = {e["host"] for e in everyone}
     devices = tuple(e["device"] for e in everyone)
     peer_access = False
     native_atomics = False
     if device_type == "cuda" and len(hosts) == 1:
         rows: list = [None] * world_size
-        dist.all_gather_object(rows, _peer_row(me["index"], list(devices)), group=group)
+        dist.all_gather_object(rows, _peer_row(me["index"], list(devices)), group=handshake_group)
         peer_access = all(all(row) for row in rows)
         native_atomics = peer_access and _all_native_atomics(caps, [e["index"] for e in everyone])
     return GroupInfo(

@@ -98,7 +98,7 @@ def test_json_has_the_same_content_and_nothing_else_on_stdout(capsys, needs_cuda
     code = main(["doctor", "--json", "--world-size", "3", "--hidden", "4096", "--dtype", "float16"])
     report = json.loads(capsys.readouterr().out)  # fails if anything but the object is on stdout
     assert code == 0
-    assert set(report) == {"probe", "problem", "admission", "moe_runners", "fabric", "runtime_packages"}
+    assert set(report) == {"probe", "problem", "admission", "moe_runners", "engines", "fabric", "runtime_packages"}
     assert report["runtime_packages"]["numpy"]["installed"] is True
     assert report["probe"]["cpu"]["num_cores"] == os.cpu_count()
     assert report["problem"]["hidden"] == 4096 and report["problem"]["dtype"] == "float16"

@@ -147,6 +147,7 @@ def measure_section(caps):
 def build_report(args):
     """(Capabilities, report dict): the dict is exactly what --json prints."""
     from fusegate.backends import admission, strategy_names
+    from fusegate.integrations.doctor import engine_rows
     from fusegate.probe import probe
 
     op = _check_args(args)
@@ -164,6 +165,7 @@ def build_report(args):
         },
         "admission": {name: {"admitted": v.ok, "reason": v.reason} for name, v in verdicts.items()},
         "moe_runners": moe_runner_section(caps),
+        "engines": engine_rows(),
         "fabric": fabric,
         "runtime_packages": runtime_packages(),
     }
@@ -221,6 +223,9 @@ def render(caps, report: dict, console) -> None:
             add_row(table, row.get("name"), "admitted" if row.get("admitted") else "not admitted",
                     row.get("reason", ""), "yes" if row.get("chosen") else "no", row.get("why", ""))
         console.print(table)
+    from fusegate.integrations.doctor import engine_table
+
+    console.print(engine_table(report["engines"]))
     fabric = report["fabric"]
     if fabric is not None and not fabric["measured"]:
         line(f"Fabric not measured: {fabric['reason']}")
