@@ -242,16 +242,23 @@ def _absent_rank(rank, world_size, name, absent):
             try:
                 comm.check()
             except PeerTimeoutError as exc:
-                outcome = (exc.ranks, str(exc), bool(torch.isnan(normed).all()))
+                outcome = (exc.code, exc.ranks, str(exc), bool(torch.isnan(normed).all()))
         dist.barrier()
     return outcome  # leaving the with-block closed the Communicator on every rank
 
 
 @pytest.mark.parametrize("name", ["oneshot", "twoshot"])
 def test_absent_rank_times_out_with_its_name(name):
+    from fusegate.kernels.protocol import ERR_ABORTED, ERR_TIMEOUT
+
     results = run_ranks(_absent_rank, 3, args=(name, 2), env=ENV, timeout_s=300)
+    timed_out = {rank for rank in (0, 1) if results[rank][0] == ERR_TIMEOUT}
+    assert timed_out, "at least one survivor must report the absent rank itself"
     for rank in (0, 1):
-        ranks, message, all_nan = results[rank]
-        assert 2 in ranks and "rank(s)" in message, message
+        code, ranks, message, all_nan = results[rank]
+        if code == ERR_TIMEOUT:
+            assert 2 in ranks and rank not in ranks and "rank(s)" in message, message
+        else:  # told by a survivor that gave up first: it names that survivor
+            assert code == ERR_ABORTED and ranks and set(ranks) <= timed_out, message
         assert all_nan
     assert results[2] is None

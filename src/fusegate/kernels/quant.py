@@ -197,6 +197,9 @@ def quantize_row(
             scale = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
             if HAS_UB:
                 scale = tl.where(scale > scale_ub, scale_ub, scale)
+            # a NaN scale is the canonical quiet NaN (0x7FC00000), as the reference's: GPU division
+            # returns 0x7FFFFFFF, the interpreter the input's pattern
+            scale = tl.where(amax != amax, tl.full(amax.shape, 0x7FC00000, tl.int32).to(tl.float32, bitcast=True), scale)
             q2 = y2 * inverse(scale)[:, None]
             codes = tl.reshape(e4m3_code(q2, HW_CVT & 1), [BLOCK]).to(tl.uint8)
             tl.store(q_ptr + row.to(tl.int64) * q_row_stride + cols, codes, mask=mask)
