@@ -125,19 +125,8 @@ def _audit(spec: str, *, native: bool, overlay: dict | None, progress, only: set
     start = time.perf_counter()
     target = resolve_target(spec, native=native)
     overlay = {Path(k).resolve(): v for k, v in (overlay or {}).items()}
-    modules, roots = [], []
-    by_dir: dict = {}  # directory -> (package prefix, import root): one walk up per directory, not per file
-    for path in target.python_files:
-        if path.parent not in by_dir:
-            pkg, root = module_name_for(path.parent / "__init__.py")
-            by_dir[path.parent] = (pkg if (path.parent / "__init__.py").exists() else "", root if (path.parent / "__init__.py").exists() else path.parent.resolve())
-        pkg, root = by_dir[path.parent]
-        stem = "" if path.name == "__init__.py" else path.stem
-        name = ".".join(p for p in (pkg, stem) if p) or path.stem
-        modules.append((path, name))
-        if root not in roots:
-            roots.append(root)
-    resolver = Resolver(roots, overlay, within=target.root)
+    modules, roots = _module_names(target)
+    resolver = Resolver(roots, overlay, within=_context_root(target, modules, roots))
     findings, sites, hashes, skipped = [], {}, {}, []
     total = len(modules) + len(target.native_files)
     scanned = 0
@@ -151,7 +140,9 @@ def _audit(spec: str, *, native: bool, overlay: dict | None, progress, only: set
             scanned += 1
             if info is None:
                 skipped.append({"path": rel, "error": resolver.errors.get(path.resolve(), "unparsable")})
-            elif info.path.resolve() == path.resolve():
+            elif info.path.resolve() != path.resolve():  # never silently: a dropped file hides its gates
+                skipped.append({"path": rel, "error": f"module name {name} already names {info.path}"})
+            else:
                 hashes[rel] = sha256_bytes(text.encode("utf-8")) if path in overlay else sha256_bytes(path.read_bytes())
                 try:
                     scanner = ModuleScanner(resolver, name, rel)
@@ -182,6 +173,50 @@ def _audit(spec: str, *, native: bool, overlay: dict | None, progress, only: set
     return AuditResult(target, findings, hashes, skipped, scanned, time.perf_counter() - start, sites, resolver)
 
 
+def _module_names(target: Target) -> tuple[list, list]:
+    """[(path, dotted name)] of the target's Python files and their import roots; names are unique."""
+    modules, roots, taken = [], [], {}
+    by_dir: dict = {}  # directory -> (package prefix, import root): one walk up per directory, not per file
+    for path in target.python_files:
+        if path.parent not in by_dir:
+            name, root = module_name_for(path.parent / "__init__.py", lambda d=path.parent: _import_heads(d))
+            by_dir[path.parent] = ("" if root == path.parent.resolve() else name, root)
+        pkg, root = by_dir[path.parent]
+        stem = "" if path.name == "__init__.py" else path.stem
+        name = ".".join(p for p in (pkg, stem) if p) or path.stem
+        if taken.setdefault(name, path) != path:
+            # Two plain script directories with the same file name: the path from the target root tells them apart.
+            name = ".".join(path.relative_to(target.root).with_suffix("").parts)
+        modules.append((path, name))
+        if root not in roots:
+            roots.append(root)
+    return modules, roots
+
+
+def _import_heads(directory: Path) -> str:
+    """The first lines of a few of the directory's modules: where their absolute imports are."""
+    heads = []
+    for path in sorted(directory.glob("*.py"))[:5]:
+        try:
+            with open(path, "rb") as fh:
+                heads.append(fh.read(8192).decode("utf-8", errors="replace"))
+        except OSError:
+            continue
+    return "\n".join(heads)
+
+
+def _context_root(target: Target, modules: list, roots: list) -> Path:
+    """The tree whose modules a gate may depend on: the whole top-level package holding the target.
+
+    Auditing `srt/server_args.py` alone or inside the whole `sglang` tree must give the same
+    verdicts, so both resolve `from sglang.srt.utils import ...` in the same package."""
+    if len(roots) == 1 and modules:
+        top = roots[0] / modules[0][1].split(".")[0]
+        if top.is_dir() and target.root.resolve().is_relative_to(top.resolve()):
+            return top
+    return target.root
+
+
 def _segment(lines: list, node: ast.AST) -> str:
     """Source text of `node` (ast.get_source_segment re-splits the whole file on every call)."""
     first, last = node.lineno - 1, (node.end_lineno or node.lineno) - 1
@@ -197,7 +232,8 @@ def _collect(module_sites: list, rel: str, lines: list, findings: list, sites: d
     for site in module_sites:
         node = site.node
         normalized = ast.unparse(node)
-        key = f"{rel}\0{site.scope}\0{site.kind}\0{normalized}"
+        # The module's dotted name, not the path: auditing a file alone or in its tree gives one ID.
+        key = f"{site.module}\0{site.scope}\0{site.kind}\0{normalized}"
         # 8 hex digits (2**32 values) for a few thousand conditions per engine; a repeat in one file gets -2, -3.
         digest = hashlib.sha1(key.encode()).hexdigest()[:8]
         seen[digest] = seen.get(digest, 0) + 1

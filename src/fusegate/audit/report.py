@@ -37,6 +37,7 @@ def to_json(result, selected: list, arch: Arch, like: Arch | None) -> dict:
         "files_scanned": result.files_scanned,
         "seconds": round(result.seconds, 3),
         "skipped": result.skipped,
+        "note": result.target.note,
         "file_hashes": {f.path: result.file_hashes.get(f.path) for f in selected},
         "gates": [f.to_dict() for f in selected],
         "counts": _counts(result),
@@ -105,6 +106,8 @@ def print_table(result, selected: list, arch: Arch, like: Arch | None, *, consol
     console.print(f"scanned {result.files_scanned} files in {result.seconds:.2f} s; all architecture conditions: {counts or 'none'}")
     for skip in result.skipped:
         console.print(f"[yellow]skipped[/] {skip['path']}: {skip['error']}")
+    if result.target.note:
+        console.print(f"[yellow]note[/] {result.target.note}")
 
 
 def dumps(obj) -> str:

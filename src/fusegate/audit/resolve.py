@@ -33,6 +33,8 @@ ARCH_RE = re.compile(
     r"get_platform|current_platform|device_properties|^_?is_cuda",
     re.IGNORECASE,
 )
+# Directories without `__init__.py` between a module and its package (sglang 0.5.10: srt/models/).
+_NAMESPACE_DEPTH = 3
 # Inlining depth: a call site -> helper -> its one shared checker (sglang's partial) -> a getter.
 MAX_DEPTH = 4
 
@@ -57,14 +59,25 @@ class ModuleInfo:
         return "\n".join(self._lines[node.lineno - 1: getattr(node, "end_lineno", node.lineno)])
 
 
-def module_name_for(path: Path) -> tuple[str, Path]:
-    """(dotted module name, import root) of a .py file, walking up while `__init__.py` exists."""
+def module_name_for(path: Path, heads=None) -> tuple[str, Path]:
+    """(dotted module name, import root) of a .py file, walking up while `__init__.py` exists.
+
+    Above the first directory without `__init__.py`, an ancestor package that the module text
+    `heads()` imports absolutely (`from sglang.srt...`) is the top package, and the directories between are
+    namespace packages (PEP 420; sglang 0.5.10 ships `srt/` and `srt/models/` so): without this,
+    two `server_args.py` of one tree would both be called `server_args`."""
     path = path.resolve()
     parts = [] if path.name == "__init__.py" else [path.stem]
     parent = path.parent
     while (parent / "__init__.py").exists():
         parts.insert(0, parent.name)
         parent = parent.parent
+    ups = [up for up in parent.parents[:_NAMESPACE_DEPTH] if (up / "__init__.py").exists()]
+    text = heads() if heads is not None and ups else ""
+    for up in ups if text else ():
+        if re.search(rf"^\s*(?:from|import)\s+{re.escape(up.name)}\b", text, re.MULTILINE):
+            gap = path.parent.relative_to(up.parent).parts
+            return ".".join([*gap, *parts[-1:]] if path.name != "__init__.py" else gap), up.parent
     return ".".join(parts) or path.stem, parent
 
 

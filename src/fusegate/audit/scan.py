@@ -64,7 +64,8 @@ class ModuleScanner:
         self.module = module
         self.info = resolver.module(module)
         self.lines = self.info.source.splitlines() if self.info else []
-        self.is_test = classify.is_test_path(rel)
+        # Where the module sits in its package, not under TARGET: a test file audited alone is still a test.
+        self.is_test = classify.is_test_path(rel) or classify.is_test_path(module.replace(".", "/") + ".py")
         self.sites: list[Site] = []
         # Per-line text tests instead of AST walks: walking every expression of every statement
         # dominated the run time. Lines that may hold a ternary or a skip call, and lines that

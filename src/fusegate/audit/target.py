@@ -27,6 +27,7 @@ class Target:
     root: Path
     python_files: tuple
     native_files: tuple
+    note: str | None = None  # why nothing was scanned (a file that is neither Python nor native source)
 
 
 def _is_cmake(name: str) -> bool:
@@ -66,6 +67,8 @@ def resolve_target(spec: str, *, native: bool = True) -> Target:
     path = path.resolve()
     if path.is_file():
         is_native = path.suffix in NATIVE_SUFFIXES or _is_cmake(path.name)
+        if not is_native and path.suffix not in PY_SUFFIXES:
+            return Target(spec, path.parent, (), (), f"{path.name} is not a Python (.py) or C/C++/CUDA/CMake source; nothing to audit")
         return Target(spec, path.parent, () if is_native else (path,), (path,) if is_native and native else ())
     py, nat = [], []
     for dirpath, dirnames, filenames in os.walk(path):
