@@ -17,9 +17,10 @@ from dataclasses import dataclass
 
 from fusegate.audit import classify
 from fusegate.audit.arch import ArchBool, ArchNum
-from fusegate.audit.evaluate import Evaluator
+from fusegate.audit.evaluate import Evaluator, to_bool
 from fusegate.audit.resolve import ARCH_RE, Resolver
-from fusegate.audit.values import UNKNOWN, Obj
+from fusegate.audit.predicates import CAP_TUPLE
+from fusegate.audit.values import UNKNOWN, Const, Obj
 
 
 @dataclass
@@ -40,6 +41,7 @@ class Site:
     note: str | None = None
 
 
+_INIT_METHODS = ("__init__", "__post_init__", "setUp")
 _WORD_RE = re.compile(r"[A-Za-z_]\w*")
 # A ternary always spells `else`. No \b: leading anchors disable sre's literal-prefix scan (4x slower).
 _TERNARY_RE = re.compile(r"else|skip")
@@ -116,6 +118,7 @@ class ModuleScanner:
     def scan(self) -> list[Site]:
         if self.info is not None:
             self._block(self.info.tree.body, [], None, None, None)
+        self.sites.sort(key=lambda site: (site.node.lineno, site.node.col_offset))
         return self.sites
 
     # -- evaluation --------------------------------------------------------------------
@@ -134,6 +137,8 @@ class ModuleScanner:
             guards = guards()
         if category is None:
             category = self._category(scope, kind, stmt)
+            if category == "gate" and self._inverse(expr, polarity, local, attrs):
+                category = "inverse"
         note = None
         hint = classify.hardware_hint(self.lines, stmt.lineno, getattr(stmt, "end_lineno", stmt.lineno) if kind not in ("if", "elif") else expr.end_lineno)
         if hint:
@@ -161,6 +166,28 @@ class ModuleScanner:
                 return "log"
         return "gate"
 
+    def _inverse(self, expr, polarity, local, attrs) -> bool:
+        """An inverse gate: every architecture atom turns the feature *off* where it names an
+        architecture (`if is_sm120: x.use_pdl = False`, `return not _is_sm120`). A lower bound
+        (`if major < 9: raise`) is a requirement, not an inverse gate."""
+        from fusegate.audit.plan import atoms
+
+        seen = False
+        ev = Evaluator(self.resolver, self.module, local, attrs)
+        for atom, pol, _ in atoms(expr, polarity):
+            value = to_bool(ev.eval(atom))
+            if not value.depends_on_arch:
+                continue
+            if isinstance(atom, ast.Compare) and len(atom.ops) == 1 and isinstance(atom.ops[0], (ast.NotEq, ast.NotIn)):
+                pol, value = -pol, value.not_()
+            maybe = [v is not False for v in value.values]
+            if pol < 0 and maybe == sorted(maybe, reverse=True):
+                continue  # true on a prefix of the archs, oldest first: a minimum capability
+            if pol > 0:
+                return False
+            seen = True
+        return seen
+
     # -- statements --------------------------------------------------------------------
     def _block(self, body, scope, local, attrs, func):
         for stmt in body:
@@ -172,6 +199,11 @@ class ModuleScanner:
             if not self._may_hold_arch(stmt, attrs):
                 return
             inner = {a.arg: UNKNOWN for a in stmt.args.posonlyargs + stmt.args.args + stmt.args.kwonlyargs}
+            if classify.CAPABILITY_FUNC_RE.search(stmt.name):
+                # vLLM's `supports_compute_capability(cls, capability)`: the selector passes the device's.
+                for a in stmt.args.posonlyargs + stmt.args.args:
+                    if classify.CAPABILITY_PARAM_RE.fullmatch(a.arg):
+                        inner[a.arg] = CAP_TUPLE
             for extra in (stmt.args.vararg, stmt.args.kwarg):
                 if extra:
                     inner[extra.arg] = UNKNOWN
@@ -180,15 +212,20 @@ class ModuleScanner:
         if isinstance(stmt, ast.ClassDef):
             self._decorators(stmt, scope, local, attrs)
             class_attrs: dict = {}
-            self._block(stmt.body, scope + [stmt.name], class_attrs, class_attrs, None)
+            # `self.sm = get_device_sm()` in __init__ is visible to methods written above it.
+            first = [s for s in stmt.body if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef)) and s.name in _INIT_METHODS]
+            self._block(first + [s for s in stmt.body if s not in first], scope + [stmt.name], class_attrs, class_attrs, None)
             return
         self._expressions(stmt, scope, local, attrs)
         if isinstance(stmt, ast.If):
-            bail = classify.guard_kind(stmt.body)
+            bail = classify.guard_kind(stmt.body, stmt.test)
             if bail:
                 rest = f"rest of {'.'.join(scope) or 'module'}"
                 guards = f"{rest} (otherwise {'raises' if bail == 'raise' else 'returns early'})"
                 self._site(stmt.test, "guard", scope, local, attrs, stmt, guards=guards, polarity=-1)
+            elif classify.disables(stmt.body):
+                guards = lambda: f"what the branch turns off: {classify.effects(stmt.body)}"  # noqa: E731
+                self._site(stmt.test, kind, scope, local, attrs, stmt, guards=guards, polarity=-1)
             else:
                 self._site(stmt.test, kind, scope, local, attrs, stmt, guards=lambda: classify.effects(stmt.body))
             self._block(stmt.body, scope, local, attrs, func)
@@ -233,6 +270,10 @@ class ModuleScanner:
     def _assign(self, stmt, scope, local, attrs):
         targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
         guards = lambda: " = ".join(ast.unparse(t) for t in targets)  # noqa: E731
+        table = self._table_lookup(stmt.value, local, attrs)
+        if table is not None:
+            # `LIMITS.get(cap, {})`: no conditional at all, the gate is a missing key (gate-idioms.md 3.8).
+            self._site(stmt.value, "table", scope, local, attrs, stmt, guards=guards, value=table)
         value = self._site(stmt.value, "assign", scope, local, attrs, stmt, guards=guards)
         for target in targets:
             if isinstance(target, ast.Name) and local is not None:
@@ -244,6 +285,18 @@ class ModuleScanner:
                         local[elt.id] = part or UNKNOWN
             elif isinstance(target, ast.Attribute) and attrs is not None and isinstance(target.value, ast.Name) and target.value.id in ("self", "cls"):
                 attrs[target.attr] = value
+
+    def _table_lookup(self, expr, local, attrs) -> ArchBool | None:
+        """Whether the key of `TABLE.get(<capability>, default)` is in the constant table, per arch."""
+        if not (isinstance(expr, ast.Call) and isinstance(expr.func, ast.Attribute) and expr.func.attr == "get" and expr.args):
+            return None
+        if not self._mentions_arch(expr, local, attrs):
+            return None
+        ev = Evaluator(self.resolver, self.module, local, attrs)
+        table, key = ev.eval(expr.func.value), ev.eval(expr.args[0])
+        if not (isinstance(table, Const) and isinstance(table.value, dict) and isinstance(key, ArchNum)):
+            return None
+        return ArchBool(tuple((tuple(k) if isinstance(k, list) else k) in table.value for k in key.values))
 
     def _decorators(self, stmt, scope, local, attrs):
         for deco in stmt.decorator_list:
