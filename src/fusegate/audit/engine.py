@@ -62,6 +62,7 @@ class Finding:
     language: str = "python"
     report_only: bool = False
     note: str | None = None
+    requires: list = field(default_factory=list)  # hardware features the guarded code uses (hardware.py)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -245,7 +246,7 @@ def _collect(module_sites: list, rel: str, lines: list, findings: list, sites: d
             id=fid, path=rel, line=node.lineno, end_line=node.end_lineno or node.lineno, column=node.col_offset + 1,
             scope=site.scope, kind=site.kind, category=site.category, condition=" ".join(text.split()),
             guards=site.guards, values=values, enables=site.value.enabled_names(), confidence=_confidence(site),
-            note=site.note,
+            note=site.note, requires=list(site.requires),
         )
         findings.append(finding)
         sites[fid] = site

@@ -16,6 +16,7 @@ import difflib
 import libcst as cst
 from libcst.metadata import MetadataWrapper, PositionProvider
 
+from fusegate.audit.arch import ARCHS
 from fusegate.audit.plan import Plan
 
 
@@ -140,11 +141,20 @@ def unified_diff(path: str, old: str, new: str) -> str:
     return "".join(difflib.unified_diff(old.splitlines(True), new.splitlines(True), f"a/{path}", f"b/{path}"))
 
 
-def build_changes(result, findings: list, arch, like) -> tuple[dict, dict, list]:
-    """Plan and apply in memory: ({rel: (old, new)}, {gate id: Plan}, [(gate id, error)])."""
+HARM_MARK = "re-audits as"  # errors of edits that were proposed and then failed their re-evaluation
+
+
+def build_changes(result, findings: list, arch, like, *, force_hardware: bool = False) -> tuple[dict, dict, list]:
+    """Plan, apply in memory and re-audit: ({rel: (old, new)}, {gate id: Plan}, [(gate id, error)]).
+
+    Every proposed edit is re-evaluated in the patched text; a plan whose gate does not come out
+    true on `arch` with the value it has on its `--like`, or that changes the gate on another
+    architecture (other than `arch`'s own major family, which shares the literal), is dropped with
+    an error, and the rest is applied again, so the returned changes hold only edits that open
+    their gate as intended."""
     from fusegate.audit.plan import PatchError, Planner
 
-    planner = Planner(result, arch)
+    planner = Planner(result, arch, force_hardware=force_hardware)
     plans: dict = {}
     errors = []
     for finding in findings:
@@ -152,6 +162,19 @@ def build_changes(result, findings: list, arch, like) -> tuple[dict, dict, list]
             plans[finding.id] = planner.plan(finding, like)
         except PatchError as exc:
             errors.append((finding.id, str(exc)))
+    while True:
+        changes = _apply(result, plans)
+        if not changes:
+            return changes, plans, errors
+        bad = [row for row in verify(result, changes, findings, plans, arch) if row["harm"]]
+        if not bad:
+            return changes, plans, errors
+        for row in bad:
+            errors.append((row["id"], f"patch: gate {row['id']} ({row['path']}): the edit {HARM_MARK} {row['harm']}; refused, edit it by hand"))
+            del plans[row["id"]]
+
+
+def _apply(result, plans: dict) -> dict:
     by_file: dict = {}
     for plan in plans.values():
         by_file.setdefault(plan.path, []).append(plan)
@@ -166,7 +189,23 @@ def build_changes(result, findings: list, arch, like) -> tuple[dict, dict, list]
         except SyntaxError as exc:  # an edit must never produce unparsable code
             raise AssertionError(f"patch: the edit of {rel} does not parse ({exc})") from exc
         changes[rel] = (old, new)
-    return changes, plans, errors
+    return changes
+
+
+def harm(before, after, arch, like) -> str | None:
+    """Why the patched gate `after` is not `before` opened for `arch` like `like` (None: it is)."""
+    if after is None:
+        return "no longer an architecture condition"
+    want = before.values[like.name]
+    if after.values[arch.name] is False:
+        return f"still excluding {arch.name}"
+    if after.values[arch.name] != want:
+        return f"{after.values[arch.name]} on {arch.name} where {like.name} has {want}"
+    changed = [a.name for a in ARCHS if a.name != arch.name and after.values[a.name] != before.values[a.name]
+               and not (a.major == arch.major and after.values[a.name] == want)]
+    if changed:
+        return f"changing the gate on {', '.join(changed)} too"
+    return None
 
 
 def verify(result, changes: dict, findings: list, plans: dict, arch, *, from_disk: bool = False) -> list:
@@ -188,5 +227,6 @@ def verify(result, changes: dict, findings: list, plans: dict, arch, *, from_dis
             "id": finding.id, "path": finding.path, "new_id": best.id if best else None, "line": best.line if best else None,
             "condition": best.condition if best else None, "enables": best.enables if best else [],
             "includes_arch": bool(best and best.values[arch.name] is not False), "like": plan.like.name,
+            "harm": harm(finding, best, arch, plan.like),
         })
     return rows

@@ -15,12 +15,12 @@ import ast
 import re
 from dataclasses import dataclass
 
-from fusegate.audit import classify
+from fusegate.audit import classify, hardware
 from fusegate.audit.arch import ArchBool, ArchNum
 from fusegate.audit.evaluate import Evaluator, to_bool
 from fusegate.audit.resolve import ARCH_RE, Resolver
 from fusegate.audit.predicates import CAP_TUPLE
-from fusegate.audit.values import UNKNOWN, Const, Obj
+from fusegate.audit.values import UNKNOWN, Const, Obj, UserFunc
 
 
 @dataclass
@@ -39,8 +39,12 @@ class Site:
     local: dict | None
     attrs: dict | None
     note: str | None = None
+    requires: tuple = ()  # hardware features the guarded code uses (hardware.py)
 
 
+_CALL_RE = re.compile(r"(?<![.\w])([A-Za-z_]\w*)\s*\(")
+_BUILTIN_NAMES = frozenset(dir(__builtins__) if isinstance(__builtins__, dict) else dir(__builtins__))
+_MAX_CALLED = 8  # called functions read per site: the direct callees are where a kernel is compiled or launched
 _INIT_METHODS = ("__init__", "__post_init__", "setUp")
 _WORD_RE = re.compile(r"[A-Za-z_]\w*")
 # A ternary always spells `else`. No \b: leading anchors disable sre's literal-prefix scan (4x slower).
@@ -81,6 +85,8 @@ class ModuleScanner:
         self._expr_sorted = sorted(self._expr_lines)
         self._arch_sorted = sorted(self._arch_lines)
         self._arch_globals: set | None = None
+        self._funcs: list = []  # enclosing defs, innermost last
+        self._decorated = None  # the def whose decorators are being read
 
     def _globals(self) -> set:
         """Module-level names bound by assignment to an architecture value."""
@@ -143,11 +149,34 @@ class ModuleScanner:
         hint = classify.hardware_hint(self.lines, stmt.lineno, getattr(stmt, "end_lineno", stmt.lineno) if kind not in ("if", "elif") else expr.end_lineno)
         if hint:
             note = f"nearby text cites {hint!r}: the exclusion may be intentional"
+        requires = tuple(hardware.needed(self._guarded_text(kind, stmt))) if category == "gate" else ()
         self.sites.append(Site(
             self.module, expr, kind, ".".join(scope) or "<module>", gate_value, category, guards, polarity, stmt,
-            dict(local) if local is not None else None, dict(attrs) if attrs is not None else None, note,
+            dict(local) if local is not None else None, dict(attrs) if attrs is not None else None, note, requires,
         ))
         return value
+
+    def _guarded_text(self, kind: str, stmt) -> str:
+        """The code a site guards, and the bodies of the target functions that code calls (one level)."""
+        if kind in ("if", "elif", "while") and isinstance(stmt, (ast.If, ast.While)):
+            first, last = stmt.body[0].lineno, stmt.body[-1].end_lineno
+        elif kind == "guard" and self._funcs:
+            first, last = stmt.end_lineno + 1, self._funcs[-1].end_lineno
+        elif kind == "decorator" and self._decorated is not None:
+            first, last = self._decorated.lineno, self._decorated.end_lineno
+        else:
+            first, last = stmt.lineno, getattr(stmt, "end_lineno", stmt.lineno)
+        text = "\n".join(self.lines[first - 1: last])
+        called = []
+        for name in dict.fromkeys(_CALL_RE.findall(text)):
+            value = self.resolver.global_value(self.module, name) if name not in _BUILTIN_NAMES else None
+            if isinstance(value, UserFunc):
+                owner = self.resolver.module(value.module)
+                if owner is not None:
+                    called.append(owner.text_of(value.node))
+            if len(called) >= _MAX_CALLED:
+                break
+        return "\n".join([text, *called])
 
     def _category(self, scope, kind, stmt) -> str:
         if self.is_test:
@@ -207,7 +236,9 @@ class ModuleScanner:
             for extra in (stmt.args.vararg, stmt.args.kwarg):
                 if extra:
                     inner[extra.arg] = UNKNOWN
+            self._funcs.append(stmt)
             self._block(stmt.body, scope + [stmt.name], inner, attrs, stmt.name)
+            self._funcs.pop()
             return
         if isinstance(stmt, ast.ClassDef):
             self._decorators(stmt, scope, local, attrs)
@@ -299,6 +330,7 @@ class ModuleScanner:
         return ArchBool(tuple((tuple(k) if isinstance(k, list) else k) in table.value for k in key.values))
 
     def _decorators(self, stmt, scope, local, attrs):
+        self._decorated = stmt
         for deco in stmt.decorator_list:
             if not isinstance(deco, ast.Call):
                 continue

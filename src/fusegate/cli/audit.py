@@ -29,6 +29,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--apply", action="store_true", help="write the edit (atomically, with backups and a manifest)")
     p.add_argument("--audit-json", metavar="FILE", help="refuse files whose hash differs from this earlier `audit --json` output")
     p.add_argument("--state-dir", metavar="DIR", help="where backups and the manifest go (default ~/.cache/fusegate/patches)")
+    p.add_argument("--force-hardware", action="store_true", help="also patch hardware gates (guarded code needs what --arch lacks); warns")
     p.set_defaults(run=run_patch)
 
     p = subparsers.add_parser("revert", help="restore the files a `fusegate patch --apply` changed, byte for byte")
@@ -93,7 +94,8 @@ def run_audit(args) -> int:
 
 def run_patch(args) -> int:
     from fusegate.audit import manifest, report
-    from fusegate.audit.patch import build_changes, unified_diff, verify
+    from fusegate.audit.hardware import hardware_needs
+    from fusegate.audit.patch import HARM_MARK, build_changes, unified_diff, verify
 
     arch, like = _archs(args)
     result = _run_audit(args, native=False)
@@ -103,9 +105,13 @@ def run_patch(args) -> int:
         unknown = [i for i in args.only if i not in known]
         if unknown:
             raise UsageError(f"--only: no gate with ID {', '.join(unknown)} in {result.target.root}; run `fusegate audit` for the IDs")
-        candidates = [known[i] for i in args.only]
-    candidates = [f for f in candidates if not f.report_only and f.category == "gate"]
-    changes, plans, errors = build_changes(result, candidates, arch, like)
+        candidates = [known[i] for i in args.only]  # an inverse gate or non-gate asked for by ID is refused with its reason
+    else:
+        candidates = [f for f in candidates if not f.report_only and f.category == "gate"]
+    changes, plans, errors = build_changes(result, candidates, arch, like, force_hardware=args.force_hardware)
+    forced = [(f.id, hardware_needs(f, arch)) for f in candidates if f.id in plans and hardware_needs(f, arch)]
+    for gid, needs in forced:
+        print(f"# warning: {gid} is a hardware gate (guarded code needs {needs}, which {arch.name} lacks); patched because of --force-hardware", file=sys.stderr)
     expected = dict(result.file_hashes)
     if args.audit_json:
         earlier = json.loads(Path(args.audit_json).read_text()).get("file_hashes", {})
@@ -114,7 +120,13 @@ def run_patch(args) -> int:
             raise UsageError(f"patch: {', '.join(stale)} changed since the audit in {args.audit_json}; audit again")
     checks = verify(result, changes, candidates, plans, arch) if changes else []
     written = None
-    if args.apply and changes:
+    harmful = [gid for gid, err in errors if HARM_MARK in err] + [row["id"] for row in checks if row["harm"]]
+    refused = args.apply and bool(harmful)
+    if refused:
+        # An edit that re-audits as still excluding (or as changing other architectures) is never written, nor any other.
+        print(f"# patch --apply refused, nothing written: the edit of {', '.join(harmful)} does not open it safely"
+              + (f"; apply the others with --only {' '.join(sorted(plans))}" if plans else ""), file=sys.stderr)
+    elif args.apply and changes:
         meta = {"arch": arch.name, "like": like.name if like else None, "gates": sorted(plans)}
         try:
             written = manifest.apply(result.target.root, {rel: new for rel, (_, new) in changes.items()}, expected, meta, state_dir=args.state_dir)
@@ -123,7 +135,8 @@ def run_patch(args) -> int:
         checks = verify(result, changes, candidates, plans, arch, from_disk=True)
     if args.json:
         print(report.dumps({
-            "target": str(result.target.root), "arch": arch.name, "applied": bool(written), "manifest": str(written) if written else None,
+            "target": str(result.target.root), "arch": arch.name, "applied": bool(written), "refused": refused,
+            "manifest": str(written) if written else None,
             "diff": {rel: unified_diff(rel, old, new) for rel, (old, new) in changes.items()},
             "gates": checks, "errors": [{"id": i, "error": e} for i, e in errors],
         }))
@@ -139,6 +152,10 @@ def run_patch(args) -> int:
             print(f"# applied; manifest {written}; undo with `fusegate revert {result.target.root}`", file=sys.stderr)
         elif not candidates:
             print(f"# no gate false on {arch.name} to patch", file=sys.stderr)
+    if refused:
+        return EXIT_NEGATIVE
+    if written:
+        return EXIT_OK  # gates refused with a reason (hardware, inverse, unpatchable) are reported, not a failed apply
     if errors or any(not row["includes_arch"] for row in checks):
         return EXIT_NEGATIVE
     return EXIT_OK
