@@ -93,6 +93,11 @@ class AuditResult:
         return out
 
 
+    def inverse(self, arch: Arch) -> list:
+        """Inverse gates off on `arch`: features turned off there on purpose (never patched)."""
+        return [f for f in self.findings if f.category == "inverse" and f.values[arch.name] is False]
+
+
 def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 

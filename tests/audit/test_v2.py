@@ -1,0 +1,188 @@
+"""Audit v2 idioms, inverse gates, hardware exclusions, patches that cannot harm, file/tree agreement.
+
+Expected sets are written from each idiom's documented meaning (gate-idioms.md), independently of
+the evaluator.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fusegate.audit import patch as patch_mod
+from fusegate.audit.arch import ARCHS, parse_arch
+from fusegate.audit.engine import audit
+from fusegate.audit.hardware import gate_class
+from fusegate.cli.main import main
+
+from .test_patch import run, snapshot
+
+FIXTURES = Path(__file__).parent / "fixtures"
+SM120, SM100 = parse_arch("sm120"), parse_arch("sm100")
+
+
+def names(pred):
+    return [a.name for a in ARCHS if pred(a)]
+
+
+@pytest.fixture(scope="module")
+def result():
+    return audit(str(FIXTURES / "fakeengine"))
+
+
+def find(result, path, part):
+    hits = [f for f in result.findings if f.path == path and part in f.condition]
+    assert len(hits) == 1, [(f.line, f.condition) for f in result.findings if f.path == path]
+    return hits[0]
+
+
+V2 = [
+    ("sm == 90 or 100 <= sm < 110", "if", names(lambda a: a.cc_int == 90 or 100 <= a.cc_int < 110)),
+    ("sm in (90, 100, 103, 120)", "assign", ["sm90", "sm100", "sm103", "sm120"]),  # `sm = sm or get_device_sm()`
+    ("self.sm_version >= 100", "if", ["sm100", "sm103"]),  # attribute set in __init__, below the method
+    ("capability.major in (9, 10)", "return", names(lambda a: a.major in (9, 10))),  # supports_compute_capability(cls, capability)
+    ("capability >= (10, 0) and capability < (11, 0)", "return", names(lambda a: a.major == 10)),
+    ("cap in SUPPORTED_CAPS", "if", ["sm90", "sm100", "sm103"]),
+    ("ONE_SHOT_MAX_MB.get(", "table", ["sm90", "sm100", "sm103"]),  # the gate is a missing key
+    ("in _SUPPORTED_PAIRS", "return", ["sm90", "sm100"]),
+    ('not _match_sm_version(device, ["100", "103"])', "guard", ["sm100", "sm103"]),
+    ("not (current_platform.is_device_capability_family(100)", "guard", names(lambda a: a.major == 10 or a.cc_int == 90)),
+    ("not get_platform().is_sm100", "guard", names(lambda a: a.major == 10)),
+    ("(major, minor) != (9, 0)", "guard", ["sm90"]),
+    ("get_platform().is_sm100 or get_platform().is_sm120", "return", names(lambda a: a.major in (10, 12))),
+    ("sm in (100, 103, 120, 121)", "return", ["sm100", "sm103", "sm120", "sm121"]),
+]
+
+
+@pytest.mark.parametrize("part,kind,expected", V2, ids=[c[0][:30] for c in V2])
+def test_v2_idiom(result, part, kind, expected):
+    f = find(result, "v2/idioms.py", part)
+    assert (f.kind, f.category, f.enables) == (kind, "gate", expected)
+
+
+INVERSE = [
+    # (fragment, kind, category, where the feature is on)
+    ("get_platform().is_sm120", "if", "inverse", names(lambda a: a.major != 12)),  # config.use_pdl = False on SM12x
+    ("cap != (12, 0)", "guard", "gate", ["sm120"]),  # return "device is not SM120": the SM120 kernel
+    ("major not in (8, 12)", "if", "gate", names(lambda a: a.major in (8, 12))),  # unsupported.append(...)
+    ("get_device_sm() // 10 == 12", "if", "inverse", names(lambda a: a.major != 12)),  # options["disable_..."] = True
+]
+
+
+@pytest.mark.parametrize("part,kind,category,expected", INVERSE, ids=[c[0][:30] for c in INVERSE])
+def test_inverse_gates(result, part, kind, category, expected):
+    f = find(result, "v2/inverse.py", part)
+    assert (f.kind, f.category, f.enables) == (kind, category, expected)
+    assert f not in result.selected(SM120)  # an inverse gate or an SM120-only path is not a gate excluding SM120
+
+
+def test_inverse_gate_is_listed_apart_and_never_opened(capsys, engine, result):
+    f = find(result, "v2/inverse.py", "get_platform().is_sm120")
+    assert f in result.inverse(SM120)
+    code, out, err = run(capsys, "patch", str(engine), "--arch", "sm120", "--like", "sm100", "--only", f.id, "--json")
+    data = json.loads(out)
+    assert code == 1 and not data["diff"] and "inverse gate" in data["errors"][0]["error"]
+
+
+def test_hardware_gates_refused_unless_forced(capsys, engine, result):
+    tcgen05 = find(result, "v2/hardware.py", "[0] == 10")
+    policy = next(f for f in result.findings if f.scope == "policy_default_backend")
+    assert gate_class(tcgen05, SM120)[0] == "hardware" and gate_class(tcgen05, SM100)[0] == "policy"
+    assert "sm_100a" in tcgen05.requires and gate_class(policy, SM120)[0] == "policy"
+    code, out, _ = run(capsys, "patch", str(engine), "--arch", "sm120", "--like", "sm100", "--only", tcgen05.id, "--json")
+    assert code == 1 and "hardware exclusion" in json.loads(out)["errors"][0]["error"]
+    code, out, err = run(capsys, "patch", str(engine), "--arch", "sm120", "--like", "sm100", "--only", tcgen05.id, "--force-hardware", "--json")
+    assert code == 0 and json.loads(out)["diff"] and "warning" in err and "hardware gate" in err
+
+
+def test_every_proposed_edit_reaudits_open_and_type_consistent(capsys, engine):
+    code, out, _ = run(capsys, "patch", str(engine), "--arch", "sm120", "--like", "sm100", "--json")
+    data = json.loads(out)
+    assert data["gates"] and all(g["includes_arch"] and g["harm"] is None for g in data["gates"])
+    added = [line[1:].strip() for d in data["diff"].values() for line in d.splitlines() if line.startswith("+") and not line.startswith("+++")]
+    assert "if cap in SUPPORTED_CAPS or cap == 120:" in added  # an int SM compared with an int
+    assert "return capability.major in (9, 10, 12)" in added  # a major with a major
+    assert 'if not _match_sm_version(device, ["100", "103", "120"]):' in added  # the list in its own spelling
+    assert not [line for line in added if "(12, 0)" in line and ("major" in line or "sm ==" in line)]
+
+
+def test_harm_rule():
+    class F:
+        def __init__(self, **values):
+            self.values = {a.name: values.get(a.name, False) for a in ARCHS}
+
+    before = F(sm100=True, sm103=True)
+    assert patch_mod.harm(before, F(sm100=True, sm103=True, sm120=True, sm121=True), SM120, SM100) is None
+    assert "still excluding" in patch_mod.harm(before, F(sm100=True, sm103=True), SM120, SM100)
+    # `cap != (12, 0) or cap == (12, 0)`: true everywhere is not "opened like sm100"
+    assert "sm80" in patch_mod.harm(before, F(**{a.name: True for a in ARCHS}), SM120, SM100)
+
+
+def test_apply_refuses_an_edit_that_reaudits_as_excluding(capsys, engine, state_dir, monkeypatch, result):
+    gid = find(result, "v2/idioms.py", "cap in SUPPORTED_CAPS").id
+    before = snapshot(engine)
+    real = patch_mod.verify
+
+    def still_excluding(*args, **kwargs):
+        rows = real(*args, **kwargs)
+        return [{**r, "includes_arch": False, "harm": "still excluding sm120"} for r in rows]
+
+    monkeypatch.setattr(patch_mod, "verify", still_excluding)
+    code, _, err = run(capsys, "patch", str(engine), "--arch", "sm120", "--like", "sm100", "--only", gid, "--apply", "--state-dir", str(state_dir))
+    assert code == 1 and "nothing written" in err
+    assert snapshot(engine) == before and not (state_dir.exists() and any(state_dir.rglob("manifest.json")))
+
+
+def test_whole_tree_apply_then_revert_exit_zero(capsys, engine, state_dir):
+    before = snapshot(engine)
+    code, _, err = run(capsys, "patch", str(engine), "--arch", "sm120", "--like", "sm100", "--apply", "--state-dir", str(state_dir))
+    assert code == 0, err  # refused gates are reported; the apply itself succeeded
+    assert snapshot(engine) != before
+    assert run(capsys, "revert", str(engine), "--state-dir", str(state_dir))[0] == 0
+    assert snapshot(engine) == before
+
+
+def test_cpp_runtime_capability_comparisons(result):
+    f = find(result, "csrc/runtime_caps.cpp", "sm >= 100 && sm < 120")
+    assert f.report_only and f.kind == "runtime-cpp" and f.enables == names(lambda a: 100 <= a.cc_int < 120)
+    assert find(result, "csrc/runtime_caps.cpp", "cap == 90").enables == ["sm90"]
+
+
+def test_non_source_file_says_so(capsys, tmp_path):
+    notes = tmp_path / "NOTES.txt"
+    notes.write_text("if is_sm100_supported(): pass\n")
+    code, out, _ = run(capsys, "audit", str(notes), "--arch", "sm120", "--json")
+    data = json.loads(out)
+    assert code == 0 and data["gates"] == [] and "not a Python" in data["note"]
+    code, out, _ = run(capsys, "audit", str(notes), "--arch", "sm120")
+    assert code == 0 and "not a Python" in out
+
+
+def test_single_file_and_tree_agree_on_every_file(result):
+    tree: dict = {}
+    for f in result.findings:
+        if not f.report_only:
+            tree.setdefault(f.path, []).append((f.id, f.line, f.kind, f.category, f.enables))
+    for rel, expected in tree.items():
+        alone = audit(str(FIXTURES / "fakeengine" / rel), native=False)
+        assert [(f.id, f.line, f.kind, f.category, f.enables) for f in alone.findings] == expected, rel
+
+
+def test_namespace_packages_are_named_apart(tmp_path):
+    # sglang 0.5.10: srt/ and multimodal_gen/runtime/ lack __init__.py and both hold server_args.py.
+    root = tmp_path / "eng"
+    for sub in ("srt", "mm/runtime"):
+        (root / sub).mkdir(parents=True)
+        (root / sub / "server_args.py").write_text(
+            "from eng.utils import is_sm100_supported\n\n\ndef pick():\n    if is_sm100_supported():\n        return 'fast'\n    return 'slow'\n"
+        )
+    (root / "__init__.py").write_text("")
+    (root / "mm" / "__init__.py").write_text("")
+    (root / "utils.py").write_text("import torch\n\n\ndef is_sm100_supported():\n    return torch.cuda.get_device_capability()[0] == 10\n")
+    tree = audit(str(root))
+    gates = [f.path for f in tree.findings if f.category == "gate"]
+    assert sorted(gates) == ["mm/runtime/server_args.py", "srt/server_args.py"] and not tree.skipped
+    alone = audit(str(root / "srt" / "server_args.py"))
+    assert [(f.id, f.enables) for f in alone.findings] == [(f.id, f.enables) for f in tree.findings if f.path == "srt/server_args.py"]
