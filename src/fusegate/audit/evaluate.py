@@ -204,7 +204,7 @@ class Evaluator:
 
     def _BoolOp(self, node):
         items = [self.eval(v) for v in node.values]
-        if isinstance(node.op, ast.Or) and isinstance(items[-1], ArchNum) and all(i is UNKNOWN for i in items[:-1]):
+        if isinstance(node.op, ast.Or) and isinstance(items[-1], ArchNum) and all(i is UNKNOWN or isinstance(i, External) for i in items[:-1]):
             # `sm = sm or get_device_sm()`: a caller's value when given, otherwise the device's.
             return items[-1]
         result = to_bool(items[0])

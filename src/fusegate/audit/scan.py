@@ -372,6 +372,8 @@ class ModuleScanner:
         if isinstance(node, ast.IfExp):
             guards = lambda: f"{ast.unparse(node.body)[:40]} (else {ast.unparse(node.orelse)[:40]})"  # noqa: E731
             category = "message" if in_message or isinstance(stmt, ast.Raise) else None
+            if any(classify.call_name(b) in classify.SKIP_CALLS for b in (node.body, node.orelse) if isinstance(b, ast.Call)):
+                category = "test-skip"  # `pytest.skip(...) if not family(100) else None`
             self._site(node.test, "ternary", scope, local, attrs, node, guards=guards, category=category)
         for child in ast.iter_child_nodes(node):
             if not isinstance(child, (ast.Lambda,)):
