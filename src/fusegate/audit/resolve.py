@@ -33,8 +33,8 @@ ARCH_RE = re.compile(
     r"get_platform|current_platform|device_properties|^_?is_cuda",
     re.IGNORECASE,
 )
-# Directories without `__init__.py` between a module and its package (sglang 0.5.10: srt/models/).
-_NAMESPACE_DEPTH = 3
+# How far above a namespace directory its top package may be (sglang 0.5.23: kernels/ops/attention/minimax_sparse/decode/ is 5 below sglang/).
+_NAMESPACE_DEPTH = 8
 # Inlining depth: a call site -> helper -> its one shared checker (sglang's partial) -> a getter.
 MAX_DEPTH = 4
 
