@@ -42,6 +42,12 @@ def _match_sm_version(device, sm_versions):
     return f"{major}{minor}" in sm_versions
 
 
+def get_device_arch():
+    major, minor = torch.cuda.get_device_capability()
+    suffix = "a" if major >= 9 else ""
+    return f"{major * 10 + minor}{suffix}"
+
+
 _SUPPORTED_CAPABILITIES = (90, 100)
 QWEN4_EXP_GEMM_PLANS_BY_CAPABILITY = {90: {"m": 1}, 100: {"m": 2}}
 _FI_ALLREDUCE_ONE_SHOT_MAX_SIZES_MB = {90: 4, 100: 8, 103: 8}
@@ -88,6 +94,10 @@ def _python_module(cases: list) -> str:
         if param:  # a backend's supports_compute_capability(cls, capability)
             lines += [f"class Backend{i}:", "    @classmethod", f"    def supports_compute_capability(cls, {param}):"]
             indent = "        "
+        elif case.code.startswith("@params "):  # a function whose parameters carry the capability
+            params, _, case.code = case.code.partition("\n")
+            lines.append(f"def case_{i}({params.removeprefix('@params ')}):")
+            indent = "    "
         else:
             lines.append(f"def case_{i}(device, self=None):")
             indent = "    "

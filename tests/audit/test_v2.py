@@ -53,6 +53,10 @@ V2 = [
     ("(major, minor) != (9, 0)", "guard", ["sm90"]),
     ("get_platform().is_sm100 or get_platform().is_sm120", "return", names(lambda a: a.major in (10, 12))),
     ("sm in (100, 103, 120, 121)", "return", ["sm100", "sm103", "sm120", "sm121"]),
+    # parameters named as the device's capability (FlashInfer's _compile_hca_kernel, green_ctx)
+    ("compute_capability not in ((10, 0), (10, 3))", "guard", ["sm100", "sm103"]),
+    ("major >= 10", "if", names(lambda a: a.major >= 10)),
+    ('get_device_arch() == "90a"', "if", ["sm90"]),  # f"{major * 10 + minor}{suffix}" with a ternary suffix
 ]
 
 

@@ -21,6 +21,10 @@ PRED_NAME_RE = re.compile(
 # Functions whose capability parameter is the device's (vLLM attention backends' classmethod).
 CAPABILITY_FUNC_RE = re.compile(r"supports?_(compute_)?capabilit|is_supported_capabilit|capability_supported")
 CAPABILITY_PARAM_RE = re.compile(r"(device_|compute_)?capability|cap|cc")
+# Parameter names that are the device's capability in any function (FlashInfer, vLLM) ...
+CAPABILITY_PARAMS = frozenset({"compute_capability", "device_capability", "capability", "cuda_capability"})
+# ... and its integer form (major*10+minor).
+SM_INT_PARAMS = frozenset({"sm_version", "device_sm", "sm_arch"})
 # Flag names spelled after an architecture (cached predicates).
 FLAG_NAME_RE = re.compile(r"(^|_)(sm_?\d{2,3}[af]?|sm\d+x|blackwell|hopper|ampere)(_|$)|^_?is_sm", re.IGNORECASE)
 LOG_CALLS = {

@@ -62,6 +62,9 @@ def ite(test: ArchBool, a, b):
         return b
     if a == b:
         return a
+    if isinstance(a, Const) and isinstance(b, Const) and None not in test.values and not isinstance(a.value, bool) and not isinstance(b.value, bool):
+        # `"a" if major >= 9 else ""`: a value per architecture, e.g. for f"{sm}{suffix}" == "90a"
+        return ArchNum(tuple(a.value if t else b.value for t in test.values))
     if isinstance(a, (ArchBool, Const)) and isinstance(b, (ArchBool, Const)):
         return test.and_(to_bool(a)).or_(test.not_().and_(to_bool(b)))
     return UNKNOWN

@@ -30,7 +30,7 @@ from fusegate.audit.values import UNKNOWN, Const, External, ModuleRef, Obj, Seed
 # Identifiers that may carry an architecture meaning; from the idioms in research/gate-idioms.md.
 ARCH_RE = re.compile(
     r"sm_?\d{2,3}|sm\d+x|blackwell|hopper|ampere|capabilit|device_sm|sm_version|cuda_arch|"
-    r"get_platform|current_platform|device_properties|^_?is_cuda",
+    r"get_platform|current_platform|device_properties|^_?is_cuda|device_arch|gpu_arch|arch_major|arch_number|arch_code",
     re.IGNORECASE,
 )
 # How far above a namespace directory its top package may be (sglang 0.5.23: kernels/ops/attention/minimax_sparse/decode/ is 5 below sglang/).

@@ -19,7 +19,7 @@ from fusegate.audit import classify, hardware
 from fusegate.audit.arch import ArchBool, ArchNum
 from fusegate.audit.evaluate import Evaluator, to_bool
 from fusegate.audit.resolve import ARCH_RE, Resolver
-from fusegate.audit.predicates import CAP_TUPLE
+from fusegate.audit.predicates import CAP_ANY, CAP_INT, CAP_MAJOR, CAP_TUPLE
 from fusegate.audit.values import UNKNOWN, Const, Obj, UserFunc
 
 
@@ -53,6 +53,25 @@ _TERNARY_RE = re.compile(r"else|skip")
 # Matched against the lower-cased source, without anchors: a case-insensitive or anchored
 # alternation was 5x slower (over-approximation is fine here; the AST decides).
 _ARCH_TEXT_RE = re.compile(ARCH_RE.pattern.replace("^_?", "").lower())
+
+
+def _capability_params(func) -> dict:
+    """Parameters that carry the device's capability, by their names (the caller passes the device's):
+    vLLM's `supports_compute_capability(cls, capability)`, FlashInfer's `_compile_kernel(...,
+    compute_capability)`, `(major, minor)` pairs, `sm_version`, `arch_major`."""
+    params = [a.arg for a in func.args.posonlyargs + func.args.args + func.args.kwonlyargs]
+    out = {}
+    capability_func = bool(classify.CAPABILITY_FUNC_RE.search(func.name))
+    for name in params:
+        if name in classify.CAPABILITY_PARAMS or capability_func and classify.CAPABILITY_PARAM_RE.fullmatch(name):
+            out[name] = CAP_ANY
+        elif name in classify.SM_INT_PARAMS:
+            out[name] = CAP_INT
+        elif name == "arch_major":
+            out[name] = CAP_MAJOR
+    if "major" in params and "minor" in params:
+        out["major"], out["minor"] = CAP_MAJOR, CAP_TUPLE.map(lambda v: v[1])
+    return out
 
 
 def _match_lines(pattern: re.Pattern, source: str, starts: list) -> set:
@@ -225,14 +244,11 @@ class ModuleScanner:
     def _stmt(self, stmt, scope, local, attrs, func, kind="if"):
         if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)):
             self._decorators(stmt, scope, local, attrs)
-            if not self._may_hold_arch(stmt, attrs):
+            params = _capability_params(stmt)
+            if not params and not self._may_hold_arch(stmt, attrs):
                 return
             inner = {a.arg: UNKNOWN for a in stmt.args.posonlyargs + stmt.args.args + stmt.args.kwonlyargs}
-            if classify.CAPABILITY_FUNC_RE.search(stmt.name):
-                # vLLM's `supports_compute_capability(cls, capability)`: the selector passes the device's.
-                for a in stmt.args.posonlyargs + stmt.args.args:
-                    if classify.CAPABILITY_PARAM_RE.fullmatch(a.arg):
-                        inner[a.arg] = CAP_TUPLE
+            inner.update(params)
             for extra in (stmt.args.vararg, stmt.args.kwarg):
                 if extra:
                     inner[extra.arg] = UNKNOWN
