@@ -24,6 +24,7 @@ from pathlib import Path
 
 from fusegate.audit.arch import ArchBool, ArchNum
 from fusegate.audit.evaluate import Evaluator, ite, seed_for, to_bool
+from fusegate.audit.parse import parse_selected
 from fusegate.audit.predicates import ALWAYS, sglang_fact
 from fusegate.audit.values import UNKNOWN, Const, External, ModuleRef, Obj, SeedFn, UserFunc
 
@@ -33,6 +34,12 @@ ARCH_RE = re.compile(
     r"get_platform|current_platform|device_properties|^_?is_cuda|device_arch|gpu_arch|arch_major|arch_number|arch_code",
     re.IGNORECASE,
 )
+_FROM_IMPORT_RE = re.compile(r"^[ \t]*from[ \t]+(\.*)([\w.]*)[ \t]+import[ \t]+\(?([\w ,]+)", re.MULTILINE)
+# ARCH_RE for whole-text searches of lower-cased source (no anchors, no IGNORECASE: 5x faster).
+_ARCH_TEXT_RE = re.compile(ARCH_RE.pattern.replace("^_?", "").lower())
+# The tokens that can make a def's conditions depend on the architecture (ARCH_RE without the
+# platform objects and `is_cuda`, which are constant on every audited arch unless an arch token follows).
+_CHUNK_RE = re.compile(_ARCH_TEXT_RE.pattern.replace("get_platform|current_platform|", "").replace("|is_cuda", ""))
 # How far above a namespace directory its top package may be (sglang 0.5.23: kernels/ops/attention/minimax_sparse/decode/ is 5 below sglang/).
 _NAMESPACE_DEPTH = 8
 # Inlining depth: a call site -> helper -> its one shared checker (sglang's partial) -> a getter.
@@ -171,12 +178,14 @@ class Resolver:
         if path is not None:
             source = self.read(path)
             try:
-                tree = ast.parse(source, filename=str(path))
+                tree, skipped = parse_selected(source, str(path), _CHUNK_RE, ARCH_RE)
             except (SyntaxError, ValueError) as exc:
                 self.errors[path] = f"{type(exc).__name__}: {exc}"
             else:
                 info = ModuleInfo(name, path, source, tree, path.name == "__init__.py")
                 _collect_bindings(info, tree.body)
+                for skipped_name in skipped:  # a def with no architecture text: bound, but opaque
+                    info.bindings.setdefault(skipped_name, ("skipped",))
         self._modules[name] = info
         return info
 
@@ -227,6 +236,8 @@ class Resolver:
 
     def _binding_value(self, module: str, name: str, binding: tuple):
         kind = binding[0]
+        if kind == "skipped":
+            return UNKNOWN
         if kind == "assign":
             value = Evaluator(self, module).eval(binding[1])
             if binding[2] is not None:
@@ -307,13 +318,14 @@ class Resolver:
         return sglang_fact(name)
 
     def _imported_modules(self, info: ModuleInfo) -> list[str]:
+        """Modules `info` imports from anywhere in its text (also inside defs that were not parsed)."""
         found = []
-        for node in ast.walk(info.tree):
-            if isinstance(node, ast.ImportFrom):
-                base = self.absolute(info.name, node.module, node.level)
-                for alias in node.names:
-                    sub = f"{base}.{alias.name}"
-                    found.append(sub if self.path_of(sub) else base)
+        for m in _FROM_IMPORT_RE.finditer(info.source):
+            dots, target, names = m.group(1), m.group(2) or None, m.group(3)
+            base = self.absolute(info.name, target, len(dots))
+            for alias in re.findall(r"\w+", names.split(" as ")[0] if "," not in names else names):
+                sub = f"{base}.{alias}"
+                found.append(sub if self.path_of(sub) else base)
         return [m for m in dict.fromkeys(found) if self.path_of(m)]
 
     # -- inlining -----------------------------------------------------------------------
