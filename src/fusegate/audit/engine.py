@@ -110,18 +110,21 @@ def _confidence(site: Site) -> str:
     return "high"
 
 
-def audit(spec: str, *, native: bool = True, overlay: dict | None = None, progress=None, only: set | None = None) -> AuditResult:
+def audit(spec: str, *, native: bool = True, overlay: dict | None = None, progress=None, only: set | None = None,
+          keep_trees: bool = True) -> AuditResult:
     """Audit TARGET `spec` (directory, file or installed package name); never imports it.
 
     `overlay` maps paths to replacement source text (used to re-audit a patch before writing it).
     `only` restricts the scanned Python files to these relative paths (other modules are still
-    parsed when a gate depends on them). `progress(done, total)` is called after each file."""
+    parsed when a gate depends on them). `progress(done, total)` is called after each file.
+    `keep_trees=False` (a report only, no patch) lets each module's syntax tree go once it is
+    scanned, keeping only what other modules may resolve through it; `sites` is then empty."""
     # The audit keeps hundreds of ASTs alive; the cyclic collector would rescan them after every
     # allocation burst (measured: 38 s instead of a few for sglang), and ASTs hold no cycles to free.
     enabled = gc.isenabled()
     gc.disable()
     try:
-        return _audit(spec, native=native, overlay=overlay, progress=progress, only=only)
+        return _audit(spec, native=native, overlay=overlay, progress=progress, only=only, keep_trees=keep_trees)
     finally:
         # What the audit built stays alive with its result and holds no garbage cycles: moving it to
         # the permanent generation keeps every later collection, and the one at interpreter exit
@@ -131,7 +134,7 @@ def audit(spec: str, *, native: bool = True, overlay: dict | None = None, progre
             gc.enable()
 
 
-def _audit(spec: str, *, native: bool, overlay: dict | None, progress, only: set | None) -> AuditResult:
+def _audit(spec: str, *, native: bool, overlay: dict | None, progress, only: set | None, keep_trees: bool) -> AuditResult:
     start = time.perf_counter()
     target = resolve_target(spec, native=native)
     overlay = {Path(k).resolve(): v for k, v in (overlay or {}).items()}
@@ -161,6 +164,9 @@ def _audit(spec: str, *, native: bool, overlay: dict | None, progress, only: set
                     skipped.append({"path": rel, "error": "RecursionError: expression nested too deeply"})
                     continue
                 _collect(module_sites, rel, scanner.lines, findings, sites)
+                if not keep_trees:
+                    sites.clear()
+                    resolver.release(name)
         if progress:
             progress(i + 1, total)
     if target.native_files and only is None:

@@ -16,6 +16,8 @@ cut fell inside a string or brackets), the module is parsed whole, so errors are
 from __future__ import annotations
 
 import ast
+import bisect
+import itertools
 import re
 
 # A top-level def/class/decorator line starts a chunk; other column-0 code lines start one too.
@@ -62,35 +64,44 @@ def parse_selected(source: str, filename: str, arch_text: re.Pattern, name_re: r
     if len(chunks) < 3:
         return ast.parse(source, filename=filename), {}
     texts = ["".join(lines[a:b]) for a, b, _ in chunks]
-    lowered = [t.lower() for t in texts]
+    # Whole-text searches mapped to chunks (one regex pass instead of one per chunk).
+    offsets = list(itertools.accumulate((len(t) for t in texts), initial=0))
+    arch_chunks = {bisect.bisect_right(offsets, m.start()) - 1 for m in arch_text.finditer(source.lower())}
+    param_chunks = {bisect.bisect_right(offsets, m.start()) - 1 for m in _PARAM_RE.finditer(source)}
+    words: dict = {}
+
+    def words_of(k: int) -> set:
+        if k not in words:
+            words[k] = set(_WORD_RE.findall(texts[k]))
+        return words[k]
+
     # Names the top-level statements bind to architecture expressions, transitively
     # (`_GPU_MAJOR = get_device_capability()[0]` then `_USE_FMA = _GPU_MAJOR >= 10`).
     hot: set = set()
-    pending = [(text, low) for (a, b, is_def), text, low in zip(chunks, texts, lowered) if not is_def and _ASSIGN_RE.search(text)]
+    pending = [(k, {n.strip() for targets in _ASSIGN_RE.findall(texts[k]) for n in targets.split(",")})
+               for k, (_, _, is_def) in enumerate(chunks) if not is_def]
+    pending = [(k, bound) for k, bound in pending if bound]
     grew = True
     while grew:
         grew = False
-        for text, low in pending:
-            names = {n.strip() for targets in _ASSIGN_RE.findall(text) for n in targets.split(",")} - hot
-            if names and (arch_text.search(low) or hot and not hot.isdisjoint(_WORD_RE.findall(text))):
-                hot |= names
+        for k, bound in pending:
+            if not bound <= hot and (k in arch_chunks or hot and not hot.isdisjoint(words_of(k))):
+                hot |= bound
                 grew = True
     # Imported helpers named like arch predicates (`is_cuda_sm_at_least`, `get_platform`).
-    for (a, b, is_def), text in zip(chunks, texts):
-        if not is_def and "import" in text:
-            hot.update(w for w in _WORD_RE.findall(text) if name_re.search(w))
-    wanted, names = [], []
-    for (a, b, is_def), text, low in zip(chunks, texts, lowered):
-        name = _name_of(text) if is_def else None
-        names.append(name)
-        wanted.append(not is_def or bool(arch_text.search(low)) or bool(_PARAM_RE.search(text)) or bool(name and name_re.search(name)))
+    for k, (_, _, is_def) in enumerate(chunks):
+        if not is_def and "import" in texts[k]:
+            hot.update(w for w in words_of(k) if name_re.search(w))
+    names = [_name_of(t) if is_def else None for t, (_, _, is_def) in zip(texts, chunks)]
+    wanted = [not is_def or k in arch_chunks or k in param_chunks or bool(names[k] and name_re.search(names[k]))
+              for k, (_, _, is_def) in enumerate(chunks)]
     # Defs of this module that hold an architecture condition are hot too: a def calling one is kept.
     hot.update(n for n, w, (_, _, is_def) in zip(names, wanted, chunks) if w and is_def and n)
     grew = True
     while grew and hot:
         grew = False
-        for k, text in enumerate(texts):
-            if not wanted[k] and not hot.isdisjoint(_WORD_RE.findall(text)):
+        for k in range(len(chunks)):
+            if not wanted[k] and not hot.isdisjoint(words_of(k)):
                 wanted[k] = grew = True
                 if names[k]:
                     hot.add(names[k])
@@ -110,9 +121,9 @@ def parse_selected(source: str, filename: str, arch_text: re.Pattern, name_re: r
         return ast.parse(source, filename=filename), {}  # raises the real error, or parses whole
 
 
+_NAME_RE = re.compile(r"^(?:async\s+def|def|class)\s+(\w+)", re.MULTILINE)
+
+
 def _name_of(text: str) -> str | None:
-    for line in text.splitlines():
-        m = re.match(r"(?:async\s+def|def|class)\s+(\w+)", line)
-        if m:
-            return m.group(1)
-    return None
+    m = _NAME_RE.search(text)
+    return m.group(1) if m else None

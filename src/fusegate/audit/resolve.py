@@ -189,6 +189,24 @@ class Resolver:
         self._modules[name] = info
         return info
 
+    def release(self, name: str) -> None:
+        """Drop what a scanned module's tree holds that no other module can resolve through:
+        class bodies (a class evaluates to UNKNOWN) and defs that are never inlined."""
+        info = self._modules.get(name)
+        if info is None:
+            return
+        info.tree = None
+        for key, binding in info.bindings.items():
+            if binding[0] == "def" and (isinstance(binding[1], ast.ClassDef) or not self._can_inline(name, binding[1])):
+                if binding[1].name != "get_platform":
+                    info.bindings[key] = ("skipped",)
+
+    def _can_inline(self, module: str, node) -> bool:
+        if id(node) not in self._inlinable:
+            info = self.module(module)
+            self._inlinable[id(node)] = bool(ARCH_RE.search(node.name) or ARCH_RE.search(info.text_of(node)))
+        return self._inlinable[id(node)]
+
     def absolute(self, module: str, target: str | None, level: int) -> str:
         if not level:
             return target or ""
@@ -333,11 +351,7 @@ class Resolver:
         """Evaluate a call to a target function by inlining its body (arch-related bodies only)."""
         if depth > MAX_DEPTH:
             return seed_for(func.name).call(args, kwargs) if seed_for(func.name) else UNKNOWN
-        info = self.module(func.module)
-        inlinable = self._inlinable.get(id(func.node))
-        if inlinable is None:
-            inlinable = self._inlinable[id(func.node)] = bool(ARCH_RE.search(func.name) or ARCH_RE.search(info.text_of(func.node)))
-        if not inlinable:
+        if not self._can_inline(func.module, func.node):
             return UNKNOWN
         try:
             key = (id(func.node), tuple(args), tuple(sorted(kwargs.items())))

@@ -60,18 +60,19 @@ def _archs(args):
     return arch, like
 
 
-def _run_audit(args, *, native: bool):
+def _run_audit(args, *, native: bool, keep_trees: bool = True):
     from fusegate.audit.engine import audit
 
     show = not args.json and sys.stderr.isatty()
     try:
         if not show:
-            return audit(args.target, native=native)
+            return audit(args.target, native=native, keep_trees=keep_trees)
         from rich.progress import Progress
 
         with Progress(transient=True) as progress:
             task = progress.add_task("auditing", total=None)
-            return audit(args.target, native=native, progress=lambda done, total: progress.update(task, completed=done, total=total))
+            return audit(args.target, native=native, keep_trees=keep_trees,
+                         progress=lambda done, total: progress.update(task, completed=done, total=total))
     except ValueError as exc:
         raise UsageError(str(exc)) from None
 
@@ -80,7 +81,7 @@ def run_audit(args) -> int:
     from fusegate.audit import report
 
     arch, like = _archs(args)
-    result = _run_audit(args, native=not args.no_native)
+    result = _run_audit(args, native=not args.no_native, keep_trees=False)  # a report: no patch needs the trees
     selected = result.selected(arch, like, include_non_gates=args.all)
     if args.sarif:
         Path(args.sarif).write_text(report.dumps(report.to_sarif(result, selected, arch)))
