@@ -15,7 +15,6 @@ from fusegate.audit import patch as patch_mod
 from fusegate.audit.arch import ARCHS, parse_arch
 from fusegate.audit.engine import audit
 from fusegate.audit.hardware import gate_class
-from fusegate.cli.main import main
 
 from .test_patch import run, snapshot
 

@@ -22,7 +22,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from fusegate.audit.arch import ARCHS, Arch
-from fusegate.audit.resolve import Resolver, module_name_for
+from fusegate.audit.modules import module_name_for
+from fusegate.audit.resolve import Resolver
 from fusegate.audit.scan import ModuleScanner, Site
 from fusegate.audit.target import Target, resolve_target
 

@@ -19,11 +19,11 @@ from __future__ import annotations
 import ast
 import os
 import re
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from fusegate.audit.arch import ArchBool, ArchNum
 from fusegate.audit.evaluate import Evaluator, ite, seed_for, to_bool
+from fusegate.audit.modules import ModuleInfo, collect_bindings
 from fusegate.audit.parse import parse_selected
 from fusegate.audit.predicates import ALWAYS, sglang_fact
 from fusegate.audit.values import UNKNOWN, Const, External, ModuleRef, Obj, SeedFn, UserFunc
@@ -40,90 +40,8 @@ _ARCH_TEXT_RE = re.compile(ARCH_RE.pattern.replace("^_?", "").lower())
 # The tokens that can make a def's conditions depend on the architecture (ARCH_RE without the
 # platform objects and `is_cuda`, which are constant on every audited arch unless an arch token follows).
 _CHUNK_RE = re.compile(_ARCH_TEXT_RE.pattern.replace("get_platform|current_platform|", "").replace("|is_cuda", ""))
-# How far above a namespace directory its top package may be (sglang 0.5.23: kernels/ops/attention/minimax_sparse/decode/ is 5 below sglang/).
-_NAMESPACE_DEPTH = 8
 # Inlining depth: a call site -> helper -> its one shared checker (sglang's partial) -> a getter.
 MAX_DEPTH = 4
-
-
-@dataclass
-class ModuleInfo:
-    """One parsed module: its tree, source lines and top-level bindings (first binding wins)."""
-
-    name: str
-    path: Path
-    source: str
-    tree: ast.Module
-    is_package: bool
-    bindings: dict = field(default_factory=dict)
-    stars: list = field(default_factory=list)
-
-    _lines: list | None = None
-
-    def text_of(self, node: ast.AST) -> str:
-        if self._lines is None:
-            self._lines = self.source.splitlines()
-        return "\n".join(self._lines[node.lineno - 1: getattr(node, "end_lineno", node.lineno)])
-
-
-def module_name_for(path: Path, heads=None) -> tuple[str, Path]:
-    """(dotted module name, import root) of a .py file, walking up while `__init__.py` exists.
-
-    Above the first directory without `__init__.py`, an ancestor package that the module text
-    `heads()` imports absolutely (`from sglang.srt...`) is the top package, and the directories between are
-    namespace packages (PEP 420; sglang 0.5.10 ships `srt/` and `srt/models/` so): without this,
-    two `server_args.py` of one tree would both be called `server_args`."""
-    path = path.resolve()
-    parts = [] if path.name == "__init__.py" else [path.stem]
-    parent = path.parent
-    while (parent / "__init__.py").exists():
-        parts.insert(0, parent.name)
-        parent = parent.parent
-    ups = [up for up in parent.parents[:_NAMESPACE_DEPTH] if (up / "__init__.py").exists()]
-    text = heads() if heads is not None and ups else ""
-    for up in ups if text else ():
-        if re.search(rf"^\s*(?:from|import)\s+{re.escape(up.name)}\b", text, re.MULTILINE):
-            gap = path.parent.relative_to(up.parent).parts
-            return ".".join([*gap, *parts[-1:]] if path.name != "__init__.py" else gap), up.parent
-    return ".".join(parts) or path.stem, parent
-
-
-def _collect_bindings(info: ModuleInfo, body: list) -> None:
-    for stmt in body:
-        if isinstance(stmt, (ast.Assign, ast.AnnAssign)):
-            targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
-            if stmt.value is None:
-                continue
-            for target in targets:
-                if isinstance(target, ast.Name):
-                    info.bindings.setdefault(target.id, ("assign", stmt.value, None))
-                elif isinstance(target, ast.Tuple):
-                    for i, elt in enumerate(target.elts):
-                        if isinstance(elt, ast.Name):
-                            info.bindings.setdefault(elt.id, ("assign", stmt.value, i))
-        elif isinstance(stmt, ast.ImportFrom):
-            for alias in stmt.names:
-                if alias.name == "*":
-                    info.stars.append((stmt.module, stmt.level))
-                else:
-                    info.bindings.setdefault(alias.asname or alias.name, ("from", stmt.module, stmt.level, alias.name))
-        elif isinstance(stmt, ast.Import):
-            for alias in stmt.names:
-                if alias.asname:
-                    info.bindings.setdefault(alias.asname, ("import", alias.name))
-                else:
-                    top = alias.name.split(".")[0]
-                    info.bindings.setdefault(top, ("import", top))
-        elif isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            info.bindings.setdefault(stmt.name, ("def", stmt))
-        elif isinstance(stmt, ast.If):
-            _collect_bindings(info, stmt.body)
-            _collect_bindings(info, stmt.orelse)
-        elif isinstance(stmt, ast.Try):
-            _collect_bindings(info, stmt.body)
-            for handler in stmt.handlers:
-                _collect_bindings(info, handler.body)
-            _collect_bindings(info, stmt.orelse)
 
 
 class Resolver:
@@ -183,7 +101,7 @@ class Resolver:
                 self.errors[path] = f"{type(exc).__name__}: {exc}"
             else:
                 info = ModuleInfo(name, path, source, tree, path.name == "__init__.py")
-                _collect_bindings(info, tree.body)
+                collect_bindings(info, tree.body)
                 for skipped_name in skipped:  # a def with no architecture text: bound, but opaque
                     info.bindings.setdefault(skipped_name, ("skipped",))
         self._modules[name] = info
