@@ -189,3 +189,69 @@ def test_namespace_packages_are_named_apart(tmp_path):
     assert sorted(gates) == ["mm/runtime/server_args.py", "srt/server_args.py"] and not tree.skipped
     alone = audit(str(root / "srt" / "server_args.py"))
     assert [(f.id, f.enables) for f in alone.findings] == [(f.id, f.enables) for f in tree.findings if f.path == "srt/server_args.py"]
+
+
+def test_capability_parameter_compares_in_every_integer_form():
+    from fusegate.audit.arch import compare
+    from fusegate.audit.predicates import CAP_ANY
+
+    assert compare("Eq", CAP_ANY, 9).values == tuple(a.major == 9 for a in ARCHS)  # a major
+    assert compare("GtE", CAP_ANY, 100).values == tuple(a.cc_int >= 100 for a in ARCHS)  # major*10+minor
+    assert compare("Lt", CAP_ANY, 1000).values == tuple(a.cuda_arch < 1000 for a in ARCHS)  # __CUDA_ARCH__
+    assert compare("In", CAP_ANY, ((10, 0), (10, 3))).values == tuple(a.cc_int in (100, 103) for a in ARCHS)
+
+
+SELECTIVE = '''"""Module docstring
+def not_code():
+    return get_platform().is_sm100
+"""
+import torch
+
+_MAJOR, _ = torch.cuda.get_device_capability()
+_USE_FMA = _MAJOR >= 10
+
+
+def plain(x):
+    return x + 1
+
+
+def reads_flag():
+    if _USE_FMA:
+        return "fma"
+    return "mul"
+
+
+def calls_helper():
+    if _sm90():
+        return "wgmma"
+    return None
+
+
+def _sm90():
+    return torch.cuda.get_device_capability()[0] == 9
+
+
+class Unrelated:
+    def method(self):
+        return 2
+'''
+
+
+def test_selective_parse_keeps_every_condition(tmp_path):
+    from fusegate.audit.parse import parse_selected
+    from fusegate.audit.resolve import _CHUNK_RE, ARCH_RE
+
+    (tmp_path / "m.py").write_text(SELECTIVE)
+    tree, skipped = parse_selected(SELECTIVE, "m.py", _CHUNK_RE, ARCH_RE)
+    kept = {n.name for n in tree.body if hasattr(n, "name")}
+    assert {"reads_flag", "calls_helper", "_sm90"} <= kept  # a hot flag, a same-module arch helper
+    assert set(skipped) == {"plain", "Unrelated"}
+    found = {(f.scope, f.enables[0]) for f in audit(str(tmp_path / "m.py")).findings if f.category == "gate"}
+    assert {("reads_flag", "sm100"), ("calls_helper", "sm90")} <= found  # and the flag and helper themselves
+    assert not [f for f in audit(str(tmp_path / "m.py")).findings if f.line <= 4]  # the docstring holds no code
+
+
+def test_report_only_audit_frees_trees_with_the_same_findings(result):
+    lean = audit(str(FIXTURES / "fakeengine"), keep_trees=False)
+    assert [f.to_dict() for f in lean.findings] == [f.to_dict() for f in result.findings]
+    assert not lean.sites
