@@ -2,7 +2,7 @@
 
 Exit codes: 0 ok; 1 gates found with --fail-on-gates, or a patch/revert that could not do all it
 was asked; 2 usage or environment error (bad path, unknown arch, read-only file, changed file).
-Imports nothing heavy at module import (no torch, no libcst until `patch` runs).
+Imports nothing heavy at module import (no torch; the audit modules load when a command runs).
 """
 
 from __future__ import annotations
