@@ -255,3 +255,15 @@ def test_report_only_audit_frees_trees_with_the_same_findings(result):
     lean = audit(str(FIXTURES / "fakeengine"), keep_trees=False)
     assert [f.to_dict() for f in lean.findings] == [f.to_dict() for f in result.findings]
     assert not lean.sites
+
+
+def test_audit_objects_are_frozen_so_exit_does_not_rescan_them():
+    # The process lingered ~10 s after printing a whole-sglang audit: the collector at interpreter
+    # exit rescanned the millions of objects the audit left alive. audit() freezes them.
+    import gc
+
+    gc.unfreeze()
+    before = gc.get_freeze_count()
+    result = audit(str(FIXTURES / "fakeengine"))
+    assert gc.get_freeze_count() > before + len(result.findings)
+    gc.unfreeze()
