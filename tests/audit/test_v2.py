@@ -267,3 +267,12 @@ def test_audit_objects_are_frozen_so_exit_does_not_rescan_them():
     result = audit(str(FIXTURES / "fakeengine"))
     assert gc.get_freeze_count() > before + len(result.findings)
     gc.unfreeze()
+
+
+def test_explicit_inequality_exclusion_is_refused_not_undone(capsys, engine, result):
+    # `major > 9 and major != 12` (sglang attn_residual.py: `major >= 10 and major != 12`): `or major == 12` would undo the author's exclusion.
+    f = find(result, "v2/idioms.py", "major != 12")
+    assert f.category == "gate" and f.enables == names(lambda a: a.major in (10, 11))
+    code, out, _ = run(capsys, "patch", str(engine), "--arch", "sm120", "--like", "sm100", "--only", f.id, "--json")
+    data = json.loads(out)
+    assert code == 1 and not data["diff"] and "explicitly" in data["errors"][0]["error"]

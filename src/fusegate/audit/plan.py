@@ -155,6 +155,9 @@ class Planner:
                 continue
             if value.at(self.arch) is not False or value.at(like) is False:
                 continue
+            if isinstance(atom, ast.Compare) and len(atom.ops) == 1 and isinstance(atom.ops[0], (ast.NotEq, ast.NotIn)):
+                blocked.append(ast.unparse(atom))  # `major != 12`: written to exclude it; `or major == 12` would undo that
+                continue
             # An atom that is the whole condition needs no parentheses around `atom or sibling`.
             plan.atom_edits.append(self._extend(site, atom, like, parent_or or atom is site.node, plan))
             overrides[id(atom)] = value.or_(arch_only)
