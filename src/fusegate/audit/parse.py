@@ -66,8 +66,8 @@ def parse_selected(source: str, filename: str, arch_text: re.Pattern, name_re: r
     texts = ["".join(lines[a:b]) for a, b, _ in chunks]
     # Whole-text searches mapped to chunks (one regex pass instead of one per chunk).
     offsets = list(itertools.accumulate((len(t) for t in texts), initial=0))
-    arch_chunks = {bisect.bisect_right(offsets, m.start()) - 1 for m in arch_text.finditer(source.lower())}
-    param_chunks = {bisect.bisect_right(offsets, m.start()) - 1 for m in _PARAM_RE.finditer(source)}
+    arch_chunks = _chunks_matching(arch_text, source.lower(), offsets)
+    param_chunks = _chunks_matching(_PARAM_RE, source, offsets)
     words: dict = {}
 
     def words_of(k: int) -> set:
@@ -119,6 +119,19 @@ def parse_selected(source: str, filename: str, arch_text: re.Pattern, name_re: r
         return ast.parse("".join(kept), filename=filename), skipped
     except SyntaxError:
         return ast.parse(source, filename=filename), {}  # raises the real error, or parses whole
+
+
+def _chunks_matching(pattern: re.Pattern, text: str, offsets: list) -> set:
+    """Indices of the chunks where `pattern` matches: one search per matching chunk (after a hit
+    the search resumes at the next chunk)."""
+    found, pos = set(), 0
+    while True:
+        m = pattern.search(text, pos)
+        if m is None:
+            return found
+        k = bisect.bisect_right(offsets, m.start()) - 1
+        found.add(k)
+        pos = offsets[k + 1]
 
 
 _NAME_RE = re.compile(r"^(?:async\s+def|def|class)\s+(\w+)", re.MULTILINE)

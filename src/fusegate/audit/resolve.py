@@ -109,15 +109,15 @@ class Resolver:
 
     def release(self, name: str) -> None:
         """Drop what a scanned module's tree holds that no other module can resolve through:
-        class bodies (a class evaluates to UNKNOWN) and defs that are never inlined."""
+        the module node and class bodies (a class evaluates to UNKNOWN). Top-level defs stay: the
+        selective parse kept only those whose text can hold an architecture condition."""
         info = self._modules.get(name)
         if info is None:
             return
         info.tree = None
         for key, binding in info.bindings.items():
-            if binding[0] == "def" and (isinstance(binding[1], ast.ClassDef) or not self._can_inline(name, binding[1])):
-                if binding[1].name != "get_platform":
-                    info.bindings[key] = ("skipped",)
+            if binding[0] == "def" and isinstance(binding[1], ast.ClassDef):
+                info.bindings[key] = ("skipped",)
 
     def _can_inline(self, module: str, node) -> bool:
         if id(node) not in self._inlinable:
