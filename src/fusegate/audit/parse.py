@@ -25,6 +25,7 @@ _DEF_RE = re.compile(r"(?:async\s+def|def|class)\b")
 _ASSIGN_RE = re.compile(r"^([A-Za-z_]\w*(?:[ \t]*,[ \t]*[A-Za-z_]\w*)*)[ \t]*(?::[^=\n]*)?=(?!=)", re.MULTILINE)
 _PARAM_RE = re.compile(r"\b(?:compute_capability|device_capability|capability|cuda_capability|sm_version|device_sm|sm_arch|arch_major)\b|\bmajor\b[^\n]*\bminor\b")
 _WORD_RE = re.compile(r"[A-Za-z_]\w*")
+_CONSTANT_NAMES = frozenset({"get_platform", "current_platform", "is_cuda", "_is_cuda", "is_cuda_alike"})
 
 
 class Skipped:
@@ -88,10 +89,11 @@ def parse_selected(source: str, filename: str, arch_text: re.Pattern, name_re: r
             if not bound <= hot and (k in arch_chunks or hot and not hot.isdisjoint(words_of(k))):
                 hot |= bound
                 grew = True
-    # Imported helpers named like arch predicates (`is_cuda_sm_at_least`, `get_platform`).
+    # Imported helpers named like arch predicates (`is_cuda_sm_at_least`); not the platform
+    # objects and `is_cuda`, constant on every audited arch unless an arch token follows them.
     for k, (_, _, is_def) in enumerate(chunks):
         if not is_def and "import" in texts[k]:
-            hot.update(w for w in words_of(k) if name_re.search(w))
+            hot.update(w for w in words_of(k) if name_re.search(w) and w not in _CONSTANT_NAMES)
     names = [_name_of(t) if is_def else None for t, (_, _, is_def) in zip(texts, chunks)]
     wanted = [not is_def or k in arch_chunks or k in param_chunks or bool(names[k] and name_re.search(names[k]))
               for k, (_, _, is_def) in enumerate(chunks)]
