@@ -26,6 +26,7 @@ class ModuleInfo:
     source: str
     tree: ast.Module
     is_package: bool
+    arch_offsets: list = field(default_factory=list)  # where ARCH_RE tokens start in `source` (characters)
     bindings: dict = field(default_factory=dict)
     stars: list = field(default_factory=list)
 

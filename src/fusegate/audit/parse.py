@@ -58,8 +58,11 @@ def _chunks(lines: list) -> list:
     return list(zip(starts, ends, kinds))
 
 
-def parse_selected(source: str, filename: str, arch_text: re.Pattern, name_re: re.Pattern) -> tuple[ast.Module, dict]:
-    """(module tree of the parsed chunks, {name: Skipped} of the defs/classes left out)."""
+def parse_selected(source: str, filename: str, arch_text: re.Pattern | list, name_re: re.Pattern) -> tuple[ast.Module, dict]:
+    """(module tree of the parsed chunks, {name: Skipped} of the defs/classes left out).
+
+    `arch_text` is the pattern of architecture tokens, or the character offsets where the
+    caller already found them in `source` (one pass shared with the scanner)."""
     lines = source.splitlines(keepends=True)
     chunks = _chunks(lines)
     if len(chunks) < 3:
@@ -67,8 +70,13 @@ def parse_selected(source: str, filename: str, arch_text: re.Pattern, name_re: r
     texts = ["".join(lines[a:b]) for a, b, _ in chunks]
     # Whole-text searches mapped to chunks (one regex pass instead of one per chunk).
     offsets = list(itertools.accumulate((len(t) for t in texts), initial=0))
-    arch_chunks = _chunks_matching(arch_text, source.lower(), offsets)
-    param_chunks = _chunks_matching(_PARAM_RE, source, offsets)
+    if isinstance(arch_text, list):
+        arch_chunks = {bisect.bisect_right(offsets, pos) - 1 for pos in arch_text}
+    else:
+        arch_chunks = _chunks_matching(arch_text, source.lower(), offsets)
+    # The parameter names all contain one of these (a substring test skips the regex in most modules).
+    maybe_params = "capabilit" in source or "sm_" in source or "arch_major" in source or "minor" in source
+    param_chunks = _chunks_matching(_PARAM_RE, source, offsets) if maybe_params else set()
     words: dict = {}
 
     def words_of(k: int) -> set:

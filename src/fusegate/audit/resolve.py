@@ -39,6 +39,7 @@ _FROM_IMPORT_RE = re.compile(r"^[ \t]*from[ \t]+(\.*)([\w.]*)[ \t]+import[ \t]+\
 _ARCH_TEXT_RE = re.compile(ARCH_RE.pattern.replace("^_?", "").lower())
 # The tokens that can make a def's conditions depend on the architecture (ARCH_RE without the
 # platform objects and `is_cuda`, which are constant on every audited arch unless an arch token follows).
+_CONSTANT_TOKENS = frozenset({"get_platform", "current_platform", "is_cuda"})
 _CHUNK_RE = re.compile(_ARCH_TEXT_RE.pattern.replace("get_platform|current_platform|", "").replace("|is_cuda", ""))
 # Inlining depth: a call site -> helper -> its one shared checker (sglang's partial) -> a getter.
 MAX_DEPTH = 4
@@ -96,11 +97,13 @@ class Resolver:
         if path is not None:
             source = self.read(path)
             try:
-                tree, skipped = parse_selected(source, str(path), _CHUNK_RE, ARCH_RE)
+                hits = [(m.start(), m.group()) for m in _ARCH_TEXT_RE.finditer(source.lower())]
+                tokens = [pos for pos, text in hits if text not in _CONSTANT_TOKENS]
+                tree, skipped = parse_selected(source, str(path), tokens, ARCH_RE)
             except (SyntaxError, ValueError) as exc:
                 self.errors[path] = f"{type(exc).__name__}: {exc}"
             else:
-                info = ModuleInfo(name, path, source, tree, path.name == "__init__.py")
+                info = ModuleInfo(name, path, source, tree, path.name == "__init__.py", arch_offsets=[pos for pos, _ in hits])
                 collect_bindings(info, tree.body)
                 for skipped_name in skipped:  # a def with no architecture text: bound, but opaque
                     info.bindings.setdefault(skipped_name, ("skipped",))

@@ -12,6 +12,7 @@ few seconds. Each site whose value differs between architectures becomes a `Site
 from __future__ import annotations
 
 import ast
+import bisect
 import re
 from dataclasses import dataclass
 
@@ -100,7 +101,8 @@ class ModuleScanner:
         for line in self.lines:
             starts.append(starts[-1] + len(line) + 1)
         self._expr_lines = _match_lines(_TERNARY_RE, source, starts)
-        self._arch_lines = _match_lines(_ARCH_TEXT_RE, source.lower(), starts)
+        # The resolver found the architecture tokens when it parsed the module (one pass over the text).
+        self._arch_lines = {bisect.bisect_right(starts, pos) for pos in self.info.arch_offsets} if self.info else set()
         self._expr_sorted = sorted(self._expr_lines)
         self._arch_sorted = sorted(self._arch_lines)
         self._arch_globals: set | None = None
