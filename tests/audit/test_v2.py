@@ -242,7 +242,8 @@ def test_selective_parse_keeps_every_condition(tmp_path):
     from fusegate.audit.resolve import _CHUNK_RE, ARCH_RE
 
     (tmp_path / "m.py").write_text(SELECTIVE)
-    tree, skipped = parse_selected(SELECTIVE, "m.py", _CHUNK_RE, ARCH_RE)
+    tree, skipped, hot = parse_selected(SELECTIVE, "m.py", _CHUNK_RE, ARCH_RE)
+    assert {"_MAJOR", "_USE_FMA", "_sm90"} <= hot
     kept = {n.name for n in tree.body if hasattr(n, "name")}
     assert {"reads_flag", "calls_helper", "_sm90"} <= kept  # a hot flag, a same-module arch helper
     assert set(skipped) == {"plain", "Unrelated"}

@@ -27,6 +27,7 @@ class ModuleInfo:
     tree: ast.Module
     is_package: bool
     arch_offsets: list = field(default_factory=list)  # where ARCH_RE tokens start in `source` (characters)
+    hot: set = field(default_factory=set)  # top-level names tied to the architecture (parse.py)
     bindings: dict = field(default_factory=dict)
     stars: list = field(default_factory=list)
 

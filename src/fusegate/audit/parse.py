@@ -58,15 +58,14 @@ def _chunks(lines: list) -> list:
     return list(zip(starts, ends, kinds))
 
 
-def parse_selected(source: str, filename: str, arch_text: re.Pattern | list, name_re: re.Pattern) -> tuple[ast.Module, dict]:
-    """(module tree of the parsed chunks, {name: Skipped} of the defs/classes left out).
+def parse_selected(source: str, filename: str, arch_text: re.Pattern | list, name_re: re.Pattern) -> tuple[ast.Module, dict, set]:
+    """(module tree of the parsed chunks, {name: Skipped} of the defs/classes left out, the hot
+    names: top-level names bound to, defining or importing something architecture-related).
 
     `arch_text` is the pattern of architecture tokens, or the character offsets where the
     caller already found them in `source` (one pass shared with the scanner)."""
     lines = source.splitlines(keepends=True)
     chunks = _chunks(lines)
-    if len(chunks) < 3:
-        return ast.parse(source, filename=filename), {}
     texts = ["".join(lines[a:b]) for a, b, _ in chunks]
     # Whole-text searches mapped to chunks (one regex pass instead of one per chunk).
     offsets = list(itertools.accumulate((len(t) for t in texts), initial=0))
@@ -126,9 +125,9 @@ def parse_selected(source: str, filename: str, arch_text: re.Pattern | list, nam
             skipped.setdefault(name, Skipped(name))
         kept.append("\n" * (b - a))
     try:
-        return ast.parse("".join(kept), filename=filename), skipped
+        return ast.parse("".join(kept), filename=filename), skipped, hot
     except SyntaxError:
-        return ast.parse(source, filename=filename), {}  # raises the real error, or parses whole
+        return ast.parse(source, filename=filename), {}, hot  # raises the real error, or parses whole
 
 
 def _chunks_matching(pattern: re.Pattern, text: str, offsets: list) -> set:

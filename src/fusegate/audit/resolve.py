@@ -99,11 +99,11 @@ class Resolver:
             try:
                 hits = [(m.start(), m.group()) for m in _ARCH_TEXT_RE.finditer(source.lower())]
                 tokens = [pos for pos, text in hits if text not in _CONSTANT_TOKENS]
-                tree, skipped = parse_selected(source, str(path), tokens, ARCH_RE)
+                tree, skipped, hot = parse_selected(source, str(path), tokens, ARCH_RE)
             except (SyntaxError, ValueError) as exc:
                 self.errors[path] = f"{type(exc).__name__}: {exc}"
             else:
-                info = ModuleInfo(name, path, source, tree, path.name == "__init__.py", arch_offsets=[pos for pos, _ in hits])
+                info = ModuleInfo(name, path, source, tree, path.name == "__init__.py", arch_offsets=[pos for pos, _ in hits], hot=hot)
                 collect_bindings(info, tree.body)
                 for skipped_name in skipped:  # a def with no architecture text: bound, but opaque
                     info.bindings.setdefault(skipped_name, ("skipped",))

@@ -112,10 +112,21 @@ class ModuleScanner:
     def _globals(self) -> set:
         """Module-level names bound by assignment to an architecture value."""
         if self._arch_globals is None:
-            self._arch_globals = {
-                name for name, binding in self.info.bindings.items()
-                if binding[0] == "assign" and isinstance(self.resolver.global_value(self.module, name), (ArchBool, ArchNum))
-            }
+            # Only assignments whose text names an architecture token or an earlier such name can
+            # hold one (evaluating every module-level table was a tenth of a whole-engine audit).
+            found: set = set()
+            for name, binding in self.info.bindings.items():
+                if binding[0] != "assign":
+                    continue
+                node = binding[1]
+                lines = range(node.lineno, (node.end_lineno or node.lineno) + 1)
+                if not any(n in self._arch_lines for n in lines):
+                    text = "\n".join(self.lines[node.lineno - 1: node.end_lineno or node.lineno])
+                    if not found or found.isdisjoint(_WORD_RE.findall(text)):
+                        continue
+                if isinstance(self.resolver.global_value(self.module, name), (ArchBool, ArchNum)):
+                    found.add(name)
+            self._arch_globals = found
         return self._arch_globals
 
     def _mentions_arch(self, expr, local, attrs) -> bool:
@@ -127,7 +138,8 @@ class ModuleScanner:
             return True
         if attrs and any(isinstance(attrs.get(w), (ArchBool, ArchNum)) for w in words):
             return True
-        return bool(words & self._globals())
+        # A call of this module's arch-related def or a read of an arch flag (parse.py's hot names).
+        return bool(words & self.info.hot) or bool(words & self._globals())
 
     def _may_hold_arch(self, stmt, attrs) -> bool:
         """Can anything in this def depend on the architecture? (Skipping the rest halves the run time.)"""
@@ -138,7 +150,7 @@ class ModuleScanner:
         if i < len(self._arch_sorted) and self._arch_sorted[i] <= last:
             return True
         words = set(_WORD_RE.findall("\n".join(self.lines[first - 1: last])))
-        if words & self._globals():
+        if words & self.info.hot or words & self._globals():
             return True
         return bool(attrs) and any(isinstance(attrs.get(w), (ArchBool, ArchNum, Obj)) for w in words)
 
