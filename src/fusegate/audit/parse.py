@@ -23,7 +23,10 @@ import re
 # A top-level def/class/decorator line starts a chunk; other column-0 code lines start one too.
 _DEF_RE = re.compile(r"(?:async\s+def|def|class)\b")
 _ASSIGN_RE = re.compile(r"^([A-Za-z_]\w*(?:[ \t]*,[ \t]*[A-Za-z_]\w*)*)[ \t]*(?::[^=\n]*)?=(?!=)", re.MULTILINE)
-_PARAM_RE = re.compile(r"\b(?:compute_capability|device_capability|capability|cuda_capability|sm_version|device_sm|sm_arch|arch_major)\b|\bmajor\b[^\n]*\bminor\b")
+# Capability parameter names (scan.py's _capability_params), without a leading \b so that sre's
+# literal scan applies; `major`/`minor` pairs are found with substring tests.
+_PARAM_RE = re.compile(r"capability|sm_version|device_sm|sm_arch|arch_major")
+_NAME_HINTS = ("sm", "arch", "capab", "blackwell", "hopper", "ampere", "cuda", "platform", "device")
 _WORD_RE = re.compile(r"[A-Za-z_]\w*")
 _CONSTANT_NAMES = frozenset({"get_platform", "current_platform", "is_cuda", "_is_cuda", "is_cuda_alike"})
 
@@ -73,9 +76,9 @@ def parse_selected(source: str, filename: str, arch_text: re.Pattern | list, nam
         arch_chunks = {bisect.bisect_right(offsets, pos) - 1 for pos in arch_text}
     else:
         arch_chunks = _chunks_matching(arch_text, source.lower(), offsets)
-    # The parameter names all contain one of these (a substring test skips the regex in most modules).
-    maybe_params = "capabilit" in source or "sm_" in source or "arch_major" in source or "minor" in source
-    param_chunks = _chunks_matching(_PARAM_RE, source, offsets) if maybe_params else set()
+    param_chunks = _chunks_matching(_PARAM_RE, source, offsets)
+    if "minor" in source:
+        param_chunks |= {k for k, t in enumerate(texts) if "minor" in t and "major" in t}
     words: dict = {}
 
     def words_of(k: int) -> set:
@@ -100,7 +103,7 @@ def parse_selected(source: str, filename: str, arch_text: re.Pattern | list, nam
     # objects and `is_cuda`, constant on every audited arch unless an arch token follows them.
     for k, (_, _, is_def) in enumerate(chunks):
         if not is_def and "import" in texts[k]:
-            hot.update(w for w in words_of(k) if name_re.search(w) and w not in _CONSTANT_NAMES)
+            hot.update(w for w in words_of(k) if any(h in w.lower() for h in _NAME_HINTS) and name_re.search(w) and w not in _CONSTANT_NAMES)
     names = [_name_of(t) if is_def else None for t, (_, _, is_def) in zip(texts, chunks)]
     wanted = [not is_def or k in arch_chunks or k in param_chunks or bool(names[k] and name_re.search(names[k]))
               for k, (_, _, is_def) in enumerate(chunks)]
