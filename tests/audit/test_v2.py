@@ -277,3 +277,27 @@ def test_explicit_inequality_exclusion_is_refused_not_undone(capsys, engine, res
     code, out, _ = run(capsys, "patch", str(engine), "--arch", "sm120", "--like", "sm100", "--only", f.id, "--json")
     data = json.loads(out)
     assert code == 1 and not data["diff"] and "explicitly" in data["errors"][0]["error"]
+
+
+def test_class_methods_without_architecture_text_are_trimmed_not_lost(tmp_path):
+    from fusegate.audit.parse import _trim_class
+
+    cls = (
+        "class Runner:\n"
+        "    def __init__(self):\n"
+        "        self.sm = get_device_sm()\n"
+        "\n"
+        "    def plain(self, x):\n"
+        "        return x + 1\n"
+        "\n"
+        "    def fast(self):\n"
+        "        if self.sm >= 100:\n"
+        "            return 1\n"
+        "        return 0\n"
+    )
+    trimmed = _trim_class(cls, {2}, set())
+    assert trimmed.count("\n") == cls.count("\n")  # every position stays the real one
+    assert "return x + 1" not in trimmed and "self.sm >= 100" in trimmed  # `self.sm` ties `fast` to __init__
+    (tmp_path / "r.py").write_text("from eng.utils import get_device_sm\n\n\n" + cls)
+    found = [f for f in audit(str(tmp_path / "r.py")).findings if f.scope == "Runner.fast"]
+    assert [f.enables for f in found] == [names(lambda a: a.cc_int >= 100)]

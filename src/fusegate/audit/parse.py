@@ -8,8 +8,9 @@ shows). Every chunk of ordinary top-level statements is parsed (imports, flags, 
 architecture token (`arch_text`), is named like an arch helper (`name_re`: `get_platform`,
 `is_cuda`), mentions a name the module binds at top level to such an
 expression, or a parameter named as a capability. Each skipped `def`/`class` is still bound, to
-an opaque value (`SKIPPED`), so name resolution does not fall back to a seed for it. A chunk that
-is left out as blank lines (positions stay the real ones); if the text then does not parse (a
+an opaque value (`Skipped`), so name resolution does not fall back to a seed for it. Inside a
+kept class, methods are chosen the same way (`_trim_class`; `self.` attributes tie them). A chunk
+that is left out becomes blank lines (positions stay the real ones); if the text then does not parse (a
 cut fell inside a string or brackets), the module is parsed whole, so errors are reported as before.
 """
 
@@ -120,7 +121,12 @@ def parse_selected(source: str, filename: str, arch_text: re.Pattern | list, nam
     # One parse of the text with the skipped chunks blanked (their lines kept as empty lines, so
     # every position is the real one): a cut inside a string or brackets shows as a SyntaxError.
     kept, skipped = [], {}
-    for (a, b, _), text, need, name in zip(chunks, texts, wanted, names):
+    low = source.lower() if not isinstance(arch_text, list) else None
+    for k, ((a, b, is_def), text, need, name) in enumerate(zip(chunks, texts, wanted, names)):
+        if need and is_def and _CLASS_RE.search(text):
+            arch_lines = _arch_lines_in(arch_text, low, source, offsets[k], offsets[k + 1], text)
+            kept.append(_trim_class(text, arch_lines, hot))
+            continue
         if need:
             kept.append(text)
             continue
@@ -131,6 +137,69 @@ def parse_selected(source: str, filename: str, arch_text: re.Pattern | list, nam
         return ast.parse("".join(kept), filename=filename), skipped, hot
     except SyntaxError:
         return ast.parse(source, filename=filename), {}, hot  # raises the real error, or parses whole
+
+
+_CLASS_RE = re.compile(r"^class\s", re.MULTILINE)
+_SELF_ATTR_RE = re.compile(r"\b(?:self|cls)\.([A-Za-z_]\w*)\s*(?::[^=\n]*)?=(?!=)")
+
+
+def _arch_lines_in(arch_text, low, source: str, start: int, end: int, text: str) -> set:
+    """0-based line numbers, within one chunk, that hold an architecture token."""
+    if isinstance(arch_text, list):
+        positions = [p - start for p in arch_text[bisect.bisect_left(arch_text, start): bisect.bisect_left(arch_text, end)]]
+    else:
+        positions = [m.start() for m in arch_text.finditer(low, start, end)]
+        positions = [p - start for p in positions]
+    line_starts = list(itertools.accumulate((len(x) for x in text.splitlines(keepends=True)), initial=0))
+    return {bisect.bisect_right(line_starts, p) - 1 for p in positions}
+
+
+def _trim_class(text: str, arch_lines: set, hot: set) -> str:
+    """A class chunk with the methods that cannot hold an architecture condition replaced by
+    `pass` and blank lines (same line count): a method is kept when it holds an architecture
+    token, a capability parameter, or a name or `self.` attribute tied to one (transitively)."""
+    lines = text.splitlines(keepends=True)
+    header = next((i for i, line in enumerate(lines) if line.startswith("class")), None)
+    body = [i for i in range(header + 1, len(lines)) if lines[i].strip() and not lines[i].lstrip().startswith("#")] if header is not None else []
+    if not body:
+        return text
+    indent = lines[body[0]][: len(lines[body[0]]) - len(lines[body[0]].lstrip())]
+    if not indent:
+        return text
+    # Methods start at the body's indentation with def/async def/@ (decorators join their def).
+    starts, prev_deco = [], False
+    for i in body:
+        line = lines[i]
+        if not line.startswith(indent) or line[len(indent)] in " \t)]}'\"":
+            continue
+        rest = line[len(indent):]
+        is_deco = rest.startswith("@")
+        if not prev_deco:
+            starts.append((i, is_deco or bool(_DEF_RE.match(rest))))
+        prev_deco = is_deco
+    parts = [(a, b, is_method) for (a, is_method), (b, _) in zip(starts, starts[1:] + [(len(lines), False)])]
+    hot_words = set(hot)
+    keep = []
+    for a, b, is_method in parts:
+        chunk = "".join(lines[a:b])
+        keep.append(not is_method or any(i in arch_lines for i in range(a, b)) or bool(_PARAM_RE.search(chunk))
+                    or ("major" in chunk and "minor" in chunk))
+    grew = True
+    while grew:
+        grew = False
+        for j, (a, b, _) in enumerate(parts):
+            chunk = "".join(lines[a:b])
+            if keep[j]:
+                new = set(_SELF_ATTR_RE.findall(chunk)) | {n.strip() for t in _ASSIGN_RE.findall(chunk.replace(indent, "", 1)) for n in t.split(",")}
+                if not new <= hot_words:
+                    hot_words |= new
+                    grew = True
+            elif hot_words and not hot_words.isdisjoint(_WORD_RE.findall(chunk)):
+                keep[j] = grew = True
+    out = lines[: parts[0][0]] if parts else lines
+    for (a, b, _), k in zip(parts, keep):
+        out += lines[a:b] if k else [f"{indent}pass\n"] + ["\n"] * (b - a - 1)
+    return "".join(out)
 
 
 def _chunks_matching(pattern: re.Pattern, text: str, offsets: list) -> set:
