@@ -27,7 +27,15 @@ _ASSIGN_RE = re.compile(r"^([A-Za-z_]\w*(?:[ \t]*,[ \t]*[A-Za-z_]\w*)*)[ \t]*(?:
 # Capability parameter names (scan.py's _capability_params), without a leading \b so that sre's
 # literal scan applies; `major`/`minor` pairs are found with substring tests.
 _PARAM_RE = re.compile(r"capability|sm_version|device_sm|sm_arch|arch_major")
-_NAME_HINTS = ("sm", "arch", "capab", "blackwell", "hopper", "ampere", "cuda", "platform", "device")
+_TOKEN_WORDS: dict = {}
+
+
+def _token_words(name_re: re.Pattern) -> re.Pattern:
+    """Whole identifiers that contain a `name_re` token (`is_cuda_sm_at_least`), found in one pass."""
+    if name_re.pattern not in _TOKEN_WORDS:
+        tokens = name_re.pattern.replace("^_?", "")
+        _TOKEN_WORDS[name_re.pattern] = re.compile(rf"\b\w*?(?:{tokens})\w*", name_re.flags)
+    return _TOKEN_WORDS[name_re.pattern]
 _WORD_RE = re.compile(r"[A-Za-z_]\w*")
 _CONSTANT_NAMES = frozenset({"get_platform", "current_platform", "is_cuda", "_is_cuda", "is_cuda_alike"})
 
@@ -104,7 +112,7 @@ def parse_selected(source: str, filename: str, arch_text: re.Pattern | list, nam
     # objects and `is_cuda`, constant on every audited arch unless an arch token follows them.
     for k, (_, _, is_def) in enumerate(chunks):
         if not is_def and "import" in texts[k]:
-            hot.update(w for w in words_of(k) if any(h in w.lower() for h in _NAME_HINTS) and name_re.search(w) and w not in _CONSTANT_NAMES)
+            hot.update(w for w in _token_words(name_re).findall(texts[k]) if w not in _CONSTANT_NAMES)
     names = [_name_of(t) if is_def else None for t, (_, _, is_def) in zip(texts, chunks)]
     wanted = [not is_def or k in arch_chunks or k in param_chunks or bool(names[k] and name_re.search(names[k]))
               for k, (_, _, is_def) in enumerate(chunks)]
@@ -179,23 +187,27 @@ def _trim_class(text: str, arch_lines: set, hot: set) -> str:
         prev_deco = is_deco
     parts = [(a, b, is_method) for (a, is_method), (b, _) in zip(starts, starts[1:] + [(len(lines), False)])]
     hot_words = set(hot)
-    keep = []
-    for a, b, is_method in parts:
-        chunk = "".join(lines[a:b])
+    keep, texts = [], ["".join(lines[a:b]) for a, b, _ in parts]
+    for (a, b, is_method), chunk in zip(parts, texts):
         keep.append(not is_method or any(i in arch_lines for i in range(a, b)) or bool(_PARAM_RE.search(chunk))
                     or ("major" in chunk and "minor" in chunk))
+    words: dict = {}
+    bound: dict = {}
     grew = True
     while grew:
         grew = False
-        for j, (a, b, _) in enumerate(parts):
-            chunk = "".join(lines[a:b])
+        for j, chunk in enumerate(texts):
             if keep[j]:
-                new = set(_SELF_ATTR_RE.findall(chunk)) | {n.strip() for t in _ASSIGN_RE.findall(chunk.replace(indent, "", 1)) for n in t.split(",")}
-                if not new <= hot_words:
-                    hot_words |= new
+                if j not in bound:
+                    bound[j] = set(_SELF_ATTR_RE.findall(chunk)) | {n.strip() for t in _ASSIGN_RE.findall(chunk.replace(indent, "", 1)) for n in t.split(",")}
+                if not bound[j] <= hot_words:
+                    hot_words |= bound[j]
                     grew = True
-            elif hot_words and not hot_words.isdisjoint(_WORD_RE.findall(chunk)):
-                keep[j] = grew = True
+            elif hot_words:
+                if j not in words:
+                    words[j] = set(_WORD_RE.findall(chunk))
+                if not hot_words.isdisjoint(words[j]):
+                    keep[j] = grew = True
     out = lines[: parts[0][0]] if parts else lines
     for (a, b, _), k in zip(parts, keep):
         out += lines[a:b] if k else [f"{indent}pass\n"] + ["\n"] * (b - a - 1)
