@@ -1,12 +1,15 @@
-"""Time `fusegate audit` over all of sglang's Python source on one CPU core.
+"""Time `fusegate audit` / `patch` over sglang's Python source on one CPU core; score the corpus.
 
-Each repeat runs in a fresh process (no parse cache carried over) pinned to one core with
-`os.sched_setaffinity` (the effect of `taskset -c 0`); the child reports wall and CPU seconds of
-`fusegate.audit.engine.audit(...)`. Rows go to benchmarks/results/audit.jsonl: op="audit",
-strategy="ast", unit="s", median/p20/p80 over the wall times, CPU times and the machine load in
-`extra`. The sglang source comes from the same PyPI cache the tests use.
+Each repeat runs `python -m fusegate.cli audit <sglang> --arch sm120 --like sm100 --json
+--no-native` as a fresh process pinned to one core (`os.sched_setaffinity`, the effect of
+`taskset -c 0`) and measures what a user waits for: wall time from spawn to process exit
+(interpreter start-up and teardown included) and the peak resident set (`ru_maxrss` of the
+child). `--patch` times `fusegate patch` (dry run) the same way. Rows go to
+benchmarks/results/audit.jsonl: op="audit"/"patch", strategy="cli", unit="s", median/p20/p80 over
+the wall times, RSS and CPU in `extra`. `--corpus` scores the labelled corpus
+(tests/audit/corpus) and appends op="audit-corpus" rows (unit "recall" / "precision").
 
-    python benchmarks/bench_audit.py --repeats 5
+    python benchmarks/bench_audit.py --repeats 5 [--patch] [--corpus] [--version 0.5.23]
 """
 
 from __future__ import annotations
@@ -14,59 +17,93 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests" / "audit"))  # the PyPI fetch/cache helper shared with the tests
+sys.path.insert(0, str(REPO / "tests"))  # the PyPI fetch/cache helper and the corpus harness shared with the tests
 
-from sglang_source import SGLANG_VERSION, sglang_source  # noqa: E402
+from audit.sglang_source import SGLANG_VERSION, sglang_source  # noqa: E402
 
 from fusegate.bench.results import append_rows, make_row  # noqa: E402
 
-_CHILD = """
-import json, os, sys, time
-os.sched_setaffinity(0, {int(sys.argv[2])})
-from fusegate.audit.engine import audit
-from fusegate.audit.arch import parse_arch
-t0, c0 = time.perf_counter(), time.process_time()
-result = audit(sys.argv[1], native=False)
-wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-print(json.dumps({"wall": wall, "cpu": cpu, "py_files": len(result.target.python_files), "scanned": result.files_scanned,
-                  "findings": len(result.findings), "gates_sm120": len(result.selected(parse_arch("sm120"))),
-                  "skipped": len(result.skipped)}))
-"""
+
+def _timed(cmd: list, core: int) -> dict:
+    """Wall seconds to exit, peak RSS (MB) and CPU seconds of one child process on `core`."""
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, preexec_fn=lambda: os.sched_setaffinity(0, {core}))
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if proc.returncode not in (0, 1):
+        raise RuntimeError(f"bench_audit: {' '.join(cmd)} failed ({proc.returncode}): {proc.stderr[-500:]}")
+    return {"wall": wall, "rss_mb": after.ru_maxrss / 1024, "cpu": (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime),
+            "stdout": proc.stdout, "load1": os.getloadavg()[0]}
+
+
+def bench_cli(command: str, source: Path, version: str, repeats: int, core: int) -> object:
+    cmd = [sys.executable, "-m", "fusegate.cli", command, str(source), "--arch", "sm120", "--like", "sm100", "--json"]
+    if command == "audit":
+        cmd.append("--no-native")
+    runs = []
+    for i in range(repeats):
+        run = _timed(cmd, core)
+        runs.append(run)
+        print(f"{command} run {i + 1}/{repeats}: wall {run['wall']:.2f} s to exit, cpu {run['cpu']:.2f} s, "
+              f"peak RSS {run['rss_mb']:.0f} MB, load {run['load1']:.1f}")
+    data = json.loads(runs[0]["stdout"])
+    nfiles = sum(1 for _ in source.rglob("*.py"))
+    extra = {"cores": 1, "cpu_s": [round(r["cpu"], 3) for r in runs], "rss_mb": [round(r["rss_mb"], 1) for r in runs],
+             "load1": [round(r["load1"], 2) for r in runs], "nproc": os.cpu_count(), "includes": "process start-up and exit"}
+    if command == "audit":
+        extra.update(gates_false_on_sm120_like_sm100=len(data["gates"]), counts=data["counts"], audit_seconds_reported=data["seconds"])
+    else:
+        extra.update(gates_patched=len(data["gates"]), gates_refused=len(data["errors"]))
+    return make_row(command, "cli", {"target": f"sglang=={version}", "py_files": nfiles}, "python-source", 1,
+                    [r["wall"] for r in runs], "s", **extra)
+
+
+def corpus_rows() -> list:
+    from audit.corpus_harness import score
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        scored = score(Path(tmp))
+    for lang, s in scored.items():
+        for metric in ("recall", "precision"):
+            rows.append(make_row("audit-corpus", "ast", {"cases": s["cases"], "positives": s["positives"], "arch": "sm120"}, lang, 1,
+                                 [s[metric]], metric, tp=s["tp"], fp=s["fp"], fn=s["fn"], exact=round(s["exact"], 4),
+                                 corpus="tests/audit/corpus"))
+        print(f"corpus {lang}: {s['cases']} cases, recall {s['recall']:.3f}, precision {s['precision']:.3f}, exact {s['exact']:.3f}")
+    return rows
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--core", type=int, default=0, help="CPU core to pin the audit to")
+    parser.add_argument("--version", default=SGLANG_VERSION, help="sglang release to audit")
+    parser.add_argument("--patch", action="store_true", help="also time `fusegate patch` (dry run)")
+    parser.add_argument("--corpus", action="store_true", help="score the labelled corpus and append its rows")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "audit.jsonl"))
     args = parser.parse_args()
-    source, why = sglang_source()
-    if source is None:
-        print(f"bench_audit: sglang {SGLANG_VERSION} source unavailable ({why}); connect to PyPI and retry", file=sys.stderr)
-        return 2
-    runs = []
-    for i in range(args.repeats):
-        proc = subprocess.run([sys.executable, "-c", _CHILD, str(source), str(args.core)], capture_output=True, text=True, check=True)
-        run = json.loads(proc.stdout.strip().splitlines()[-1])
-        run["load1"] = os.getloadavg()[0]
-        runs.append(run)
-        print(f"run {i + 1}/{args.repeats}: wall {run['wall']:.2f} s, cpu {run['cpu']:.2f} s, load {run['load1']:.1f}")
-    nbytes = sum(p.stat().st_size for p in source.rglob("*.py"))
-    row = make_row(
-        "audit", "ast", {"target": f"sglang=={SGLANG_VERSION}", "py_files": runs[0]["py_files"], "py_bytes": nbytes},
-        "python-source", 1, [r["wall"] for r in runs], "s",
-        cores=1, cpu_s=[round(r["cpu"], 3) for r in runs], load1=[round(r["load1"], 2) for r in runs],
-        scanned=runs[0]["scanned"], findings=runs[0]["findings"], gates_false_on_sm120=runs[0]["gates_sm120"],
-        nproc=os.cpu_count(),
-    )
-    append_rows(args.out, [row])
-    print(f"audit of sglang {SGLANG_VERSION} ({runs[0]['py_files']} .py files, {nbytes / 1e6:.1f} MB) on 1 core: "
-          f"median {row.median:.2f} s wall (p20 {row.p20:.2f}, p80 {row.p80:.2f}); cpu {sorted(r['cpu'] for r in runs)[len(runs) // 2]:.2f} s")
+    rows = corpus_rows() if args.corpus else []
+    if args.repeats > 0:
+        source, why = sglang_source(args.version)
+        if source is None:
+            print(f"bench_audit: sglang {args.version} source unavailable ({why}); connect to PyPI and retry", file=sys.stderr)
+            return 2
+        for command in ("audit", "patch") if args.patch else ("audit",):
+            row = bench_cli(command, source, args.version, args.repeats, args.core)
+            rows.append(row)
+            print(f"{command} of sglang {args.version} on 1 core: median {row.median:.2f} s to exit (p20 {row.p20:.2f}, p80 {row.p80:.2f}); "
+                  f"peak RSS {max(row.extra['rss_mb']):.0f} MB")
+    append_rows(args.out, rows)
     return 0
 
 

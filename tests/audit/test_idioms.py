@@ -45,7 +45,8 @@ CASES = [
     ("layers/caps.py", "is_device_capability_family(100)", "assign", "gate", names(lambda a: a.major == 10)),
     ("layers/caps.py", "(8, 0) <= capability < (10, 0)", "assign", "gate", names(lambda a: (8, 0) <= (a.major, a.minor) < (10, 0))),
     ("layers/caps.py", "100 <= sm < 120", "assign", "gate", names(lambda a: 100 <= a.cc_int < 120)),
-    ("layers/caps.py", "not torch.cuda.get_device_capability()[0] == 9", "if", "gate", names(lambda a: a.major not in (9, 10))),
+    # `if not hopper and not blackwell: return "fallback"` bails out to the fallback: the fast path is on 9.x and 10.x.
+    ("layers/caps.py", "not torch.cuda.get_device_capability()[0] == 9", "guard", "gate", names(lambda a: a.major in (9, 10))),
     ("layers/caps.py", "== (9, 0)", "ternary", "gate", ["sm90"]),
     ("layers/caps.py", "props.major == 10", "assign", "flag-definition", names(lambda a: a.major == 10)),
     ("layers/caps.py", "self.is_blackwell", "if", "gate", names(lambda a: a.major == 10)),

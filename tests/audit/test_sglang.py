@@ -78,3 +78,60 @@ def test_patch_reaudit_revert(source, tmp_path):
     assert after.values["sm80"] is False
     manifest.revert(root, state_dir=state)
     assert hashlib.sha256((root / ADD_NORM).read_bytes()).digest() == hashlib.sha256(original).digest()
+
+
+# The story's three gates in each release: (path, scope suffix, condition fragment).
+STORY = {
+    "0.5.10": [
+        ("srt/layers/communicator.py", "apply_flashinfer_allreduce_fusion", "(_is_sm90_supported or _is_sm100_supported)"),
+        ("srt/server_args.py", "_handle_model_specific_adjustments", "(is_sm90_supported() or is_sm100_supported())"),
+        ("srt/server_args.py", "_handle_model_specific_adjustments", "GLM"),
+    ],
+    "0.5.23": [
+        (ADD_NORM, "flashinfer_ar_fusion_applies", "(_is_sm90_supported or _is_sm100_supported)"),
+        ("srt/arg_groups/overrides.py", "_flashinfer_allreduce_fusion_auto_enable", "is_sm90 or"),
+        ("srt/arg_groups/model_overrides/glm4_moe.py", "_glm4_moe_overrides", "get_platform().is_sm100"),
+    ],
+}
+
+
+def _story_gate(result, root, path, scope, fragment):
+    if fragment == "GLM":  # the `if is_sm100_supported():` right under `elif model_arch in ["Glm4MoeForCausalLM"]:`
+        lines = (root / path).read_text().splitlines()
+        hits = [f for f in result.findings if f.path == path and f.scope.endswith(scope)
+                and 'model_arch in ["Glm4MoeForCausalLM"]' in lines[f.line - 2]]
+    else:
+        hits = [f for f in result.findings if f.path.endswith(path.split("/")[-1]) and f.scope.endswith(scope) and fragment in f.condition]
+    assert len(hits) == 1, [(f.path, f.line, f.scope, f.condition[:60]) for f in hits]
+    return hits[0]
+
+
+@pytest.fixture(scope="module", params=sorted(STORY))
+def release(request):
+    path, why = sglang_source(request.param)
+    if path is None:
+        pytest.skip(f"sglang {request.param} source unavailable: {why}")
+    return request.param, path, audit(str(path), native=False)
+
+
+def test_all_six_story_gates_found_excluding_sm120_and_patchable(release):
+    version, root, result = release
+    gates = [_story_gate(result, root, *spec) for spec in STORY[version]]
+    selected = result.selected(SM120, SM100)
+    for gate in gates:
+        assert gate.category == "gate" and gate.values["sm120"] is False and gate.values["sm100"] is not False
+        assert gate in selected
+    changes, plans, errors = build_changes(result, gates, SM120, SM100)
+    assert not errors and sorted(plans) == sorted(g.id for g in gates)
+
+
+def test_tree_and_single_file_audits_agree(release):
+    version, root, result = release
+    tree: dict = {}
+    for f in result.findings:
+        tree.setdefault(f.path, []).append((f.id, f.line, f.kind, f.category, f.enables))
+    paths = sorted(tree)
+    # Every file with findings in 0.5.10 (55); an evenly spread sample of 0.5.23's ~190 keeps this under a minute.
+    for rel in paths if len(paths) <= 60 else paths[:: len(paths) // 40]:
+        alone = audit(str(root / rel), native=False)
+        assert [(f.id, f.line, f.kind, f.category, f.enables) for f in alone.findings] == tree[rel], rel

@@ -139,6 +139,9 @@ class ArchNum:
     def of(cls, fn) -> "ArchNum":
         return cls(tuple(fn(a) for a in ARCHS))
 
+    def at(self, arch: Arch):
+        return self.values[_INDEX[arch.name]]
+
     def map(self, fn) -> "ArchNum | None":
         try:
             return ArchNum(tuple(fn(v) for v in self.values))

@@ -18,6 +18,13 @@ PRED_NAME_RE = re.compile(
     r"^_?check_cuda_device_version$",
     re.IGNORECASE,
 )
+# Functions whose capability parameter is the device's (vLLM attention backends' classmethod).
+CAPABILITY_FUNC_RE = re.compile(r"supports?_(compute_)?capabilit|is_supported_capabilit|capability_supported")
+CAPABILITY_PARAM_RE = re.compile(r"(device_|compute_)?capability|cap|cc")
+# Parameter names that are the device's capability in any function (FlashInfer, vLLM) ...
+CAPABILITY_PARAMS = frozenset({"compute_capability", "device_capability", "capability", "cuda_capability"})
+# ... and its integer form (major*10+minor).
+SM_INT_PARAMS = frozenset({"sm_version", "device_sm", "sm_arch"})
 # Flag names spelled after an architecture (cached predicates).
 FLAG_NAME_RE = re.compile(r"(^|_)(sm_?\d{2,3}[af]?|sm\d+x|blackwell|hopper|ampere)(_|$)|^_?is_sm", re.IGNORECASE)
 LOG_CALLS = {
@@ -77,14 +84,61 @@ def _falsy(node: ast.expr | None) -> bool:
     return isinstance(node, (ast.Dict, ast.List, ast.Tuple)) and not (getattr(node, "keys", None) or getattr(node, "elts", None))
 
 
-def guard_kind(body: list) -> str | None:
-    """'raise' / 'return' when an if-body only bails out (the feature is what follows), else None."""
+def is_negative_test(test: ast.expr) -> bool:
+    """`not X`, `x != y`, `x not in t`, or and/or of such: how a "not supported here" check reads."""
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        return True
+    if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], (ast.NotEq, ast.NotIn)):
+        return True
+    # `not a or not b` and, by De Morgan, `not a and not b` (= `not (a or b)`).
+    return isinstance(test, ast.BoolOp) and all(is_negative_test(v) for v in test.values)
+
+
+def guard_kind(body: list, test: ast.expr | None = None) -> str | None:
+    """'raise' / 'return' when an if-body only bails out (the feature is what follows), else None.
+
+    A return of a falsy value bails out; so does any single return under a negative test
+    (`if not is_sm120(): return original_kernel`, `if cap != (12, 0): return "device is not SM120"`)."""
     effects = [s for s in body if not is_log_stmt(s)]
     if len(effects) == 1 and isinstance(effects[0], ast.Raise):
         return "raise"
-    if len(effects) == 1 and isinstance(effects[0], ast.Return) and _falsy(effects[0].value):
-        return "return"
+    if len(effects) == 1 and isinstance(effects[0], ast.Return):
+        if _falsy(effects[0].value) or (test is not None and is_negative_test(test)):
+            return "return"
     return None
+
+
+_OFF_NAME_RE = re.compile(r"disable|skip|^no_|_off$|fallback|unsupported|workaround", re.IGNORECASE)
+_OFF_LIST_RE = re.compile(r"unsupported|reasons|errors|missing|blocked|disabled|incompatible", re.IGNORECASE)
+
+
+def _target_name(node: ast.AST) -> str:
+    if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
+        return str(node.slice.value)
+    return node.id if isinstance(node, ast.Name) else getattr(node, "attr", "")
+
+
+def disables(body: list) -> bool:
+    """Does an if-body only turn something off? (`x.use_pdl = False`, `opts["disable_x"] = True`,
+    `unsupported.append(...)`): then the feature is on where the condition is false."""
+    effects = [s for s in body if not is_log_stmt(s)]
+    if not effects:
+        return False
+    for stmt in effects:
+        if isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.Constant):
+            names = [_target_name(t) for t in stmt.targets]
+            if stmt.value.value is True and names and all(_OFF_NAME_RE.search(n) for n in names):
+                continue
+            if not stmt.value.value and stmt.value.value is not True and not any(_OFF_NAME_RE.search(n) for n in names):
+                continue
+            return False
+        elif isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call) and call_name(stmt.value) in ("append", "add", "extend"):
+            owner = stmt.value.func.value if isinstance(stmt.value.func, ast.Attribute) else None
+            if owner is None or not _OFF_LIST_RE.search(_target_name(owner)):
+                return False
+        else:
+            return False
+    return True
 
 
 def effects(body: list, limit: int = 2) -> str:

@@ -22,7 +22,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from fusegate.audit.arch import ARCHS, Arch
-from fusegate.audit.resolve import Resolver, module_name_for
+from fusegate.audit.modules import module_name_for
+from fusegate.audit.resolve import Resolver
 from fusegate.audit.scan import ModuleScanner, Site
 from fusegate.audit.target import SourceSkip, Target, decode_source, read_bytes, resolve_target, stream_matches
 
@@ -76,6 +77,7 @@ class Finding:
     language: str = "python"
     report_only: bool = False
     note: str | None = None
+    requires: list = field(default_factory=list)  # hardware features the guarded code uses (hardware.py)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -106,6 +108,11 @@ class AuditResult:
         return out
 
 
+    def inverse(self, arch: Arch) -> list:
+        """Inverse gates off on `arch`: features turned off there on purpose (never patched)."""
+        return [f for f in self.findings if f.category == "inverse" and f.values[arch.name] is False]
+
+
 def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
@@ -118,40 +125,36 @@ def _confidence(site: Site) -> str:
     return "high"
 
 
-def audit(spec: str, *, native: bool = True, overlay: dict | None = None, progress=None, only: set | None = None) -> AuditResult:
+def audit(spec: str, *, native: bool = True, overlay: dict | None = None, progress=None, only: set | None = None,
+          keep_trees: bool = True) -> AuditResult:
     """Audit TARGET `spec` (directory, file or installed package name); never imports it.
 
     `overlay` maps paths to replacement source text (used to re-audit a patch before writing it).
     `only` restricts the scanned Python files to these relative paths (other modules are still
-    parsed when a gate depends on them). `progress(done, total)` is called after each file."""
+    parsed when a gate depends on them). `progress(done, total)` is called after each file.
+    `keep_trees=False` (a report only, no patch) lets each module's syntax tree go once it is
+    scanned, keeping only what other modules may resolve through it; `sites` is then empty."""
     # The audit keeps hundreds of ASTs alive; the cyclic collector would rescan them after every
     # allocation burst (measured: 38 s instead of a few for sglang), and ASTs hold no cycles to free.
     enabled = gc.isenabled()
     gc.disable()
     try:
-        return _audit(spec, native=native, overlay=overlay, progress=progress, only=only)
+        return _audit(spec, native=native, overlay=overlay, progress=progress, only=only, keep_trees=keep_trees)
     finally:
+        # What the audit built stays alive with its result and holds no garbage cycles: moving it to
+        # the permanent generation keeps every later collection, and the one at interpreter exit
+        # (which took longer than the audit itself, measured on sglang), from rescanning it.
+        gc.freeze()
         if enabled:
             gc.enable()
 
 
-def _audit(spec: str, *, native: bool, overlay: dict | None, progress, only: set | None) -> AuditResult:
+def _audit(spec: str, *, native: bool, overlay: dict | None, progress, only: set | None, keep_trees: bool) -> AuditResult:
     start = time.perf_counter()
     target = resolve_target(spec, native=native)
     overlay = {Path(k).resolve(): v for k, v in (overlay or {}).items()}
-    modules, roots = [], []
-    by_dir: dict = {}  # directory -> (package prefix, import root): one walk up per directory, not per file
-    for path in target.python_files:
-        if path.parent not in by_dir:
-            pkg, root = module_name_for(path.parent / "__init__.py")
-            by_dir[path.parent] = (pkg if (path.parent / "__init__.py").exists() else "", root if (path.parent / "__init__.py").exists() else path.parent.resolve())
-        pkg, root = by_dir[path.parent]
-        stem = "" if path.name == "__init__.py" else path.stem
-        name = ".".join(p for p in (pkg, stem) if p) or path.stem
-        modules.append((path, name))
-        if root not in roots:
-            roots.append(root)
-    resolver = Resolver(roots, overlay, within=target.root)
+    modules, roots = _module_names(target)
+    resolver = Resolver(roots, overlay, within=_context_root(target, modules, roots))
     findings, sites, hashes, skipped = [], {}, {}, list(target.unlisted)
     total = len(modules) + len(target.native_files)
     scanned = 0
@@ -184,7 +187,9 @@ def _audit(spec: str, *, native: bool, overlay: dict | None, progress, only: set
             if info is None:
                 error = resolver.errors.get(path.resolve(), "SyntaxError: unparsable")
                 skipped.append({"path": rel, "reason": "unparsable", "error": error})
-            elif info.path.resolve() == path.resolve():
+            elif info.path.resolve() != path.resolve():  # never silently: a dropped file hides its gates
+                skipped.append({"path": rel, "reason": "name-clash", "error": f"module name {name} already names {info.path}"})
+            else:
                 hashes[rel] = digest
                 try:
                     scanner = ModuleScanner(resolver, name, rel)
@@ -193,6 +198,9 @@ def _audit(spec: str, *, native: bool, overlay: dict | None, progress, only: set
                     skipped.append({"path": rel, "reason": "unparsable", "error": "RecursionError: expression nested too deeply"})
                     continue
                 _collect(module_sites, rel, scanner.lines, findings, sites)
+                if not keep_trees:
+                    sites.clear()
+                    resolver.release(name)
         if progress:
             progress(i + 1, total)
     if target.native_files and only is None:
@@ -216,6 +224,50 @@ def _audit(spec: str, *, native: bool, overlay: dict | None, progress, only: set
     return AuditResult(target, findings, hashes, skipped, scanned, time.perf_counter() - start, sites, resolver)
 
 
+def _module_names(target: Target) -> tuple[list, list]:
+    """[(path, dotted name)] of the target's Python files and their import roots; names are unique."""
+    modules, roots, taken = [], [], {}
+    by_dir: dict = {}  # directory -> (package prefix, import root): one walk up per directory, not per file
+    for path in target.python_files:
+        if path.parent not in by_dir:
+            name, root = module_name_for(path.parent / "__init__.py", lambda d=path.parent: _import_heads(d))
+            by_dir[path.parent] = ("" if root == path.parent.resolve() else name, root)
+        pkg, root = by_dir[path.parent]
+        stem = "" if path.name == "__init__.py" else path.stem
+        name = ".".join(p for p in (pkg, stem) if p) or path.stem
+        if taken.setdefault(name, path) != path:
+            # Two plain script directories with the same file name: the path from the target root tells them apart.
+            name = ".".join(path.relative_to(target.root).with_suffix("").parts)
+        modules.append((path, name))
+        if root not in roots:
+            roots.append(root)
+    return modules, roots
+
+
+def _import_heads(directory: Path) -> str:
+    """The first lines of a few of the directory's modules: where their absolute imports are."""
+    heads = []
+    for path in sorted(directory.glob("*.py"))[:5]:
+        try:
+            with open(path, "rb") as fh:
+                heads.append(fh.read(8192).decode("utf-8", errors="replace"))
+        except OSError:
+            continue
+    return "\n".join(heads)
+
+
+def _context_root(target: Target, modules: list, roots: list) -> Path:
+    """The tree whose modules a gate may depend on: the whole top-level package holding the target.
+
+    Auditing `srt/server_args.py` alone or inside the whole `sglang` tree must give the same
+    verdicts, so both resolve `from sglang.srt.utils import ...` in the same package."""
+    if len(roots) == 1 and modules:
+        top = roots[0] / modules[0][1].split(".")[0]
+        if top.is_dir() and target.root.resolve().is_relative_to(top.resolve()):
+            return top
+    return target.root
+
+
 def _segment(lines: list, node: ast.AST) -> str:
     """Source text of `node` (ast.get_source_segment re-splits the whole file on every call)."""
     first, last = node.lineno - 1, (node.end_lineno or node.lineno) - 1
@@ -231,7 +283,8 @@ def _collect(module_sites: list, rel: str, lines: list, findings: list, sites: d
     for site in module_sites:
         node = site.node
         normalized = ast.unparse(node)
-        key = f"{rel}\0{site.scope}\0{site.kind}\0{normalized}"
+        # The module's dotted name, not the path: auditing a file alone or in its tree gives one ID.
+        key = f"{site.module}\0{site.scope}\0{site.kind}\0{normalized}"
         # 8 hex digits (2**32 values) for a few thousand conditions per engine; a repeat in one file gets -2, -3.
         digest = hashlib.sha1(key.encode()).hexdigest()[:8]
         seen[digest] = seen.get(digest, 0) + 1
@@ -243,7 +296,7 @@ def _collect(module_sites: list, rel: str, lines: list, findings: list, sites: d
             id=fid, path=rel, line=node.lineno, end_line=node.end_lineno or node.lineno, column=node.col_offset + 1,
             scope=site.scope, kind=site.kind, category=site.category, condition=" ".join(text.split()),
             guards=site.guards, values=values, enables=site.value.enabled_names(), confidence=_confidence(site),
-            note=site.note,
+            note=site.note, requires=list(site.requires),
         )
         findings.append(finding)
         sites[fid] = site

@@ -34,7 +34,13 @@ _BUILTINS = {
     "tuple": lambda a: tuple(a.value),
     "list": lambda a: tuple(a.value),
     "map": _map,
+    "frozenset": lambda a: frozenset(a.value),
+    "set": lambda a: frozenset(a.value),
 }
+
+
+def _norm_key(k):
+    return tuple(k) if isinstance(k, list) else k
 
 
 def to_bool(value) -> ArchBool:
@@ -56,6 +62,9 @@ def ite(test: ArchBool, a, b):
         return b
     if a == b:
         return a
+    if isinstance(a, Const) and isinstance(b, Const) and None not in test.values and not isinstance(a.value, bool) and not isinstance(b.value, bool):
+        # `"a" if major >= 9 else ""`: a value per architecture, e.g. for f"{sm}{suffix}" == "90a"
+        return ArchNum(tuple(a.value if t else b.value for t in test.values))
     if isinstance(a, (ArchBool, Const)) and isinstance(b, (ArchBool, Const)):
         return test.and_(to_bool(a)).or_(test.not_().and_(to_bool(b)))
     return UNKNOWN
@@ -95,9 +104,38 @@ class Evaluator:
         items = [self.eval(e) for e in node.elts]
         if all(isinstance(i, Const) for i in items):
             return Const(tuple(i.value for i in items))
+        if all(isinstance(i, (Const, ArchNum)) for i in items):  # (major, minor) after unpacking
+            return ArchNum.of(lambda a: tuple(i.at(a) if isinstance(i, ArchNum) else i.value for i in items))
         return UNKNOWN
 
     _List = _Set = _Tuple
+
+    def _Dict(self, node):
+        keys = [self.eval(k) if k is not None else UNKNOWN for k in node.keys]
+        values = [self.eval(v) for v in node.values]
+        if all(isinstance(x, Const) for x in keys + values):
+            try:
+                return Const({k.value: v.value for k, v in zip(keys, values)})
+            except TypeError:
+                return UNKNOWN
+        return UNKNOWN
+
+    def _JoinedStr(self, node):
+        """f"{major}{minor}" (FlashInfer's _match_sm_version) -> a string per architecture."""
+        parts = []
+        for value in node.values:
+            if isinstance(value, ast.FormattedValue):
+                if value.format_spec is not None or value.conversion not in (-1, ord("s")):
+                    return UNKNOWN
+                value = self.eval(value.value)
+            else:
+                value = self.eval(value)
+            if not isinstance(value, (Const, ArchNum)):
+                return UNKNOWN
+            parts.append(value)
+        if not any(isinstance(p, ArchNum) for p in parts):
+            return UNKNOWN
+        return ArchNum.of(lambda a: "".join(str(p.at(a) if isinstance(p, ArchNum) else p.value) for p in parts))
 
     def _Name(self, node):
         if self.local is not None and node.id in self.local:
@@ -168,9 +206,13 @@ class Evaluator:
         return UNKNOWN
 
     def _BoolOp(self, node):
-        result = to_bool(self.eval(node.values[0]))
-        for item in node.values[1:]:
-            value = to_bool(self.eval(item))
+        items = [self.eval(v) for v in node.values]
+        if isinstance(node.op, ast.Or) and isinstance(items[-1], ArchNum) and all(i is UNKNOWN or isinstance(i, External) for i in items[:-1]):
+            # `sm = sm or get_device_sm()`: a caller's value when given, otherwise the device's.
+            return items[-1]
+        result = to_bool(items[0])
+        for value in items[1:]:
+            value = to_bool(value)
             result = result.and_(value) if isinstance(node.op, ast.And) else result.or_(value)
         return result
 
@@ -207,6 +249,11 @@ class Evaluator:
                 args = [self.eval(a) for a in node.args]
                 if all(isinstance(a, Const) for a in args):
                     return Const(tuple(base.value.split(*(a.value for a in args))))
+            if isinstance(base, Const) and isinstance(base.value, dict) and func_node.attr == "get" and node.args:
+                key = self.eval(node.args[0])
+                default = self.eval(node.args[1]) if len(node.args) > 1 else Const(None)
+                if isinstance(key, ArchNum) and isinstance(default, Const):
+                    return key.map(lambda k: base.value.get(_norm_key(k), default.value)) or UNKNOWN
             if isinstance(base, ArchNum):
                 if func_node.attr == "to_int":
                     return base.map(lambda v: v[0] * 10 + v[1]) or UNKNOWN
@@ -233,6 +280,8 @@ class Evaluator:
                 return self.call(seed, args, kwargs)
             if func.last in ("tuple", "int") and args and isinstance(args[0], ArchNum):
                 return args[0]
+            if func.last == "str" and args and isinstance(args[0], ArchNum):
+                return args[0].map(str) or UNKNOWN
             if func.last in _BUILTINS and all(isinstance(a, (Const, External)) for a in args):
                 try:
                     return Const(_BUILTINS[func.last](*args))

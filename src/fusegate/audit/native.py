@@ -1,11 +1,13 @@
-"""Report-only scanning of C/C++/CUDA preprocessor arch tests and CMake arch lists.
+"""Report-only scanning of C/C++/CUDA arch tests (preprocessor and runtime) and CMake arch lists.
 
 `#if`/`#elif` lines (joined across `\\` continuations) that mention `__CUDA_ARCH__` are translated
 to a Python expression and evaluated per architecture with `__CUDA_ARCH__` = major*100+minor*10;
 `__CUDA_ARCH_FEAT_SM<N>_ALL` / `__CUDA_ARCH_SPECIFIC__` style macros are treated as true for the
 architecture they name and other identifiers as unknown. CMake: quoted arch lists such as
 `cuda_archs_loose_intersection(X "10.0f;12.0a" ...)` or `set(CUDA_ARCHS "9.0;10.0")` are read as
-sets (an `f` suffix means the whole major family). These findings are never patched: what a kernel
+sets (an `f` suffix means the whole major family). Runtime C++ comparisons of an integer
+capability (`if (sm >= 100 && sm < 120)`, `getSMVersion() == 90`) are read with the integer
+being major*10+minor. These findings are never patched: what a kernel
 is compiled for is a build decision, reported so the reader knows the Python gate is not the only one.
 """
 
@@ -101,6 +103,72 @@ def _finding(rel, line, kind, condition, value: ArchBool, language, guards):
     )
 
 
+# Runtime capability integers in C++ (gate-idioms.md 4.4): `if (sm >= 100 && sm < 120)`,
+# `return smVersion == 100 || smVersion == 103;`, `TVM_FFI_ICHECK(sm_version >= 100)`.
+_CAP_NAME = r"(?:sm|sm_?version|smVersion|sm_?ver|sm_?arch|cap|cc|capability|cuda_device_capability|compute_capability|device_sm|arch)"
+_CAP_CALL_RE = re.compile(r"\b(?:getSMVersion|get_sm_version|GetCudaComputeCapability|getSmVersion)\s*\(\s*\)")
+_RUNTIME_RE = re.compile(
+    r"^\s*(?:\}\s*else\s+)?(?:if|while)\s*\((.*)\)\s*\{?\s*$|^\s*return\s+(.*);\s*$|^\s*\w*CHECK\w*\s*\((.*)\)\s*;?\s*$"
+)
+_CAP_CMP_RE = re.compile(rf"\b{_CAP_NAME}\b\s*(?:==|!=|>=|<=|>|<)\s*\d+|\d+\s*(?:==|!=|>=|<=|>|<)\s*\b{_CAP_NAME}\b")
+
+
+def _runtime_value(expr: str) -> ArchBool | None:
+    """A C++ condition over an integer capability: `sm` is major*10+minor (90, 100, 120)."""
+    from fusegate.audit.arch import compare
+
+    expr = _CAP_CALL_RE.sub(" sm ", expr)
+    names = set(re.findall(rf"\b{_CAP_NAME}\b", expr))
+    try:
+        tree = ast.parse(_translate(expr).strip(), mode="eval")
+    except SyntaxError:
+        return None
+    cc = ArchNum.of(lambda a: a.cc_int)
+
+    def ev(node):
+        if isinstance(node, ast.Constant):
+            return node.value
+        if isinstance(node, ast.Name):
+            return cc if node.id in names else None
+        if isinstance(node, ast.BoolOp):
+            out = _bool(ev(node.values[0]))
+            for v in node.values[1:]:
+                out = out.and_(_bool(ev(v))) if isinstance(node.op, ast.And) else out.or_(_bool(ev(v)))
+            return out
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
+            return _bool(ev(node.operand)).not_()
+        if isinstance(node, ast.Compare) and len(node.ops) == 1:
+            left, right = ev(node.left), ev(node.comparators[0])
+            # 70..199: an SM integer (major*10+minor); other numbers compared with such a name are not one.
+            if isinstance(left, ArchNum) and isinstance(right, int) and 70 <= right < 200:
+                return compare(type(node.ops[0]).__name__, left, right)
+            if isinstance(right, ArchNum) and isinstance(left, int) and 70 <= left < 200:
+                return compare(type(node.ops[0]).__name__, left, right)
+        return None
+
+    return _bool(ev(tree.body))
+
+
+def _runtime_findings(rel: str, lines: list) -> list:
+    out, seen = [], {}
+    for i, line in enumerate(lines):
+        if not (_CAP_CMP_RE.search(line) or _CAP_CALL_RE.search(line)):
+            continue
+        m = _RUNTIME_RE.match(line)
+        if not m:
+            continue
+        expr = next(g for g in m.groups() if g is not None)
+        value = _runtime_value(expr)
+        if value is None or not value.depends_on_arch:
+            continue
+        f = _finding(rel, i + 1, "runtime-cpp", " ".join(expr.split()), value, "cuda", "code run under this condition")
+        seen[f.id] = seen.get(f.id, 0) + 1
+        if seen[f.id] > 1:
+            f.id = f"{f.id}-{seen[f.id]}"
+        out.append(f)
+    return out
+
+
 def scan_native(rel: str, text: str) -> list:
     """Report-only findings of one C/C++/CUDA or CMake file."""
     lines = text.splitlines()
@@ -134,4 +202,6 @@ def scan_native(rel: str, text: str) -> list:
         if seen[f.id] > 1:
             f.id = f"{f.id}-{seen[f.id]}"
         out.append(f)
+    if not is_cmake:
+        out.extend(_runtime_findings(rel, lines))
     return out

@@ -1,11 +1,14 @@
-"""Turn `Plan`s (plan.py) into new file text with libcst, so formatting and comments survive.
+"""Turn `Plan`s (plan.py) into new file text by editing the source at `ast` positions.
 
-Nodes are found by position: `ast` gives (line, UTF-8 byte column) ranges, libcst's
-`PositionProvider` gives (line, character column) ranges that, like ast's, exclude parentheses.
-Edits: replace an atom with `atom or sibling` (parenthesized unless the atom already sits in an
-`or`), append an element to a literal tuple/list/set, rewrite `x == a` as `x in (a, b)`, add a name
-to a `from ... import`, insert a statement after its sibling. `patched_sources` returns the new
-text per file and never writes; manifest.py writes.
+Every edit replaces or inserts bytes at the positions `ast` records (line, UTF-8 byte column;
+an expression's range excludes enclosing parentheses), so all other text, formatting and
+comments stay byte for byte; the result is parsed again before it is returned. Edits: replace
+an atom with `atom or sibling` (parenthesized unless the atom already sits in an `or`), append an
+element to a literal tuple/list/set, rewrite `x == a` as `x in (a, b)`, add a name to a
+`from ... import` next to its sibling, insert a statement after its sibling. Edits are applied
+from the end of the file backwards, so earlier positions stay valid. `build_changes` returns the
+new text per file and never writes; manifest.py writes. (libcst did this before: re-reading 81
+whole sglang files with position metadata took over a minute.)
 """
 
 from __future__ import annotations
@@ -13,139 +16,112 @@ from __future__ import annotations
 import ast
 import difflib
 
-import libcst as cst
-from libcst.metadata import MetadataWrapper, PositionProvider
-
+from fusegate.audit.arch import ARCHS
 from fusegate.audit.plan import Plan
 from fusegate.audit.target import read_source
 
 
-def _char_col(lines: list, line: int, byte_col: int) -> int:
-    return len(lines[line - 1].encode()[:byte_col].decode(errors="replace"))
+class _Text:
+    """The source as bytes with line offsets: ast positions -> byte offsets."""
+
+    def __init__(self, source: str):
+        self.data = source.encode("utf-8")
+        self.starts = [0]
+        for line in self.data.splitlines(keepends=True):
+            self.starts.append(self.starts[-1] + len(line))
+
+    def at(self, line: int, col: int) -> int:
+        return self.starts[line - 1] + col
+
+    def span(self, node) -> tuple[int, int]:
+        return self.at(node.lineno, node.col_offset), self.at(node.end_lineno, node.end_col_offset)
+
+    def code(self, node) -> str:
+        a, b = self.span(node)
+        return self.data[a:b].decode("utf-8")
+
+    def indent_of(self, line: int) -> str:
+        raw = self.data[self.starts[line - 1]: self.starts[line]].decode("utf-8")
+        return raw[: len(raw) - len(raw.lstrip())]
 
 
-def _key(lines: list, node: ast.AST) -> tuple:
-    key = [node.lineno, _char_col(lines, node.lineno, node.col_offset), node.end_lineno, _char_col(lines, node.end_lineno, node.end_col_offset)]
-    # ast counts a tuple's parentheses as part of it; libcst keeps them in lpar/rpar, outside the range.
-    if isinstance(node, ast.Tuple) and lines[key[0] - 1][key[1]: key[1] + 1] == "(":
-        key[1] += 1
-        key[3] -= 1
-    return tuple(key)
+def _expr_edit(text: _Text, edit) -> tuple[int, int, str]:
+    a, b = text.span(edit.node)
+    code = text.code(edit.node)
+    if isinstance(edit.new_code, tuple):
+        mode, lit = edit.new_code
+        if mode == "append":
+            body, close = code.rstrip()[:-1].rstrip(), code.rstrip()[-1]
+            assert close in ")]}", f"patch: {code!r} is not a bracketed literal"
+            sep = "" if body.endswith(",") else ","
+            return a, b, f"{body}{sep} {lit}{close}"
+        node = edit.node
+        return a, b, f"{text.code(node.left)} in ({text.code(node.comparators[0])}, {lit})"
+    new = f"{code} or {edit.new_code}"
+    return a, b, f"({new})" if edit.wrap else new
 
 
-class _Editor(cst.CSTTransformer):
-    METADATA_DEPENDENCIES = (PositionProvider,)
+def _import_edit(text: _Text, node: ast.ImportFrom, sibling: str, new: str) -> tuple[int, int, str] | None:
+    if any((alias.asname or alias.name) == new for alias in node.names):
+        return None
+    alias = next(a for a in node.names if (a.asname or a.name) == sibling)
+    _, end = text.span(alias)
+    rest = text.data[end: text.at(node.end_lineno, node.end_col_offset)]
+    if rest.startswith(b",") and rest[1:].lstrip(b" \t").startswith((b"\n", b"\r")):
+        # one name per line in parentheses: the new one on its own line, indented alike
+        eol = end + 1
+        return eol, eol, f"\n{text.indent_of(alias.lineno)}{new},"
+    return end, end, f", {new}"
 
-    def __init__(self, source: str, plans: list):
-        super().__init__()
-        lines = source.splitlines()
-        self.expr_edits = {}
-        self.import_edits = {}
-        self.insert_after = {}
-        for plan in plans:
-            for edit in plan.atom_edits:
-                self.expr_edits[_key(lines, edit.node)] = edit
-            for node, sibling, new in plan.imports:
-                self.import_edits.setdefault(node.lineno, []).append((sibling, new))
-            for stmt, code in plan.statements:
-                self.insert_after.setdefault(stmt.lineno, []).append(code)
-        self.applied = 0
-        self._line_of: dict = {}
 
-    def _pos(self, node) -> tuple:
-        r = self.get_metadata(PositionProvider, node)
-        return (r.start.line, r.start.column, r.end.line, r.end.column)
-
-    def on_leave(self, original, updated):
-        if isinstance(original, cst.BaseExpression) and self.expr_edits:
-            try:
-                key = self._pos(original)
-            except KeyError:
-                return super().on_leave(original, updated)
-            edit = self.expr_edits.pop(key, None)
-            if edit is not None:
-                self.applied += 1
-                return self._apply(updated, edit)
-        return super().on_leave(original, updated)
-
-    def _apply(self, node, edit):
-        code = cst.Module([]).code_for_node(node)
-        if isinstance(edit.new_code, tuple):
-            mode, lit = edit.new_code
-            if mode == "append":
-                inner = code.rstrip()
-                close = inner[-1]
-                body = inner[:-1].rstrip()
-                sep = "" if body.endswith(",") else ","
-                return cst.parse_expression(f"{body}{sep} {lit}{close}")
-            left = cst.Module([]).code_for_node(node.left)
-            right = cst.Module([]).code_for_node(node.comparisons[0].comparator)
-            return cst.parse_expression(f"{left} in ({right}, {lit})").with_changes(lpar=node.lpar, rpar=node.rpar)
-        new = cst.parse_expression(edit.new_code)
-        op = cst.BooleanOperation(
-            left=node, operator=cst.Or(), right=new,
-            lpar=[cst.LeftParen()] if edit.wrap else [], rpar=[cst.RightParen()] if edit.wrap else [],
-        )
-        return op
-
-    def leave_ImportFrom(self, original, updated):
-        edits = self.import_edits.get(self._pos(original)[0])
-        if not edits or isinstance(updated.names, cst.ImportStar):
-            return updated
-        names = list(updated.names)
-        for sibling, new in edits:
-            if any(cst.Module([]).code_for_node(a.name) == new for a in names):
-                continue
-            i = next(i for i, a in enumerate(names) if (a.evaluated_alias or a.evaluated_name) == sibling)
-            comma = names[i].comma
-            if i + 1 == len(names):
-                # The last alias's comma leads to `)` (or nothing): the sibling takes the separator
-                # its predecessor uses (newline + indent in a parenthesized list), the new alias the old one.
-                lead = names[i - 1].comma if i > 0 and isinstance(names[i - 1].comma, cst.Comma) else cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))
-                names[i] = names[i].with_changes(comma=lead)
-            names.insert(i + 1, cst.ImportAlias(name=cst.Name(new), comma=comma))
-            self.applied += 1
-        return updated.with_changes(names=names)
-
-    def leave_SimpleStatementLine(self, original, updated):
-        self._line_of[id(updated)] = self._pos(original)[0]
-        return updated
-
-    def leave_Module(self, original, updated):
-        return updated.with_changes(body=self._insert_all(updated.body))
-
-    def leave_IndentedBlock(self, original, updated):
-        return updated.with_changes(body=self._insert_all(updated.body))
-
-    def _insert_all(self, body):
-        out = []
-        for stmt in body:
-            out.append(stmt)
-            line = self._line_of.get(id(stmt))
-            for code in dict.fromkeys(self.insert_after.get(line, ())):
-                out.append(cst.parse_statement(code + "\n"))
-                self.applied += 1
-        return out
+def _statement_edit(text: _Text, stmt: ast.stmt, code: str) -> tuple[int, int, str]:
+    end = text.starts[stmt.end_lineno] if stmt.end_lineno < len(text.starts) else len(text.data)
+    indent = " " * stmt.col_offset
+    body = "".join(f"{indent}{line}\n" if line else "\n" for line in code.splitlines())
+    prefix = "" if text.data[:end].endswith(b"\n") else "\n"
+    return end, end, prefix + body
 
 
 def apply_plans(source: str, plans: list[Plan]) -> str:
-    """New text of one file with every plan for it applied; AssertionError if an edit found no node."""
-    wrapper = MetadataWrapper(cst.parse_module(source))
-    editor = _Editor(source, plans)
-    new = wrapper.visit(editor)
-    assert not editor.expr_edits, f"patch: edit positions not found: {list(editor.expr_edits)}"
-    return new.code
+    """New text of one file with every plan for it applied."""
+    text = _Text(source)
+    edits = {}
+    for plan in plans:
+        for edit in plan.atom_edits:
+            a, b, new = _expr_edit(text, edit)
+            edits[(a, b)] = new  # two sites of one expression (an assignment and its table) edit it once
+        for node, sibling, new in plan.imports:
+            found = _import_edit(text, node, sibling, new)
+            if found:
+                edits[found[:2]] = found[2]
+        for stmt, code in dict.fromkeys(plan.statements):
+            a, b, new = _statement_edit(text, stmt, code)
+            edits[(a, b, code)] = new
+    data = text.data
+    for key in sorted(edits, key=lambda k: (k[0], k[1]), reverse=True):
+        a, b = key[0], key[1]
+        data = data[:a] + edits[key].encode("utf-8") + data[b:]
+    return data.decode("utf-8")
 
 
 def unified_diff(path: str, old: str, new: str) -> str:
     return "".join(difflib.unified_diff(old.splitlines(True), new.splitlines(True), f"a/{path}", f"b/{path}"))
 
 
-def build_changes(result, findings: list, arch, like) -> tuple[dict, dict, list]:
-    """Plan and apply in memory: ({rel: (old, new)}, {gate id: Plan}, [(gate id, error)])."""
+HARM_MARK = "re-audits as"  # errors of edits that were proposed and then failed their re-evaluation
+
+
+def build_changes(result, findings: list, arch, like, *, force_hardware: bool = False) -> tuple[dict, dict, list]:
+    """Plan, apply in memory and re-audit: ({rel: (old, new)}, {gate id: Plan}, [(gate id, error)]).
+
+    Every proposed edit is re-evaluated in the patched text; a plan whose gate does not come out
+    true on `arch` with the value it has on its `--like`, or that changes the gate on another
+    architecture (other than `arch`'s own major family, which shares the literal), is dropped with
+    an error, and the rest is applied again, so the returned changes hold only edits that open
+    their gate as intended."""
     from fusegate.audit.plan import PatchError, Planner
 
-    planner = Planner(result, arch)
+    planner = Planner(result, arch, force_hardware=force_hardware)
     plans: dict = {}
     errors = []
     for finding in findings:
@@ -153,6 +129,19 @@ def build_changes(result, findings: list, arch, like) -> tuple[dict, dict, list]
             plans[finding.id] = planner.plan(finding, like)
         except PatchError as exc:
             errors.append((finding.id, str(exc)))
+    while True:
+        changes = _apply(result, plans)
+        if not changes:
+            return changes, plans, errors
+        bad = [row for row in verify(result, changes, findings, plans, arch) if row["harm"]]
+        if not bad:
+            return changes, plans, errors
+        for row in bad:
+            errors.append((row["id"], f"patch: gate {row['id']} ({row['path']}): the edit {HARM_MARK} {row['harm']}; refused, edit it by hand"))
+            del plans[row["id"]]
+
+
+def _apply(result, plans: dict) -> dict:
     by_file: dict = {}
     for plan in plans.values():
         by_file.setdefault(plan.path, []).append(plan)
@@ -167,7 +156,23 @@ def build_changes(result, findings: list, arch, like) -> tuple[dict, dict, list]
         except SyntaxError as exc:  # an edit must never produce unparsable code
             raise AssertionError(f"patch: the edit of {rel} does not parse ({exc})") from exc
         changes[rel] = (old, new)
-    return changes, plans, errors
+    return changes
+
+
+def harm(before, after, arch, like) -> str | None:
+    """Why the patched gate `after` is not `before` opened for `arch` like `like` (None: it is)."""
+    if after is None:
+        return "no longer an architecture condition"
+    want = before.values[like.name]
+    if after.values[arch.name] is False:
+        return f"still excluding {arch.name}"
+    if after.values[arch.name] != want:
+        return f"{after.values[arch.name]} on {arch.name} where {like.name} has {want}"
+    changed = [a.name for a in ARCHS if a.name != arch.name and after.values[a.name] != before.values[a.name]
+               and not (a.major == arch.major and after.values[a.name] == want)]
+    if changed:
+        return f"changing the gate on {', '.join(changed)} too"
+    return None
 
 
 def verify(result, changes: dict, findings: list, plans: dict, arch, *, from_disk: bool = False) -> list:
@@ -189,5 +194,6 @@ def verify(result, changes: dict, findings: list, plans: dict, arch, *, from_dis
             "id": finding.id, "path": finding.path, "new_id": best.id if best else None, "line": best.line if best else None,
             "condition": best.condition if best else None, "enables": best.enables if best else [],
             "includes_arch": bool(best and best.values[arch.name] is not False), "like": plan.like.name,
+            "harm": harm(finding, best, arch, plan.like),
         })
     return rows

@@ -22,8 +22,9 @@ import ast
 import re
 from dataclasses import dataclass, field
 
-from fusegate.audit.arch import ARCHS, Arch, ArchBool
+from fusegate.audit.arch import ARCHS, Arch, ArchBool, ArchNum
 from fusegate.audit.evaluate import Evaluator, to_bool
+from fusegate.audit.hardware import hardware_needs
 from fusegate.audit.values import Const, ModuleRef, UserFunc
 
 
@@ -86,10 +87,11 @@ def atoms(node: ast.expr, polarity: int, parent_or: bool = False):
 class Planner:
     """Plans edits for sites of one `AuditResult` (engine.py)."""
 
-    def __init__(self, result, arch: Arch):
+    def __init__(self, result, arch: Arch, *, force_hardware: bool = False):
         self.result = result
         self.resolver = result.resolver
         self.arch = arch
+        self.force_hardware = force_hardware
 
     def _eval(self, site, node, overrides=None):
         ev = Evaluator(self.resolver, site.module, site.local, site.attrs, overrides=overrides)
@@ -115,6 +117,19 @@ class Planner:
         site = self.result.sites.get(finding.id)
         if site is None or finding.report_only:
             raise PatchError(f"patch: gate {finding.id} ({finding.path}:{finding.line}) is report-only; edit the build configuration by hand")
+        if finding.category == "inverse":
+            raise PatchError(
+                f"patch: gate {finding.id} ({finding.path}:{finding.line}) is an inverse gate: it turns a feature off where it "
+                f"names an architecture (on elsewhere: {', '.join(finding.enables)}); it is never opened, edit it by hand if you must"
+            )
+        if finding.category != "gate":
+            raise PatchError(f"patch: {finding.id} ({finding.path}:{finding.line}) is a {finding.category}, not a gate; nothing to patch")
+        needs = hardware_needs(finding, self.arch)
+        if needs and not self.force_hardware:
+            raise PatchError(
+                f"patch: gate {finding.id} ({finding.path}:{finding.line}) is a hardware exclusion: its guarded code needs "
+                f"{needs}, which {self.arch.name} lacks; pass --force-hardware to patch it anyway"
+            )
         if finding.values[like.name] is False:
             raise PatchError(f"patch: gate {finding.id} is false on --like {like.name} too; pick --like from {', '.join(finding.enables)}")
         plan = Plan(finding.path, finding.id, like)
@@ -140,6 +155,9 @@ class Planner:
                 continue
             if value.at(self.arch) is not False or value.at(like) is False:
                 continue
+            if isinstance(atom, ast.Compare) and len(atom.ops) == 1 and isinstance(atom.ops[0], (ast.NotEq, ast.NotIn)):
+                blocked.append(ast.unparse(atom))  # `major != 12`: written to exclude it; `or major == 12` would undo that
+                continue
             # An atom that is the whole condition needs no parentheses around `atom or sibling`.
             plan.atom_edits.append(self._extend(site, atom, like, parent_or or atom is site.node, plan))
             overrides[id(atom)] = value.or_(arch_only)
@@ -162,6 +180,9 @@ class Planner:
             edit = self._extend_range(site, atom, parent_or)
             if edit is not None:
                 return edit
+        listed = self._listed_argument(site, atom, like)
+        if listed is not None:
+            return listed
         old = ast.unparse(atom)
         new = substitute(old, like, self.arch)
         if new == old:
@@ -172,17 +193,44 @@ class Planner:
         self._support(site, atom, new, like, plan)
         return AtomEdit(atom, new, wrap=not parent_or)
 
+    def _listed_argument(self, site, atom, like: Arch) -> AtomEdit | None:
+        """`_match_sm_version(dev, ["100", "103"])`: the list argument naming `like` gets `arch`, spelled alike."""
+        if not isinstance(atom, ast.Call):
+            return None
+        for arg in [*atom.args, *(k.value for k in atom.keywords)]:
+            if not isinstance(arg, (ast.List, ast.Tuple, ast.Set)) or not arg.elts:
+                continue
+            values = [e.value for e in arg.elts if isinstance(e, ast.Constant)]
+            for old, new in ((like.cc_int, self.arch.cc_int), (str(like.cc_int), str(self.arch.cc_int)), (like.major, self.arch.major)):
+                if old in values and type(old) is type(values[0]) and new not in values:
+                    lit = repr(new)
+                    if isinstance(new, str):  # in the list's own quotes
+                        first = ast.get_source_segment(self.resolver.module(site.module).source, arg.elts[0]) or "'"
+                        lit = first[0] + lit[1:-1] + first[0]
+                    return AtomEdit(arg, ("append", lit), wrap=False)
+        return None
+
+    def _subject_literal(self, site, subject: ast.expr):
+        """The value `subject` (an SM int, a major, a capability tuple, an SM string) has on `--arch`:
+        the literal of the edit, so that an int is compared with an int and a tuple with a tuple."""
+        value = Evaluator(self.resolver, site.module, site.local, site.attrs).eval(subject)
+        if not isinstance(value, ArchNum):
+            return None
+        lit = value.at(self.arch)
+        return tuple(lit) if isinstance(lit, list) else lit
+
     def _extend_compare(self, site, atom: ast.Compare) -> AtomEdit | None:
         op, right = atom.ops[0], atom.comparators[0]
+        lit = self._subject_literal(site, atom.left)
+        if lit is None:
+            return None
         if isinstance(op, ast.In) and isinstance(right, (ast.Tuple, ast.List, ast.Set)) and right.elts:
             first = Evaluator(self.resolver, site.module).eval(right.elts[0])
-            lit = literal_for(first.value, self.arch) if isinstance(first, Const) else None
-            if lit is not None:
+            if isinstance(first, Const) and type(first.value) is type(lit):
                 return AtomEdit(right, ("append", repr(lit)), wrap=False)
         if isinstance(op, ast.Eq):
             value = Evaluator(self.resolver, site.module).eval(right)
-            lit = literal_for(value.value, self.arch) if isinstance(value, Const) else None
-            if lit is not None:
+            if isinstance(value, Const) and type(value.value) is type(lit):
                 return AtomEdit(atom, ("in", repr(lit)), wrap=False)
         return None
 
@@ -193,8 +241,13 @@ class Planner:
         examples = [c.value for c in consts if isinstance(c, Const)]
         if len(subjects) != 1 or not examples:
             return None
-        lit = literal_for(examples[0], self.arch)
+        lit = self._subject_literal(site, subjects[0])
         if lit is None:
+            return None
+        if any(isinstance(o, (ast.In, ast.NotIn)) for o in atom.ops):
+            if not all(isinstance(e, (tuple, list, frozenset, set, dict)) and all(type(x) is type(lit) for x in e) for e in examples):
+                return None
+        elif not all(type(e) is type(lit) for e in examples):
             return None
         return AtomEdit(atom, f"{ast.unparse(subjects[0])} == {lit!r}", wrap=not parent_or)
 

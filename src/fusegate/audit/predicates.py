@@ -26,6 +26,50 @@ ASSUMED_CUDA_VERSION = "13.0"
 
 CAP_TUPLE = ArchNum.of(lambda a: (a.major, a.minor))
 CAP_INT = ArchNum.of(lambda a: a.cc_int)
+CAP_MAJOR = ArchNum.of(lambda a: a.major)
+
+
+class Capability(tuple):
+    """A capability whose caller may pass `(major, minor)`, a major or `major*10+minor` (a parameter
+    named `capability`): it compares equal and ordered with each form, like vLLM's DeviceCapability
+    with `.major`, `.minor` and `.to_int()`."""
+
+    def _other(self, other):
+        if isinstance(other, int) and not isinstance(other, bool):
+            # The integer's size says its form (FlashInfer and vLLM use all three): a major (9),
+            # major*10+minor (90) or the __CUDA_ARCH__ form (900).
+            if other < 20:
+                return self[0], other
+            return (self[0] * 10 + self[1], other) if other < 300 else (self[0] * 100 + self[1] * 10, other)
+        return tuple(self), tuple(other) if isinstance(other, (tuple, list)) else other
+
+    def __eq__(self, other):
+        a, b = self._other(other)
+        return a == b
+
+    def __ne__(self, other):
+        return not self.__eq__(other)
+
+    def __lt__(self, other):
+        a, b = self._other(other)
+        return a < b
+
+    def __le__(self, other):
+        a, b = self._other(other)
+        return a <= b
+
+    def __gt__(self, other):
+        a, b = self._other(other)
+        return a > b
+
+    def __ge__(self, other):
+        a, b = self._other(other)
+        return a >= b
+
+    __hash__ = tuple.__hash__
+
+
+CAP_ANY = ArchNum.of(lambda a: Capability((a.major, a.minor)))
 
 
 def majors(*ms: int, weak: bool = False) -> ArchBool:

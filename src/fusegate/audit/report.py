@@ -38,10 +38,20 @@ def to_json(result, selected: list, arch: Arch, like: Arch | None) -> dict:
         "files_scanned": result.files_scanned,
         "seconds": round(result.seconds, 3),
         "skipped": result.skipped,
+        "note": result.target.note,
         "file_hashes": {f.path: result.file_hashes.get(f.path) for f in selected},
-        "gates": [f.to_dict() for f in selected],
+        "gates": [_with_class(f, arch) for f in selected],
+        "inverse": [f.to_dict() for f in result.inverse(arch)],
         "counts": _counts(result),
     }
+
+
+def _with_class(finding, arch: Arch) -> dict:
+    """The finding with its class on `arch`: `hardware` (refused by patch) or `policy`, and why."""
+    from fusegate.audit.hardware import gate_class
+
+    klass, why = gate_class(finding, arch)
+    return {**finding.to_dict(), "class": klass, "class_reason": why}
 
 
 def _counts(result) -> dict:
@@ -104,6 +114,8 @@ def print_table(result, selected: list, arch: Arch, like: Arch | None, *, consol
     from rich.markup import escape
     from rich.table import Table
 
+    from fusegate.audit.hardware import gate_class
+
     # Off a terminal (a pipe, a CI log) rich would wrap at 80 columns; paths and conditions need more.
     console = console or Console(width=None if sys.stdout.isatty() else 200)
     title = f"{len(selected)} gate(s) false on {arch.name}" + (f" but not on {like.name}" if like else "")
@@ -114,13 +126,22 @@ def print_table(result, selected: list, arch: Arch, like: Arch | None, *, consol
         cond = f.condition if len(f.condition) <= 90 else f.condition[:87] + "..."
         where = f"{f.path}:{f.line}" + (" [native]" if f.report_only else "")
         conf = f.confidence + (f" ({f.category})" if f.category != "gate" else "")
+        if not f.report_only and f.category == "gate" and gate_class(f, arch)[0] == "hardware":
+            conf += " (hardware)"
         table.add_row(f.id, where, f.scope, cond, " ".join(f.enables), f.guards, conf)
     console.print(table)
+    inverse = result.inverse(arch)
+    if inverse:
+        console.print(f"{len(inverse)} inverse gate(s) turn a feature off on {arch.name} on purpose (never patched):")
+        for f in inverse:
+            console.print(f"  {f.id} {f.path}:{f.line} `{f.condition[:80]}`: on for {' '.join(f.enables)}; {f.guards}")
     counts = ", ".join(f"{v} {k}" for k, v in sorted(_counts(result).items()))
     console.print(f"scanned {result.files_scanned} files in {result.seconds:.2f} s; all architecture conditions: {counts or 'none'}")
     for skip in result.skipped:
         # escape: an error text such as "[Errno 13] ..." is not rich markup
         console.print(f"[yellow]skipped[/] {escape(skip['path'])} ({skip.get('reason', 'unreadable')}): {escape(skip['error'])}", highlight=False)
+    if result.target.note:
+        console.print(f"[yellow]note[/] {escape(result.target.note)}", highlight=False)
 
 
 def dumps(obj) -> str:

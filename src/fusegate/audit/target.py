@@ -13,9 +13,9 @@ that grows cannot block the audit or take its memory. `read_bytes` holds at most
 only streamed through the audit's text filter in 1 MiB chunks, and skipped as too large if the
 filter says it may hold a gate. The bound is what bounds memory (peak RSS measured with a 1 MiB
 module, `fusegate audit FILE`): 74 MB for ordinary code (sglang's scheduler.py repeated), 260 MB for
-the densest (one-line definitions), as parsing costs 50 to 230 bytes per source byte; `patch`'s
-libcst tree costs 400 to 1400 bytes per byte of a file it edits (0.4 to 1.5 GB at the bound).
-Parsed modules stay in memory for the whole audit: sglang 0.5.23 (813 modules) peaks at 854 MB.
+the densest (one-line definitions), as parsing costs 50 to 230 bytes per source byte. Only the
+definitions that can hold an architecture condition are parsed (`fusegate.audit.parse`), and a
+scanned module's tree is released: a whole sglang 0.5.23 audit peaks at about 180 MB.
 Python source is decoded as Python decodes it (PEP 263: BOM, coding cookie, else UTF-8), strictly:
 text that Python itself could not import is skipped, never silently altered.
 """
@@ -167,6 +167,7 @@ class Target:
     python_files: tuple
     native_files: tuple
     unlisted: tuple = ()  # ({"path", "reason", "error"}, ...): directories that could not be listed
+    note: str | None = None  # why nothing was scanned (a file that is neither Python nor native source)
 
 
 def _walk(top: Path, onerror):
@@ -232,6 +233,8 @@ def resolve_target(spec: str, *, native: bool = True) -> Target:
     path = path.resolve()
     if path.is_file():
         is_native = path.suffix in NATIVE_SUFFIXES or _is_cmake(path.name)
+        if not is_native and path.suffix not in PY_SUFFIXES:
+            return Target(spec, path.parent, (), (), f"{path.name} is not a Python (.py) or C/C++/CUDA/CMake source; nothing to audit")
         return Target(spec, path.parent, () if is_native else (path,), (path,) if is_native and native else ())
     py, nat, unlisted = [], [], []
 

@@ -4,7 +4,7 @@ Exit codes: 0 ok; 1 gates found with --fail-on-gates, or a patch/revert that cou
 was asked; 2 usage or environment error (bad path, unknown arch, read-only file, changed file);
 3 (audit) the scan is incomplete: some file could not be read, decoded or parsed, or is above the
 per-file size bound; each is listed under `skipped` with its reason, and 3 wins over 1.
-Imports nothing heavy at module import (no torch, no libcst until `patch` runs).
+Imports nothing heavy at module import (no torch; the audit modules load when a command runs).
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--apply", action="store_true", help="write the edit (atomically, with backups and a manifest)")
     p.add_argument("--audit-json", metavar="FILE", help="refuse files whose hash differs from this earlier `audit --json` output")
     p.add_argument("--state-dir", metavar="DIR", help="where backups and the manifest go (default ~/.cache/fusegate/patches)")
+    p.add_argument("--force-hardware", action="store_true", help="also patch hardware gates (guarded code needs what --arch lacks); warns")
     p.set_defaults(run=run_patch)
 
     p = subparsers.add_parser("revert", help="restore the files a `fusegate patch --apply` changed, byte for byte")
@@ -68,18 +69,19 @@ def _archs(args):
     return arch, like
 
 
-def _run_audit(args, *, native: bool):
+def _run_audit(args, *, native: bool, keep_trees: bool = True):
     from fusegate.audit.engine import audit
 
     show = not args.json and sys.stderr.isatty()
     try:
         if not show:
-            return audit(args.target, native=native)
+            return audit(args.target, native=native, keep_trees=keep_trees)
         from rich.progress import Progress
 
         with Progress(transient=True) as progress:
             task = progress.add_task("auditing", total=None)
-            return audit(args.target, native=native, progress=lambda done, total: progress.update(task, completed=done, total=total))
+            return audit(args.target, native=native, keep_trees=keep_trees,
+                         progress=lambda done, total: progress.update(task, completed=done, total=total))
     except ValueError as exc:
         raise UsageError(str(exc)) from None
 
@@ -88,7 +90,7 @@ def run_audit(args) -> int:
     from fusegate.audit import report
 
     arch, like = _archs(args)
-    result = _run_audit(args, native=not args.no_native)
+    result = _run_audit(args, native=not args.no_native, keep_trees=False)  # a report: no patch needs the trees
     selected = result.selected(arch, like, include_non_gates=args.all)
     if args.sarif:
         Path(args.sarif).write_text(report.dumps(report.to_sarif(result, selected, arch)))
@@ -104,7 +106,8 @@ def run_audit(args) -> int:
 
 def run_patch(args) -> int:
     from fusegate.audit import manifest, report
-    from fusegate.audit.patch import build_changes, unified_diff, verify
+    from fusegate.audit.hardware import hardware_needs
+    from fusegate.audit.patch import HARM_MARK, build_changes, unified_diff, verify
 
     arch, like = _archs(args)
     result = _run_audit(args, native=False)
@@ -114,9 +117,13 @@ def run_patch(args) -> int:
         unknown = [i for i in args.only if i not in known]
         if unknown:
             raise UsageError(f"--only: no gate with ID {', '.join(unknown)} in {result.target.root}; run `fusegate audit` for the IDs")
-        candidates = [known[i] for i in args.only]
-    candidates = [f for f in candidates if not f.report_only and f.category == "gate"]
-    changes, plans, errors = build_changes(result, candidates, arch, like)
+        candidates = [known[i] for i in args.only]  # an inverse gate or non-gate asked for by ID is refused with its reason
+    else:
+        candidates = [f for f in candidates if not f.report_only and f.category == "gate"]
+    changes, plans, errors = build_changes(result, candidates, arch, like, force_hardware=args.force_hardware)
+    forced = [(f.id, hardware_needs(f, arch)) for f in candidates if f.id in plans and hardware_needs(f, arch)]
+    for gid, needs in forced:
+        print(f"# warning: {gid} is a hardware gate (guarded code needs {needs}, which {arch.name} lacks); patched because of --force-hardware", file=sys.stderr)
     expected = dict(result.file_hashes)
     if args.audit_json:
         try:
@@ -128,7 +135,13 @@ def run_patch(args) -> int:
             raise UsageError(f"patch: {', '.join(stale)} changed since the audit in {args.audit_json}; audit again")
     checks = verify(result, changes, candidates, plans, arch) if changes else []
     written = None
-    if args.apply and changes:
+    harmful = [gid for gid, err in errors if HARM_MARK in err] + [row["id"] for row in checks if row["harm"]]
+    refused = args.apply and bool(harmful)
+    if refused:
+        # An edit that re-audits as still excluding (or as changing other architectures) is never written, nor any other.
+        print(f"# patch --apply refused, nothing written: the edit of {', '.join(harmful)} does not open it safely"
+              + (f"; apply the others with --only {' '.join(sorted(plans))}" if plans else ""), file=sys.stderr)
+    elif args.apply and changes:
         meta = {"arch": arch.name, "like": like.name if like else None, "gates": sorted(plans)}
         try:
             written = manifest.apply(result.target.root, {rel: new for rel, (_, new) in changes.items()}, expected, meta, state_dir=args.state_dir)
@@ -137,7 +150,8 @@ def run_patch(args) -> int:
         checks = verify(result, changes, candidates, plans, arch, from_disk=True)
     if args.json:
         print(report.dumps({
-            "target": str(result.target.root), "arch": arch.name, "applied": bool(written), "manifest": str(written) if written else None,
+            "target": str(result.target.root), "arch": arch.name, "applied": bool(written), "refused": refused,
+            "manifest": str(written) if written else None,
             "diff": {rel: unified_diff(rel, old, new) for rel, (old, new) in changes.items()},
             "gates": checks, "errors": [{"id": i, "error": e} for i, e in errors], "skipped": result.skipped,
         }))
@@ -155,6 +169,10 @@ def run_patch(args) -> int:
             print(f"# applied; manifest {written}; undo with `fusegate revert {result.target.root}`", file=sys.stderr)
         elif not candidates:
             print(f"# no gate false on {arch.name} to patch", file=sys.stderr)
+    if refused:
+        return EXIT_NEGATIVE
+    if written:
+        return EXIT_OK  # gates refused with a reason (hardware, inverse, unpatchable) are reported, not a failed apply
     if errors or any(not row["includes_arch"] for row in checks):
         return EXIT_NEGATIVE
     return EXIT_OK
