@@ -26,6 +26,7 @@ class _Text:
 
     def __init__(self, source: str):
         self.data = source.encode("utf-8")
+        self.eol = "\r\n" if b"\r\n" in self.data else "\n"  # inserted lines end as the file's do
         self.starts = [0]
         for line in self.data.splitlines(keepends=True):
             self.starts.append(self.starts[-1] + len(line))
@@ -70,15 +71,15 @@ def _import_edit(text: _Text, node: ast.ImportFrom, sibling: str, new: str) -> t
     if rest.startswith(b",") and rest[1:].lstrip(b" \t").startswith((b"\n", b"\r")):
         # one name per line in parentheses: the new one on its own line, indented alike
         eol = end + 1
-        return eol, eol, f"\n{text.indent_of(alias.lineno)}{new},"
+        return eol, eol, f"{text.eol}{text.indent_of(alias.lineno)}{new},"
     return end, end, f", {new}"
 
 
 def _statement_edit(text: _Text, stmt: ast.stmt, code: str) -> tuple[int, int, str]:
     end = text.starts[stmt.end_lineno] if stmt.end_lineno < len(text.starts) else len(text.data)
     indent = " " * stmt.col_offset
-    body = "".join(f"{indent}{line}\n" if line else "\n" for line in code.splitlines())
-    prefix = "" if text.data[:end].endswith(b"\n") else "\n"
+    body = "".join(f"{indent}{line}{text.eol}" if line else text.eol for line in code.splitlines())
+    prefix = "" if text.data[:end].endswith(b"\n") else text.eol
     return end, end, prefix + body
 
 

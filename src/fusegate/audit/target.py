@@ -234,7 +234,7 @@ def resolve_target(spec: str, *, native: bool = True) -> Target:
     if path.is_file():
         is_native = path.suffix in NATIVE_SUFFIXES or _is_cmake(path.name)
         if not is_native and path.suffix not in PY_SUFFIXES:
-            return Target(spec, path.parent, (), (), f"{path.name} is not a Python (.py) or C/C++/CUDA/CMake source; nothing to audit")
+            return Target(spec, path.parent, (), (), note=f"{path.name} is not a Python (.py) or C/C++/CUDA/CMake source; nothing to audit")
         return Target(spec, path.parent, () if is_native else (path,), (path,) if is_native and native else ())
     py, nat, unlisted = [], [], []
 
