@@ -28,10 +28,9 @@ import torch
 import torch.distributed as dist
 
 from fusegate.backends.base import Strategy
+from fusegate.kernels.protocol import MAX_HIDDEN  # imports no Triton: admission stays light
 from fusegate.quant import KINDS, conversion_path
 from fusegate.spec import Needs, Problem, Verdict
-
-MAX_HIDDEN = 16384  # fusegate.kernels.epilogue.MAX_HIDDEN (not imported: admission needs no Triton)
 
 
 class NcclFusedStrategy(Strategy):

@@ -24,9 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
+from fusegate.kernels.protocol import MAX_HIDDEN  # one row in registers: 16384 fp32 over 16 warps = 32 a thread
 from fusegate.kernels.quant import PAD_CHUNK, QuantBuffers, block_for, pad_programs, quantize_row, zero_scale_padding
 
-MAX_HIDDEN = 16384  # one row in registers; BLOCK_H 16384 x fp32 over 16 warps = 32 floats a thread
 SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
 
 

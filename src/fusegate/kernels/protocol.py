@@ -49,7 +49,7 @@ ABORT_WORD = 0  # int32 index in the header
 SENTINEL_BITS = {2: -(1 << 15), 4: -(1 << 31)}  # -0.0 by element size (fusegate.kernels.sync)
 ALIGN_ELEMS = 64  # regions are multiples of 64 elements: 128-byte aligned for 16-bit data
 
-MAX_HIDDEN = 16384  # the largest row the kernels and the epilogue accept
+MAX_HIDDEN = 16384  # the largest row the kernels and the epilogue accept (epilogue: one row in registers)
 MAX_WORLD = 16  # the error record is a 31-bit rank mask; W is a compile-time constant
 # Per-rank input cap: TensorRT-LLM's custom allreduce workspace limit for TP <= 2 (16 MB,
 # customAllReduceUtils.h); each rank's buffer is NUM_SLOTS x regions x this.
