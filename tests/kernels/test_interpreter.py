@@ -22,6 +22,8 @@ from fusegate.reference import (
     small_integer_inputs,
 )
 
+pytestmark = pytest.mark.interpreter
+
 INTERP = {"TRITON_INTERPRET": "1"}
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 

@@ -14,6 +14,8 @@ from fusegate import quant as Q
 from fusegate.launch import run_ranks
 from fusegate.reference import quantize_ref, random_inputs, residual_rmsnorm_quant_ref, small_integer_inputs
 
+pytestmark = pytest.mark.interpreter
+
 INTERP = {"TRITON_INTERPRET": "1"}
 H = 128
 
