@@ -143,8 +143,8 @@ class PeerStrategy(Strategy):
         for plan in sorted(plans, key=lambda p: (p.chunk, p.num_chunks)):
             for has_res, has_norm in ((True, True), (False, True), (False, False)):
                 self._precompile(ws, dtype, hidden, plan, has_res, has_norm)
-        if self._fallback is None and max_tokens > tokens:
-            self._unfused().prepare(hidden=hidden, dtype=dtype, max_tokens=max_tokens)
+        # the unfused path serves calls that do not fit: ready before any capture, like the kernels
+        self._unfused().prepare(hidden=hidden, dtype=dtype, max_tokens=max_tokens)
         ws._barrier()  # every rank has compiled before any rank's first launch can start spinning
 
     def _precompile(self, ws, dtype, hidden, plan, has_res, has_norm) -> None:
