@@ -3,7 +3,7 @@
 `fusegate tune --preset`, `fusegate verify --preset`, the benchmarks and the model stand-ins in
 fusegate.models all read these numbers from here, so one correction reaches all of them.
 
-Sources (copied into /work/shared/research/perf-anchors.md section 5a, except Llama-3-70B):
+Sources:
 - GLM-5: huggingface/transformers `models/glm_moe_dsa/modular_glm_moe_dsa.py` defaults.
 - DeepSeek-V3: the vLLM DeepSeek-V3 config page (v0.11.0 docs).
 - Qwen3-235B-A22B: slime `scripts/models/qwen3-235B-A22B.sh` (Megatron arguments).

@@ -15,7 +15,7 @@ import sys
 import zipfile
 from pathlib import Path
 
-# The release the gate catalogue (research/gate-idioms.md) was written against.
+# The sglang release the idiom fixtures and expected gates were written against.
 SGLANG_VERSION = "0.5.23"
 # The wheel is only published as cp311 manylinux_2_34 x86_64 (pip index / the file name on PyPI).
 _WHEEL_TAGS = ["--python-version", "3.11", "--platform", "manylinux_2_34_x86_64", "--only-binary=:all:"]

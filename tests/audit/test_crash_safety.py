@@ -3,7 +3,7 @@
 Each kill is real: a child interpreter sets `durable.fault_hook` to SIGKILL itself at one named
 step (manifest.py lists them) and runs the transaction; the test then recovers with `revert` and
 compares the whole engine tree (every file, hidden ones included, its bytes and permission bits,
-every directory and link) with the pristine copy: the `diff -r` of the issue, plus modes.
+every directory and link) with the pristine copy: a `diff -r`, plus modes.
 """
 
 from __future__ import annotations

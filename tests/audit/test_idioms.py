@@ -1,4 +1,4 @@
-"""Every idiom of research/gate-idioms.md that the fixture engine uses, evaluated per architecture.
+"""Every gate idiom that the fixture engine uses, evaluated per architecture.
 
 Expected sets are written from the idiom's documented meaning (major numbers, exact capabilities,
 `>=`), independently of the evaluator; `?` marks archs where a non-GPU clause leaves it unknown.

@@ -38,8 +38,7 @@ class Arch:
         return self.major * 100 + self.minor * 10
 
 
-# The architectures of interest named in the audit issue (Ampere to Blackwell, SM80-SM121);
-# labels from research/gate-idioms.md section 0.
+# The audited architectures, Ampere to Blackwell (SM80-SM121), labelled as the engines name them.
 ARCHS: tuple[Arch, ...] = (
     Arch("sm80", 8, 0, "A100"),
     Arch("sm86", 8, 6, "A10 / RTX 30xx"),

@@ -1,7 +1,7 @@
 """Seeded meanings of architecture predicates, for names the target does not define.
 
-The semantics come from research/gate-idioms.md section 1 (sglang `srt/utils/common.py`, vLLM
-`platforms/interface.py`, FlashInfer `utils.py` at the snapshots named there). Two tables:
+The semantics are those of the helpers' definitions in sglang (`srt/utils/common.py`), vLLM
+(`platforms/interface.py`) and FlashInfer (`utils.py`). Two tables:
 
 - `ALWAYS`: names whose seed wins even over a definition in the target, because their bodies query
   hardware (capability getters) or the platform kind (`is_cuda`: every architecture audited is an

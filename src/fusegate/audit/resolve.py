@@ -29,7 +29,7 @@ from fusegate.audit.predicates import ALWAYS, sglang_fact
 from fusegate.audit.target import SourceSkip, read_source
 from fusegate.audit.values import UNKNOWN, Const, External, ModuleRef, Obj, SeedFn, UserFunc
 
-# Identifiers that may carry an architecture meaning; from the idioms in research/gate-idioms.md.
+# Identifiers that may carry an architecture meaning, from the gate idioms of sglang, vLLM and FlashInfer.
 ARCH_RE = re.compile(
     r"sm_?\d{2,3}|sm\d+x|blackwell|hopper|ampere|capabilit|device_sm|sm_version|cuda_arch|"
     r"get_platform|current_platform|device_properties|^_?is_cuda|device_arch|gpu_arch|arch_major|arch_number|arch_code",

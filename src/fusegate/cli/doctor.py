@@ -17,8 +17,8 @@ import sys
 
 from fusegate.cli.main import EXIT_OK, EXIT_USAGE, UsageError, dumps_json
 
-# GLM-5's hidden size, the model of DESIGN.md's story; 8 tokens is a decode batch where
-# allreduce latency dominates (research/perf-anchors.md). Both are labelled defaults, not measurements.
+# GLM-5's hidden size; 8 tokens is a decode batch, where allreduce latency dominates a step.
+# Both are labelled defaults, not measurements.
 DEFAULT_HIDDEN = 6144
 DEFAULT_TOKENS = 8
 DEFAULT_DTYPE = "bfloat16"

@@ -28,7 +28,7 @@ IDLE_UTIL_PCT = 5.0
 # NVML windows (1/6 s to 1 s) that straddle a phase edge.
 WAIT_UTIL_PCT = 70.0
 
-# "Low power". The story's GPUs drew about 250 W of 600 W, 0.42 of the limit (DESIGN.md); a GPU
+# "Low power". GPUs waiting on PCIe allreduces have been reported at about 250 W of 600 W, 0.42 of the limit; a GPU
 # running dense bf16 GEMMs draws most of its limit, and one spinning in a single-block kernel little
 # more than idle (both read on an H200: benchmarks/results/diagnose.jsonl). 0.45 sits just above the
 # story's fraction and far below dense math.

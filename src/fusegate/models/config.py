@@ -88,8 +88,8 @@ class ModelConfig:
 
 
 # GQA stand-in per preset: (num_kv_heads, head_dim, vocab). KV heads 8 / head_dim 128 follow
-# Llama-3-70B's config.json; Qwen3-235B-A22B's 4 KV heads and every vocabulary size are from
-# /work/shared/research/perf-anchors.md section 5a (Llama-3-70B vocab 128256: its config.json).
+# Llama-3-70B's config.json; Qwen3-235B-A22B's 4 KV heads and every vocabulary size are from the
+# models' published configs (the sources listed in fusegate.presets; Llama-3-70B vocab 128256).
 _ATTENTION = {
     "glm5": (8, 128, 154880),
     "deepseek-v3": (8, 128, 129280),

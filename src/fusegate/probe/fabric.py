@@ -19,11 +19,12 @@ all_to_all_score: every GPU writes `block` bytes to every peer at once (one kern
 programs are split over the peers, all GPUs launched together, host-timed between device-wide
 synchronizations), as bytes per GPU per second, divided by the median one-pair write bandwidth
 measured alone. About 1: a GPU can feed all its peers at once as fast as one (switched fabric
-with bandwidth to spare); well below 1: concurrent writes collapse (PCIe root complexes, see
-DESIGN.md).
+with bandwidth to spare); well below 1: concurrent writes collapse (some PCIe root complexes
+fall to a few GB/s under all-to-all posted writes).
 
 prefers: "pull" when the median read bandwidth beats the median write bandwidth by more than
-`PULL_MARGIN`, else "push" (posted writes are the safe default on PCIe: kernel-design.md 2.4).
+`PULL_MARGIN`, else "push" (posted writes are the safe default on PCIe: peer reads
+are not supported by every PCIe topology, posted writes are).
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ from fusegate.tune.schema import check_table
 
 SCHEMA_VERSION = 1
 KIND = "fusegate-dispatch-table"
-# Default do-no-harm margin: a fused strategy must beat the best unfused one by 3% (issue 4's
+# Default do-no-harm margin: a fused strategy must beat the best unfused one by 3% (a chosen
 # default; larger than the run-to-run spread of the interleaved medians seen in CPU tests).
 DEFAULT_MARGIN = 0.03
 # Largest file `load` reads: an entry is about 1 KB of JSON, so 16 MiB is over ten thousand buckets,
