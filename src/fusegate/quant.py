@@ -148,6 +148,12 @@ def conversion_path(kind: str, compute_capability: tuple[int, int] | None) -> tu
     return fp8_hw, fp8
 
 
+def admission_reason(kind: str, caps) -> str:
+    """The conversion path `kind` takes on the least capable GPU of `caps` (admission's reason)."""
+    capabilities = [gpu.compute_capability for gpu in caps.gpus] if caps is not None else []
+    return f"{kind}: {conversion_path(kind, min(capabilities) if capabilities else None)[1]}"
+
+
 class QuantOutput(NamedTuple):
     """What a quantized call returns: `out` (codes), `scale` (see the module table), `residual`
     (the new residual, dtype of x) and `normed` (the unquantized normed output when the spec has

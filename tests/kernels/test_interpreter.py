@@ -11,7 +11,7 @@ Shapes are tiny (H <= 96, M <= 9) because the interpreter runs every program in 
 import pytest
 import torch
 
-from fusegate.launch import RankFailure, run_ranks
+from fusegate.launch import run_ranks
 from fusegate.reference import (
     TOLERANCE,
     all_reduce_ref,
@@ -292,3 +292,43 @@ def test_rows_split_over_chunks_match_the_reference(name):
                 assert torch.equal(normed, ref[0])
             else:
                 assert relative_error(normed, ref64[0]) <= TOLERANCE[torch.bfloat16]
+
+
+# ---- quantized output through the peer strategies ----------------------------------------------
+
+def _quant_specs():
+    from fusegate import quant as Q
+
+    return [Q.fp8_static(0.125), Q.fp8_per_token(with_normed=True), Q.fp8_per_group(16, layout="col"),
+            Q.nvfp4(40.0, swizzled=True)]
+
+
+def _quant_rank(rank, world_size, name):
+    from tests.foundation.test_quant_gloo import _pack
+
+    strategy = _strategy(name, rank, world_size, timeout_s=5.0)
+    strategy.prepare(hidden=64, dtype=torch.bfloat16, max_tokens=4)
+    x = small_integer_inputs(rank, 3, 64, torch.bfloat16, seed=4)
+    res, w = small_integer_inputs(100, 3, 64, torch.bfloat16, seed=4), small_integer_inputs(101, 1, 64, torch.bfloat16, seed=4)[0]
+    outs = [_pack(strategy.all_reduce_residual_rmsnorm(x, res, w, 1e-6, quant=spec)) for spec in _quant_specs()]
+    strategy.check()
+    strategy.close()
+    return outs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["oneshot", "twoshot"])
+def test_peer_strategies_quantized_output_equals_the_reference(name):
+    from fusegate.reference import all_reduce_residual_rmsnorm_quant_ref
+    from tests.foundation.test_quant_gloo import _pack
+
+    results = run_ranks(_quant_rank, 2, args=(name,), env=INTERP, timeout_s=300)
+    xs = [small_integer_inputs(r, 3, 64, torch.bfloat16, seed=4) for r in range(2)]
+    res, w = small_integer_inputs(100, 3, 64, torch.bfloat16, seed=4), small_integer_inputs(101, 1, 64, torch.bfloat16, seed=4)[0]
+    for i, spec in enumerate(_quant_specs()):
+        ref = _pack(all_reduce_residual_rmsnorm_quant_ref(xs, res, w, 1e-6, spec))
+        for rank in range(2):
+            for part, g, r in zip(("out", "scale", "residual", "normed"), results[rank][i], ref):
+                assert (g is None) == (r is None), (spec.key, part)
+                if g is not None:
+                    assert g[:2] == r[:2] and torch.equal(g[3], r[3]), f"{name} rank {rank} {spec.key}: {part} differs"

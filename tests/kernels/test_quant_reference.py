@@ -147,8 +147,8 @@ def test_admission_states_the_conversion_path(kind):
         if kind == "nvfp4":
             assert "e2m1 by the software conversion" in verdicts["nccl_fused"].reason
         assert verdicts["reference"].ok and verdicts["nccl_eager"].ok
-        for name in ("oneshot", "twoshot"):  # no quantized output yet: refused with the reason
-            assert not verdicts[name].ok and f"does not implement quantized output {kind}" in verdicts[name].reason
+        for name in ("oneshot", "twoshot"):  # the peer allreduce, then the quantizing epilogue
+            assert verdicts[name].ok and fp8_words in verdicts[name].reason, verdicts[name].reason
 
 
 def test_e2m1_hardware_cvt_from_compute_capability_10():

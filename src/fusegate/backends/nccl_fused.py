@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from fusegate.backends.base import Strategy
 from fusegate.kernels.protocol import MAX_HIDDEN  # imports no Triton: admission stays light
-from fusegate.quant import KINDS, conversion_path
+from fusegate.quant import KINDS, admission_reason
 from fusegate.spec import Needs, Problem, Verdict
 
 
@@ -46,9 +46,7 @@ class NcclFusedStrategy(Strategy):
         if problem.hidden > MAX_HIDDEN:
             return Verdict.no(f"hidden size {problem.hidden} exceeds {MAX_HIDDEN} (one row per program in registers)")
         if problem.quant is not None:
-            capabilities = [gpu.compute_capability for gpu in caps.gpus]
-            _, path = conversion_path(problem.quant, min(capabilities) if capabilities else None)
-            return Verdict.yes(f"NCCL group with CUDA tensors; {problem.quant}: {path}")
+            return Verdict.yes(f"NCCL group with CUDA tensors; {admission_reason(problem.quant, caps)}")
         return Verdict.yes("NCCL group with CUDA tensors")
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:

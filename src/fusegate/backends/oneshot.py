@@ -17,6 +17,11 @@ group (`nccl_fused` on NCCL groups, `reference` otherwise), which is also safe i
 that was captured on the workspace. One workspace per dtype; calls from several streams are
 ordered one after another (`LamportWorkspace._bind_stream`). Failures raise
 PeerTimeoutError on the next eager call, or from `check()` (which synchronises).
+
+Quantized output (`quant=`, every format of `fusegate.quant`) takes two kernels: the peer
+allreduce, then the epilogue with quantization (`fusegate.kernels.epilogue`); quantizing inside
+the peer kernel is not done yet (a row split over programs would need its absmax exchanged too).
+Run one quantized call eagerly before graph capture: prepare() does not compile that kernel.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from fusegate.kernels.protocol import (
     plan_programs,
     region_elems_for,
 )
+from fusegate.quant import KINDS, admission_reason
 from fusegate.spec import Needs, Problem, Verdict
 
 FUSED_DTYPES = ("float16", "bfloat16", "float32")
@@ -45,7 +51,8 @@ class PeerStrategy(Strategy):
     """Common part of the peer-buffer strategies: admission, workspace, launch, errors."""
 
     fused = True
-    needs = Needs(cuda=True, peer_access=True, single_host=True, dtypes=FUSED_DTYPES, max_input_bytes=MAX_INPUT_BYTES)
+    needs = Needs(cuda=True, peer_access=True, single_host=True, dtypes=FUSED_DTYPES, max_input_bytes=MAX_INPUT_BYTES,
+                  quant=KINDS)
     extra_regions: ClassVar[int] = 0  # regions per slot beyond one per rank (twoshot: the gather region)
 
     @classmethod
@@ -62,7 +69,10 @@ class PeerStrategy(Strategy):
             )
         if problem.world_size > MAX_WORLD:
             return Verdict.no(f"world size {problem.world_size} exceeds {MAX_WORLD}")
-        return Verdict.yes(f"peer access, rows of {row_bytes} bytes (16-byte multiple), input <= {MAX_INPUT_BYTES} bytes")
+        reason = f"peer access, rows of {row_bytes} bytes (16-byte multiple), input <= {MAX_INPUT_BYTES} bytes"
+        if problem.quant is not None:  # the peer allreduce, then the epilogue kernel with quantization
+            reason += f"; quantized output in a second kernel, {admission_reason(problem.quant, caps)}"
+        return Verdict.yes(reason)
 
     def __init__(self, ctx) -> None:
         super().__init__(ctx)
@@ -187,8 +197,16 @@ class PeerStrategy(Strategy):
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         return self._run(x, None, None, 0.0, has_norm=False)[0]
 
-    def all_reduce_residual_rmsnorm(self, x, residual, weight, eps):
-        return self._run(x, residual, weight, eps, has_norm=True)
+    def all_reduce_residual_rmsnorm(self, x, residual, weight, eps, *, quant=None):
+        """(normed, new_residual); with `quant`, a QuantOutput from two kernels: the peer allreduce,
+        then the epilogue that adds, normalises and quantizes in registers (the same kernel and bits
+        as `nccl_fused`'s; the sum it starts from is this strategy's rank-ordered fp32 sum)."""
+        if quant is None:
+            return self._run(x, residual, weight, eps, has_norm=True)
+        from fusegate.kernels.epilogue import residual_rmsnorm
+
+        s = self._run(x, None, None, 0.0, has_norm=False)[0]
+        return residual_rmsnorm(s, residual, weight, eps, quant=quant)
 
     def check(self) -> None:
         """Synchronise and raise PeerTimeoutError if any call of this strategy timed out (use after graph replays)."""
