@@ -166,13 +166,16 @@ def _shared_gpu_rank(rank, world_size, strategy):
         return [_host(comm.all_reduce_residual_rmsnorm(x, res, w, quant=_on(spec))) for spec in MODEL_SPECS]
 
 
-@pytest.mark.parametrize("strategy", ["reference", "ring"])
+@pytest.mark.parametrize("strategy", ["reference", "ring", "oneshot", "twoshot"])
 def test_ranks_sharing_one_gpu_get_the_reference_bits(strategy):
-    """CUDA tensors over gloo, two ranks on one GPU: the reference quantizer on the device."""
+    """CUDA tensors over gloo, two ranks on one GPU: the reference quantizer on the device, and the
+    peer strategies' allreduce + quantizing epilogue."""
     from fusegate.launch import run_ranks
     from fusegate.reference import all_reduce_residual_rmsnorm_quant_ref
 
-    results = run_ranks(_shared_gpu_rank, 2, args=(strategy,), timeout_s=300)
+    env = {"TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES": "1", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+           "NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1"}
+    results = run_ranks(_shared_gpu_rank, 2, args=(strategy,), env=env, timeout_s=300)
     xs = [small_integer_inputs(r, 9, 1024, torch.bfloat16) for r in range(2)]
     res, w = small_integer_inputs(50, 9, 1024, torch.bfloat16), small_integer_inputs(51, 1, 1024, torch.bfloat16)[0]
     for i, spec in enumerate(MODEL_SPECS):
