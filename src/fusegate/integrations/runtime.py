@@ -49,6 +49,15 @@ def enabled(engine: str) -> bool:
     return engine in env.engines_enabled()
 
 
+def enabled_or_say(engine: str, label: str) -> bool:
+    """`enabled(engine)`, logging once (debug level) that the `label` plugin stays inert when not."""
+    if enabled(engine):
+        return True
+    log_once(f"{engine}:off", f"fusegate: {label} plugin inert (FUSEGATE_ENGINES does not name {engine})",
+             level=logging.DEBUG)
+    return False
+
+
 def log_once(key: str, message: str, *, level: int = logging.INFO) -> bool:
     """Log `message` the first time `key` is seen in this process; True if it was logged now."""
     if key in _LOGGED:

@@ -21,7 +21,6 @@ each falls through to sglang's own code whenever fusegate stands down):
 
 from __future__ import annotations
 
-import logging
 
 from fusegate.integrations import runtime
 
@@ -40,8 +39,7 @@ _registered = False
 def plugin() -> None:
     """The `sglang.srt.plugins` entry point: register the hooks when enabled (idempotent)."""
     global _registered
-    if not runtime.enabled(ENGINE):
-        runtime.log_once("sglang:off", "fusegate: sglang plugin inert (FUSEGATE_ENGINES does not name sglang)", level=logging.DEBUG)
+    if not runtime.enabled_or_say(ENGINE, "sglang"):
         return
     if _registered:
         return

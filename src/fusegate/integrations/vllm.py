@@ -19,7 +19,6 @@ construction (configure runs on every rank before compilation and capture) and r
 
 from __future__ import annotations
 
-import logging
 
 from fusegate.integrations import runtime
 
@@ -33,8 +32,7 @@ _installed = False
 def plugin() -> None:
     """The `vllm.general_plugins` entry point: wrap the pass manager's configure when enabled (idempotent)."""
     global _installed
-    if not runtime.enabled(ENGINE):
-        runtime.log_once("vllm:off", "fusegate: vLLM plugin inert (FUSEGATE_ENGINES does not name vllm)", level=logging.DEBUG)
+    if not runtime.enabled_or_say(ENGINE, "vLLM"):
         return
     if _installed:
         return
