@@ -7,7 +7,7 @@ unfused and third-party baselines, per hidden size and token bucket, in one run.
     python benchmarks/sweep_allreduce_norm.py --shared-gpu --out /tmp/sweep.jsonl # 2 ranks on GPU 0
 
 Providers: `fusegate/<strategy>` for every strategy the registry admits for the problem (one not
-admitted is listed with its admission reason); `fusegate/nccl_fused` is the nccl+epilogue baseline.
+admitted is listed with its admission reason); `fusegate/nccl_epilogue` is the nccl+epilogue baseline.
 Baselines: `nccl+eager` (torch.distributed.all_reduce, then add + RMSNorm in plain eager torch),
 `symm_mem_{oneshot,twoshot}+epilogue` (PyTorch symmetric-memory all_reduce, then fusegate's
 epilogue kernel) and `flashinfer_trtllm` (trtllm_allreduce_fusion), where they set up and run;
@@ -336,7 +336,7 @@ def build_rows(results: list[dict], spec: SweepSpec, world_size: int, peer_gbps:
         for name, row in made.items():
             row.extra.update(mode=spec.mode, functional_only=spec.mode != "nccl", timing=timing, max_over_ranks=True,
                              check=b["checks"][name], ratio_vs_nccl_eager=row.median / eager if eager else None,
-                             not_timed=b["not_timed"], **({"baseline": "nccl+epilogue"} if name.endswith("nccl_fused") else {}))
+                             not_timed=b["not_timed"], **({"baseline": "nccl+epilogue"} if name.endswith("nccl_epilogue") else {}))
             if floor is not None:
                 row.extra.update(floor_us=floor, peer_gbps=peer_gbps, ratio_vs_floor=row.median / floor)
             rows.append(row)

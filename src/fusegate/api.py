@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from fusegate import env
-from fusegate.backends import admission, get_strategy, strategy_names
+from fusegate.backends import admission, canonical_name, get_strategy, strategy_names
 from fusegate.backends.base import Strategy, StrategyContext
 from fusegate.backends.host_wait import PeerGuard, goes_through_host, strategy_timeout_s
 from fusegate.dispatch import CONSERVATIVE_DEFAULT, Choice, choose, warn_once
@@ -64,7 +64,7 @@ class Communicator:
         self.cpu_group = cpu_group if cpu_group is not None else self.group
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
-        requested, problem = env.strategy_override() or strategy, ""
+        requested, problem = canonical_name(env.strategy_override() or strategy), ""
         if requested != "auto" and requested not in strategy_names():
             problem = f"unknown strategy {requested!r}; use 'auto' or one of: {', '.join(strategy_names())}"
         try:  # errors are raised on every rank by agree_settings, not here on this one alone

@@ -26,7 +26,7 @@ from fusegate.spec import Problem, Verdict
 if TYPE_CHECKING:
     from fusegate.tune.table import DispatchTable, Entry
 
-CONSERVATIVE_DEFAULT = ("nccl_fused", "reference")
+CONSERVATIVE_DEFAULT = ("nccl_epilogue", "reference")
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "sweep_allreduce_norm.py"
 HIDDENS, BUCKETS, PEER_GBPS = (32, 48), (1, 2, 3), 10.0
 TIMED = {"fusegate/reference", "fusegate/ring", "nccl+eager"}
-GPU_ONLY = {"fusegate/nccl_fused", "fusegate/nccl_eager", "fusegate/oneshot", "fusegate/twoshot"}
+GPU_ONLY = {"fusegate/nccl_epilogue", "fusegate/nccl_eager", "fusegate/oneshot", "fusegate/twoshot"}
 THIRD_PARTY = {"symm_mem_oneshot+epilogue", "symm_mem_twoshot+epilogue", "flashinfer_trtllm"}
 
 

@@ -19,7 +19,7 @@ def test_quant_admission_reasons(capsys, monkeypatch, no_moe_section, kind):  # 
     report = json.loads(capsys.readouterr().out)
     assert report["problem"]["quant"] == kind
     admission = report["admission"]
-    fused = admission["nccl_fused"]
+    fused = admission["nccl_epilogue"]
     assert fused["admitted"] and "hardware cvt" in fused["reason"] and "compute capability 9.0" in fused["reason"]
     if kind == "nvfp4":
         assert "e2m1 by the software conversion" in fused["reason"]

@@ -89,3 +89,12 @@ def test_default_choice_explains_every_rejection():
 def test_problem_rejects_unknown_dtype():
     with pytest.raises(ValueError, match="dtype 'int8'"):
         Problem(Op.ALL_REDUCE, 1, 8, "int8", CPU_GROUP)
+
+
+def test_a_former_strategy_name_selects_the_renamed_strategy():
+    from fusegate.backends import RENAMED, canonical_name
+
+    assert RENAMED == {"nccl_fused": "nccl_epilogue"}
+    assert get_strategy("nccl_fused") is get_strategy("nccl_epilogue")
+    assert get_strategy("nccl_fused").name == "nccl_epilogue"
+    assert canonical_name("oneshot") == "oneshot" and "nccl_fused" not in strategy_names()

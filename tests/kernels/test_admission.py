@@ -1,4 +1,4 @@
-"""Admission of nccl_fused, oneshot and twoshot from capabilities, with reasons; workspace facts.
+"""Admission of nccl_epilogue, oneshot and twoshot from capabilities, with reasons; workspace facts.
 
 Plain CPU tier: no kernel runs here (the interpreter tier and the GPU tier run them).
 """
@@ -14,7 +14,7 @@ from fusegate.kernels.protocol import ERR_ABORTED, ERR_TIMEOUT
 from fusegate.probe.capabilities import Capabilities, CpuInfo, GpuInfo, Versions
 from fusegate.spec import GroupInfo, Op, Problem
 
-NAMES = ["nccl_fused", "oneshot", "twoshot"]
+NAMES = ["nccl_epilogue", "oneshot", "twoshot"]
 
 
 def _caps(num_gpus):
@@ -36,13 +36,13 @@ def test_all_admitted_on_nccl_gpus_with_peer_access():
     verdicts = admission(_problem(NCCL), _caps(4), NAMES)
     assert all(v.ok for v in verdicts.values()), verdicts
     assert get_strategy("oneshot").fused and get_strategy("twoshot").fused
-    assert not get_strategy("nccl_fused").fused  # two kernels: the unfused baseline
+    assert not get_strategy("nccl_epilogue").fused  # two kernels: the unfused baseline
 
 
 def test_ranks_sharing_one_gpu_over_gloo_admit_peer_strategies_only():
     verdicts = admission(_problem(SHARED), _caps(1), NAMES)
     assert verdicts["oneshot"].ok and verdicts["twoshot"].ok
-    assert "needs the NCCL process-group backend" in verdicts["nccl_fused"].reason
+    assert "needs the NCCL process-group backend" in verdicts["nccl_epilogue"].reason
 
 
 @pytest.mark.parametrize(
@@ -64,8 +64,8 @@ def test_peer_strategies_refuse_with_the_reason(group, caps, problem_kw, reason)
         assert not verdict.ok and reason in verdict.reason, (name, verdict.reason)
 
 
-def test_nccl_fused_takes_any_alignment_but_bounds_hidden():
-    cls = get_strategy("nccl_fused")
+def test_nccl_epilogue_takes_any_alignment_but_bounds_hidden():
+    cls = get_strategy("nccl_epilogue")
     assert cls.admits(_problem(NCCL, hidden=6148), _caps(4)).ok  # the epilogue kernel masks any H
     verdict = cls.admits(_problem(NCCL, hidden=20480), _caps(4))
     assert not verdict.ok and "exceeds 16384" in verdict.reason

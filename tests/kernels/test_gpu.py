@@ -75,11 +75,11 @@ def test_custom_op_under_torch_compile():
     assert torch.equal(got[1].cpu(), ref[1])
 
 
-def _nccl_fused_rank(rank, world_size):
+def _nccl_epilogue_rank(rank, world_size):
     from fusegate import Communicator
 
     out = []
-    with Communicator(strategy="nccl_fused") as comm:
+    with Communicator(strategy="nccl_epilogue") as comm:
         for kind, dtype in (("int", torch.bfloat16), ("rand", torch.float16)):
             make = small_integer_inputs if kind == "int" else random_inputs
             x, res, w = (make(r, 9, 6144, dtype, device="cuda") for r in (rank, 100, 101))
@@ -89,8 +89,8 @@ def _nccl_fused_rank(rank, world_size):
     return out
 
 
-def test_nccl_fused_world_size_one():
-    (out,) = run_ranks(_nccl_fused_rank, 1, backend="nccl", env=ENV, timeout_s=300)
+def test_nccl_epilogue_world_size_one():
+    (out,) = run_ranks(_nccl_epilogue_rank, 1, backend="nccl", env=ENV, timeout_s=300)
     for kind, dtype, normed, new_res in out:
         make = small_integer_inputs if kind == "int" else random_inputs
         x, res, w = (make(r, 9, 6144, dtype) for r in (0, 100, 101))

@@ -1,6 +1,6 @@
 """Quantized output on a GPU: the helpers (software and hardware e4m3), the epilogue at model
 shapes, torch's own float8 conversion, FlashInfer's FP4 quantizer where it runs, CUDA-graph
-capture, and nccl_fused on one NCCL rank. GPU tier (`gpu` marker): skipped without a CUDA GPU.
+capture, and nccl_epilogue on one NCCL rank. GPU tier (`gpu` marker): skipped without a CUDA GPU.
 
     PYTHONPATH=src python -m pytest -q tests/kernels/test_quant_gpu.py
 """
@@ -109,7 +109,7 @@ def _nccl_rank(rank, world_size):
     from fusegate import Communicator
 
     out = []
-    with Communicator(strategy="nccl_fused") as comm:
+    with Communicator(strategy="nccl_epilogue") as comm:
         x = small_integer_inputs(rank, 9, 6144, torch.bfloat16).cuda()
         w = small_integer_inputs(5, 1, 6144, torch.bfloat16)[0].cuda()
         for spec in MODEL_SPECS:
@@ -137,7 +137,7 @@ def _host(result):
             for t in result]
 
 
-def test_nccl_fused_on_one_rank():
+def test_nccl_epilogue_on_one_rank():
     from fusegate.launch import run_ranks
 
     (got,) = run_ranks(_nccl_rank, 1, backend="nccl", timeout_s=300)

@@ -142,10 +142,10 @@ NCCL = GroupInfo(world_size=2, backend="nccl", device_type="cuda", devices=("GPU
 def test_admission_states_the_conversion_path(kind):
     problem = Problem(Op.ALL_REDUCE_RESIDUAL_RMSNORM, 8, 6144, "bfloat16", NCCL, quant=kind)
     for cc, fp8_words in (((9, 0), "hardware cvt"), ((8, 0), "software conversion")):
-        verdicts = admission(problem, _caps(cc), ["reference", "nccl_fused", "nccl_eager", "oneshot", "twoshot"])
-        assert verdicts["nccl_fused"].ok and fp8_words in verdicts["nccl_fused"].reason, verdicts["nccl_fused"].reason
+        verdicts = admission(problem, _caps(cc), ["reference", "nccl_epilogue", "nccl_eager", "oneshot", "twoshot"])
+        assert verdicts["nccl_epilogue"].ok and fp8_words in verdicts["nccl_epilogue"].reason, verdicts["nccl_epilogue"].reason
         if kind == "nvfp4":
-            assert "e2m1 by the software conversion" in verdicts["nccl_fused"].reason
+            assert "e2m1 by the software conversion" in verdicts["nccl_epilogue"].reason
         assert verdicts["reference"].ok and verdicts["nccl_eager"].ok
         for name in ("oneshot", "twoshot"):  # the peer allreduce, then the quantizing epilogue
             assert verdicts[name].ok and fp8_words in verdicts[name].reason, verdicts[name].reason
@@ -154,7 +154,7 @@ def test_admission_states_the_conversion_path(kind):
 def test_e2m1_hardware_cvt_from_compute_capability_10():
     problem = Problem(Op.ALL_REDUCE_RESIDUAL_RMSNORM, 8, 6144, "bfloat16", NCCL, quant="nvfp4")
     for cc in ((10, 0), (12, 0)):
-        reason = get_strategy("nccl_fused").admits(problem, _caps(cc)).reason
+        reason = get_strategy("nccl_epilogue").admits(problem, _caps(cc)).reason
         assert "e2m1 by the hardware cvt" in reason and "e4m3 by the hardware cvt" in reason, reason
 
 

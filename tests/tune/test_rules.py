@@ -34,7 +34,7 @@ def _problem(tokens=5):
     return Problem(Op.ALL_REDUCE_RESIDUAL_RMSNORM, tokens, 64, "bfloat16", info)
 
 
-ALL_OK = {n: Verdict.yes() for n in ("nccl_fused", "reference", "ring", "oneshot", "twoshot")}
+ALL_OK = {n: Verdict.yes() for n in ("nccl_epilogue", "reference", "ring", "oneshot", "twoshot")}
 
 
 def test_decide_chooses_fused_only_past_the_margin():
@@ -59,7 +59,7 @@ def test_lookup_guard_refuses_a_fused_choice_its_own_times_do_not_support():
 
 def test_lookup_falls_back_to_the_default_when_the_choice_is_not_admitted_or_not_tuned():
     table = _table("oneshot", {"reference": 100.0, "oneshot": 50.0})
-    verdicts = {**ALL_OK, "oneshot": Verdict.no("needs peer access"), "nccl_fused": Verdict.no("needs NCCL")}
+    verdicts = {**ALL_OK, "oneshot": Verdict.no("needs peer access"), "nccl_epilogue": Verdict.no("needs NCCL")}
     choice = choose(_problem(), verdicts, table=table, is_fused=is_fused)
     assert (choice.name, choice.source) == ("reference", "default") and "needs peer access" in choice.reason
     choice = choose(_problem(tokens=9), ALL_OK, table=table, is_fused=is_fused)  # beyond the tuned buckets
@@ -77,7 +77,7 @@ def test_explicit_override_is_honoured_with_a_warning_when_measurements_contradi
     close = choose(_problem(), ALL_OK, requested="oneshot", table=table, is_fused=is_fused)  # within the margin
     assert close.warning == ""
     with pytest.raises(ValueError, match="cannot run .* needs NCCL"):
-        choose(_problem(), {**ALL_OK, "nccl_fused": Verdict.no("needs NCCL")}, requested="nccl_fused")
+        choose(_problem(), {**ALL_OK, "nccl_epilogue": Verdict.no("needs NCCL")}, requested="nccl_epilogue")
 
 
 def _noisy(rng, n, scale, spread):

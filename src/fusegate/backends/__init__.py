@@ -20,11 +20,23 @@ if TYPE_CHECKING:
 _REGISTRY: dict[str, str] = {
     "reference": "fusegate.backends.reference:ReferenceStrategy",
     "ring": "fusegate.backends.ring:RingStrategy",
-    "nccl_fused": "fusegate.backends.nccl_fused:NcclFusedStrategy",
+    "nccl_epilogue": "fusegate.backends.nccl_epilogue:NcclEpilogueStrategy",
     "nccl_eager": "fusegate.backends.nccl_eager:NcclEagerStrategy",
     "oneshot": "fusegate.backends.oneshot:OneShotStrategy",
     "twoshot": "fusegate.backends.twoshot:TwoShotStrategy",
 }
+
+
+# Former names -> current names, append-only. A name here still selects its strategy
+# (`strategy=`, FUSEGATE_STRATEGY, `--strategy`) and dispatch tables written under it still load
+# (`fusegate.tune.table.parse` renames it). `nccl_fused` was the unfused baseline's name: NCCL,
+# then the fused epilogue, which the name made sound fused.
+RENAMED: dict[str, str] = {"nccl_fused": "nccl_epilogue"}
+
+
+def canonical_name(name: str) -> str:
+    """`name`, or its current name if it is a former one (see RENAMED)."""
+    return RENAMED.get(name, name)
 
 
 def _registry() -> dict[str, str]:
@@ -50,6 +62,7 @@ def strategy_names() -> list[str]:
 def get_strategy(name: str) -> type["Strategy"]:
     """The Strategy class registered as `name` (ValueError listing the valid names if unknown)."""
     registry = _registry()
+    name = canonical_name(name) if name not in registry else name
     if name not in registry:
         raise ValueError(f"unknown strategy {name!r}; registered strategies: {', '.join(registry)}")
     module_name, _, class_name = registry[name].partition(":")

@@ -3,7 +3,7 @@
 The unfused path as engines run it before any fusion work: one NCCL call, then the residual add
 and the RMSNorm as separate torch kernels (`fusegate.reference.residual_rmsnorm_ref`, fp32
 math, three roundings). It is the baseline the do-no-harm guard protects: a fused strategy has to
-beat the best of this, `nccl_fused` and `reference` to be chosen. Not fused (`fused = False`).
+beat the best of this, `nccl_epilogue` and `reference` to be chosen. Not fused (`fused = False`).
 
 Numerics: NCCL reduces in the input dtype, in an order it chooses, so on random bf16/fp16 inputs
 the sum can differ from the reference's single fp32 rounding (held to `reference.TOLERANCE`);

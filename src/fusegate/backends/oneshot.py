@@ -13,7 +13,7 @@ can be resident together).
 Workspace lifetime: allocated once, in prepare() (before graph capture) for that (hidden, dtype,
 max_tokens), or by the first eager call. It is never reallocated: a later call that does not fit
 (decided from the shape alone, so identically on every rank) is served by the unfused path of the
-group (`nccl_fused` on NCCL groups, `reference` otherwise), which is also safe inside a CUDA graph
+group (`nccl_epilogue` on NCCL groups, `reference` otherwise), which is also safe inside a CUDA graph
 that was captured on the workspace. One workspace per dtype; calls from several streams are
 ordered one after another (`LamportWorkspace._bind_stream`). Failures raise
 PeerTimeoutError on the next eager call, or from `check()` (which synchronises).
@@ -139,7 +139,7 @@ class PeerStrategy(Strategy):
         if self._fallback is None:
             from fusegate.backends import get_strategy
 
-            name = "nccl_fused" if self.ctx.problem_group.backend == "nccl" else "reference"
+            name = "nccl_epilogue" if self.ctx.problem_group.backend == "nccl" else "reference"
             self._fallback = get_strategy(name)(self.ctx)
         return self._fallback
 
@@ -200,7 +200,7 @@ class PeerStrategy(Strategy):
     def all_reduce_residual_rmsnorm(self, x, residual, weight, eps, *, quant=None):
         """(normed, new_residual); with `quant`, a QuantOutput from two kernels: the peer allreduce,
         then the epilogue that adds, normalises and quantizes in registers (the same kernel and bits
-        as `nccl_fused`'s; the sum it starts from is this strategy's rank-ordered fp32 sum)."""
+        as `nccl_epilogue`'s; the sum it starts from is this strategy's rank-ordered fp32 sum)."""
         if quant is None:
             return self._run(x, residual, weight, eps, has_norm=True)
         from fusegate.kernels.epilogue import residual_rmsnorm

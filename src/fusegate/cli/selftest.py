@@ -53,13 +53,14 @@ def _backend(args: argparse.Namespace) -> tuple[str, str | None]:
 
 def _check_args(args: argparse.Namespace) -> None:
     """Every check that needs no torch, before anything heavy is imported."""
-    from fusegate.backends import strategy_names
+    from fusegate.backends import canonical_name, strategy_names
     from fusegate.cli.preflight import check_positive, check_world_size, require_runtime
 
     check_world_size(args.world_size)
     check_positive(tokens=args.tokens, repeats=args.repeats)
     if not args.timeout > 0:
         raise UsageError(f"--timeout must be > 0 seconds, got {args.timeout}; pass e.g. --timeout 300")
+    args.strategy = [canonical_name(n) for n in args.strategy] if args.strategy else args.strategy
     for name in args.strategy or []:
         if name not in strategy_names():
             raise UsageError(f"unknown strategy {name!r}; registered: {', '.join(strategy_names())}")

@@ -84,10 +84,10 @@ def _check_args(args) -> tuple[tuple[int, ...], tuple[str, ...], tuple[str, ...]
         except CacheDirError as exc:
             raise UsageError(str(exc)) from None
     ops = ("all_reduce_residual_rmsnorm", "all_reduce") if args.op == "both" else (args.op,)
-    strategies = tuple(s for s in args.strategies.split(",") if s) or None
-    if strategies:
-        from fusegate.backends import strategy_names
+    from fusegate.backends import canonical_name, strategy_names
 
+    strategies = tuple(canonical_name(s) for s in args.strategies.split(",") if s) or None
+    if strategies:
         unknown = [s for s in strategies if s not in strategy_names()]
         if unknown:
             raise UsageError(f"unknown strategy {', '.join(unknown)} in --strategies; registered: {', '.join(strategy_names())}")

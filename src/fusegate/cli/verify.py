@@ -45,7 +45,7 @@ def _verify_rank(rank, world_size, strategy, baseline, sizes, buckets, dtype, op
 def run(args) -> int:
     import time
 
-    from fusegate.backends import strategy_names
+    from fusegate.backends import canonical_name, strategy_names
     from fusegate.cli.main import EXIT_NEGATIVE, EXIT_OK, UsageError, dumps_json
     from fusegate.cli.preflight import reject_not_admitted
     from fusegate.cli.ranks import describe_failure, spawn
@@ -54,6 +54,7 @@ def run(args) -> int:
     sizes = hiddens(args, "verify")
     check_launch_args(args)
     known = strategy_names()
+    args.strategy, args.baseline = (canonical_name(n) if n else n for n in (args.strategy, args.baseline))
     for name in (args.strategy, args.baseline):
         if name is not None and name not in known:
             raise UsageError(f"unknown strategy {name!r}; registered: {', '.join(known)}")

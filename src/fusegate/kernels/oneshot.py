@@ -269,7 +269,7 @@ def spin_bounds(timeout_s: float) -> tuple[int, int]:
 def check_fits(where: str, x, ws, plan, *, twoshot: bool) -> None:
     m, h = x.shape
     if h > MAX_HIDDEN:
-        raise ValueError(f"{where}: hidden size {h} exceeds {MAX_HIDDEN}; use strategy='nccl_fused'")
+        raise ValueError(f"{where}: hidden size {h} exceeds {MAX_HIDDEN}; use strategy='nccl_epilogue'")
     need = region_elems_for(m, h, len(ws.peers.views), plan, twoshot=twoshot)
     if need > ws.region_elems or (plan.split and plan.items > ws.partials.numel()):
         raise ValueError(f"{where}: {m}x{h} elements exceed the workspace region of {ws.region_elems}; "

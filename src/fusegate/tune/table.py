@@ -35,7 +35,7 @@ import os
 import secrets
 import stat
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from fusegate import env
@@ -283,7 +283,22 @@ def parse(text: str | bytes) -> DispatchTable:
     table = DispatchTable(raw["versions"], raw["fingerprint"], entries, raw["settings"], raw["created"], raw["schema"])
     if table.digest != raw["digest"]:
         raise ValueError("digest mismatch (the file was edited or truncated after it was written)")
-    return table
+    return _current_names(table)
+
+
+def _current_names(table: DispatchTable) -> DispatchTable:
+    """`table` with every former strategy name (`fusegate.backends.RENAMED`) replaced by its
+    current one, after the digest was checked over the names as written. Schema 1 is unchanged
+    by a rename: the names are data, and a reader maps the old ones."""
+    from fusegate.backends import canonical_name
+
+    def rename(entry: Entry) -> Entry:
+        keyed = {k: {canonical_name(n): v for n, v in getattr(entry, k).items()}
+                 for k in ("times_us", "confirmed_us", "rejected")}
+        unfused = canonical_name(entry.best_unfused) if entry.best_unfused else entry.best_unfused
+        return replace(entry, choice=canonical_name(entry.choice), best_unfused=unfused, **keyed)
+
+    return replace(table, entries=tuple(rename(e) for e in table.entries))
 
 
 def check_current(table: DispatchTable, fingerprint_dict: dict, versions: dict) -> str:

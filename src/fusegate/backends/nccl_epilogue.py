@@ -1,4 +1,4 @@
-"""The `nccl_fused` strategy: NCCL all_reduce, then the fused residual-add + RMSNorm kernel.
+"""The `nccl_epilogue` strategy: NCCL all_reduce, then the fused residual-add + RMSNorm kernel.
 
 What serving engines do without a fused collective, with the add and the norm in one Triton pass
 (`fusegate.kernels.epilogue`) instead of several torch kernels. Not fused in the strategy sense
@@ -33,8 +33,8 @@ from fusegate.quant import KINDS, admission_reason
 from fusegate.spec import Needs, Problem, Verdict
 
 
-class NcclFusedStrategy(Strategy):
-    name = "nccl_fused"
+class NcclEpilogueStrategy(Strategy):
+    name = "nccl_epilogue"
     description = "NCCL all_reduce (input dtype), then one fused residual-add + RMSNorm Triton kernel"
     fused = False
     needs = Needs(cuda=True, nccl=True, dtypes=("float16", "bfloat16", "float32"), quant=KINDS)
