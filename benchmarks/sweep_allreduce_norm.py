@@ -268,7 +268,7 @@ def rank_main(rank: int, world_size: int, spec: SweepSpec):
     import torch.distributed as dist
 
     from fusegate import Communicator
-    from fusegate.backends import admission, strategy_names
+    from fusegate.strategies import admission, strategy_names
     from fusegate.spec import Op, Problem
     from fusegate.tune.cli_common import share_cpu_threads
 

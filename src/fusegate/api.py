@@ -24,9 +24,9 @@ import torch
 import torch.distributed as dist
 
 from fusegate import env
-from fusegate.backends import admission, canonical_name, get_strategy, strategy_names
-from fusegate.backends.base import Strategy, StrategyContext
-from fusegate.backends.host_wait import PeerGuard, goes_through_host, strategy_timeout_s
+from fusegate.strategies import admission, canonical_name, get_strategy, strategy_names
+from fusegate.strategies.base import Strategy, StrategyContext
+from fusegate.strategies.host_wait import PeerGuard, goes_through_host, strategy_timeout_s
 from fusegate.dispatch import CONSERVATIVE_DEFAULT, Choice, choose, warn_once
 from fusegate.group import agree_group_info, agree_settings, device_type_of
 from fusegate.spec import Op, Problem, dtype_name

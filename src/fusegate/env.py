@@ -5,7 +5,7 @@ FUSEGATE_STRATEGY   force one strategy for every Communicator (same as strategy=
 FUSEGATE_DEBUG      "1": check before each collective that all ranks agree on shape and dtype.
 FUSEGATE_CACHE_DIR  where dispatch tables live (default: $XDG_CACHE_HOME/fusegate or ~/.cache/fusegate).
 FUSEGATE_TIMEOUT_S  seconds: bound on every device-side spin-wait (default 5) and every gloo wait
-                    of the host strategies (default 30 when unset; fusegate.backends.host_wait).
+                    of the host strategies (default 30 when unset; fusegate.strategies.host_wait).
 FUSEGATE_ENGINES    serving engines in which fusegate takes the fused allreduce + residual + RMSNorm
                     call: "sglang", "vllm", both comma-separated, or "all"; unset or "0": none
                     (the engine plugins stay inert). Set it for the server and all its workers.

@@ -144,7 +144,7 @@ def rank_main(rank: int, world_size: int, cases: list[Case], repeats: int, devic
     """Body of one selftest rank: returns (admission reasons, results) as plain data; rank 0 shows a
     progress bar on a terminal when `show_progress`."""
     from fusegate import Communicator
-    from fusegate.backends import admission, strategy_names
+    from fusegate.strategies import admission, strategy_names
     from fusegate.spec import Op, Problem
     from fusegate.tune.cli_common import progress_bar
 

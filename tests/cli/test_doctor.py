@@ -11,13 +11,13 @@ import types
 
 import pytest
 
-import fusegate.backends as backends
+import fusegate.strategies as strategies
 import fusegate.probe
-from fusegate.backends.base import Strategy
+from fusegate.strategies.base import Strategy
 from fusegate.cli.doctor import representative_problem
 from fusegate.cli.main import UsageError, main
 from fusegate.probe.capabilities import (
-    Capabilities, CpuInfo, FabricMeasurements, GpuInfo, LinkInfo, OptionalBackend, PeerMeasurement, Versions,
+    Capabilities, CpuInfo, FabricMeasurements, GpuInfo, LinkInfo, PackageStatus, PeerMeasurement, Versions,
 )
 from fusegate.spec import Needs, Op, Verdict
 
@@ -55,8 +55,8 @@ def needs_cuda_strategy(monkeypatch):
     module.NeedsCudaStrategy = NeedsCudaStrategy
     module.BracketedReasonStrategy = BracketedReasonStrategy
     monkeypatch.setitem(sys.modules, module.__name__, module)
-    monkeypatch.setitem(backends._REGISTRY, "needs_cuda", f"{module.__name__}:NeedsCudaStrategy")
-    monkeypatch.setitem(backends._REGISTRY, "bracketed", f"{module.__name__}:BracketedReasonStrategy")
+    monkeypatch.setitem(strategies._REGISTRY, "needs_cuda", f"{module.__name__}:NeedsCudaStrategy")
+    monkeypatch.setitem(strategies._REGISTRY, "bracketed", f"{module.__name__}:BracketedReasonStrategy")
 
 
 def row_of(out: str, first_cell: str) -> str:
@@ -88,10 +88,10 @@ def test_tables_show_cpu_versions_and_every_strategy_with_its_reason(capsys, nee
     assert "not admitted" in needs and "needs CUDA tensors; this group runs on cpu" in needs
     # reasons are printed as text, not rich markup: the bracketed range survives
     assert "needs the package 'flashinfer[cu13]'; pip install 'flashinfer-python[cu13]'" in row_of(out, "bracketed")
-    for name in backends.strategy_names():
+    for name in strategies.strategy_names():
         row_of(out, name)  # every registered strategy has exactly one row
     flashinfer = row_of(out, "flashinfer")
-    assert ("not installed (pip install flashinfer-python)" in flashinfer) == (caps.backend("flashinfer").available is False)
+    assert ("not installed (pip install flashinfer-python)" in flashinfer) == (caps.package("flashinfer").available is False)
 
 
 def test_json_has_the_same_content_and_nothing_else_on_stdout(capsys, needs_cuda_strategy):
@@ -103,7 +103,7 @@ def test_json_has_the_same_content_and_nothing_else_on_stdout(capsys, needs_cuda
     assert report["probe"]["cpu"]["num_cores"] == os.cpu_count()
     assert report["problem"]["hidden"] == 4096 and report["problem"]["dtype"] == "float16"
     assert report["problem"]["group"]["world_size"] == 3
-    assert list(report["admission"]) == backends.strategy_names()
+    assert list(report["admission"]) == strategies.strategy_names()
     assert report["admission"]["reference"] == {"admitted": True, "reason": "all needs met"}
     if not report["probe"]["gpus"]:
         assert report["admission"]["needs_cuda"] == {"admitted": False, "reason": "needs CUDA tensors; this group runs on cpu"}
@@ -158,7 +158,7 @@ def fake_gpu_caps(*, atomics: bool = True) -> Capabilities:
         LinkInfo(1, 1, True, "same_device", native_atomics=True),
     )
     return Capabilities(gpus, links, Versions("3.11.7", "0.1.0", "2.11.0+cu130", "13.0", "580.95.05", "2.27.5", "3.6.0", "13.0"),
-                        (OptionalBackend("triton", True, "3.6.0"),), CpuInfo("Intel Xeon", 64, 2**40, "x86_64", 64), "ok")
+                        (PackageStatus("triton", True, "3.6.0"),), CpuInfo("Intel Xeon", 64, 2**40, "x86_64", 64), "ok")
 
 
 def args(**overrides):

@@ -4,7 +4,7 @@ test can kill the parent, or one rank, while every rank is busy in collectives."
 
 import os
 
-from fusegate.backends.reference import ReferenceStrategy
+from fusegate.strategies.reference import ReferenceStrategy
 
 
 class PidThenBlock(ReferenceStrategy):

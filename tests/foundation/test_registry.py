@@ -4,19 +4,19 @@ import dataclasses
 
 import pytest
 
-from fusegate.backends import admission, get_strategy, register, strategy_names
-from fusegate.backends.base import check_needs
+from fusegate.strategies import admission, get_strategy, register, strategy_names
+from fusegate.strategies.base import check_needs
 from fusegate.dispatch import default_choice
-from fusegate.probe.capabilities import Capabilities, CpuInfo, GpuInfo, OptionalBackend, Versions
+from fusegate.probe.capabilities import Capabilities, CpuInfo, GpuInfo, PackageStatus, Versions
 from fusegate.spec import GroupInfo, Needs, Op, Problem, Verdict
 
 
-def _caps(num_gpus=0, backends=()):
+def _caps(num_gpus=0, packages=()):
     gpus = tuple(
         GpuInfo(i, "Test GPU", f"GPU-{i}", (12, 0), 188, 101376, 128 << 20, 96 << 30, 600.0, 5, 16, None)
         for i in range(num_gpus)
     )
-    return Capabilities(gpus, (), Versions("3.11", "0.1.0"), tuple(backends), CpuInfo("cpu", 2, None), nvml="test")
+    return Capabilities(gpus, (), Versions("3.11", "0.1.0"), tuple(packages), CpuInfo("cpu", 2, None), nvml="test")
 
 
 CPU_GROUP = GroupInfo(world_size=2, backend="gloo", device_type="cpu", devices=("cpu", "cpu"))
@@ -42,7 +42,7 @@ def test_reference_is_admitted_everywhere_and_chosen_by_default():
         (Needs(nccl=True), CPU_GROUP, _caps(), "needs the NCCL process-group backend; this group uses gloo"),
         (Needs(peer_access=True), dataclasses.replace(GPU_GROUP, peer_access=False), _caps(2), "needs peer access"),
         (Needs(single_host=True), dataclasses.replace(GPU_GROUP, num_hosts=2), _caps(2), "spans 2 hosts"),
-        (Needs(package="flashinfer"), GPU_GROUP, _caps(2, [OptionalBackend("flashinfer", False, reason="not installed")]),
+        (Needs(package="flashinfer"), GPU_GROUP, _caps(2, [PackageStatus("flashinfer", False, reason="not installed")]),
          "needs the package 'flashinfer': not installed"),
         (Needs(package="flashinfer"), GPU_GROUP, _caps(2), "needs the package 'flashinfer': not probed"),
         (Needs(hidden_multiple=8), GPU_GROUP, _caps(2), "hidden size 6143 is not a multiple of 8"),
@@ -60,7 +60,7 @@ def test_each_unmet_need_gives_its_reason(needs, group, caps, reason):
 
 def test_met_needs_are_admitted():
     needs = Needs(cuda=True, nccl=True, peer_access=True, single_host=True, package="flashinfer", hidden_multiple=8)
-    caps = _caps(2, [OptionalBackend("flashinfer", True, "0.6.8")])
+    caps = _caps(2, [PackageStatus("flashinfer", True, "0.6.8")])
     assert check_needs(needs, _problem(GPU_GROUP), caps).ok
 
 
@@ -70,7 +70,7 @@ def test_unknown_strategy_lists_the_registered_ones():
 
 
 def test_a_strategy_that_fails_to_import_is_not_admitted_with_the_import_error(monkeypatch):
-    monkeypatch.setitem(__import__("fusegate.backends", fromlist=["_REGISTRY"])._REGISTRY, "broken", "fusegate.no_such_module:X")
+    monkeypatch.setitem(__import__("fusegate.strategies", fromlist=["_REGISTRY"])._REGISTRY, "broken", "fusegate.no_such_module:X")
     verdict = admission(_problem(CPU_GROUP), _caps(), ["broken"])["broken"]
     assert not verdict.ok and "cannot import fusegate.no_such_module:X" in verdict.reason
     assert "broken" in strategy_names()
@@ -92,7 +92,7 @@ def test_problem_rejects_unknown_dtype():
 
 
 def test_a_former_strategy_name_selects_the_renamed_strategy():
-    from fusegate.backends import RENAMED, canonical_name
+    from fusegate.strategies import RENAMED, canonical_name
 
     assert RENAMED == {"nccl_fused": "nccl_epilogue"}
     assert get_strategy("nccl_fused") is get_strategy("nccl_epilogue")

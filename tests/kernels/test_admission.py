@@ -8,8 +8,8 @@ import dataclasses
 import pytest
 import torch
 
-from fusegate.backends import admission, get_strategy
-from fusegate.backends.workspace import SENTINEL_BITS, PeerTimeoutError
+from fusegate.strategies import admission, get_strategy
+from fusegate.strategies.workspace import SENTINEL_BITS, PeerTimeoutError
 from fusegate.kernels.protocol import ERR_ABORTED, ERR_TIMEOUT
 from fusegate.probe.capabilities import Capabilities, CpuInfo, GpuInfo, Versions
 from fusegate.spec import GroupInfo, Op, Problem

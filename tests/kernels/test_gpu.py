@@ -230,7 +230,7 @@ def _absent_rank(rank, world_size, name, absent):
     import torch.distributed as dist
 
     from fusegate import Communicator
-    from fusegate.backends.workspace import PeerTimeoutError
+    from fusegate.strategies.workspace import PeerTimeoutError
 
     torch.cuda.set_device(0)
     outcome = None

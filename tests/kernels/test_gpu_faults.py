@@ -21,7 +21,7 @@ H = 1024
 
 def _call(comm, value, tokens=4):
     """One allreduce of a constant `value` (exact in bf16): (result on the host, error or None)."""
-    from fusegate.backends.workspace import PeerTimeoutError
+    from fusegate.strategies.workspace import PeerTimeoutError
 
     x = torch.full((tokens, H), float(value), dtype=torch.bfloat16, device="cuda")
     try:

@@ -3,7 +3,7 @@
 TRITON_INTERPRET must be set before a kernel module is imported, so every kernel import happens
 inside the spawned workers (launch.run_ranks sets the environment first) and this module imports
 none. Peer buffers are shared-memory files mapped by every rank's process, the CPU stand-in for
-CUDA IPC (fusegate.backends.workspace). x86 ordering is stronger than a GPU's: these tests check
+CUDA IPC (fusegate.strategies.workspace). x86 ordering is stronger than a GPU's: these tests check
 the protocol's logic (slots, re-arming, extents, fixed order, timeouts), not memory ordering.
 Shapes are tiny (H <= 96, M <= 9) because the interpreter runs every program in Python.
 """
@@ -70,8 +70,8 @@ def test_epilogue_matches_reference_in_interpreter():
 def _strategy(name, rank, world_size, **options):
     import torch.distributed as dist
 
-    from fusegate.backends import get_strategy
-    from fusegate.backends.base import StrategyContext
+    from fusegate.strategies import get_strategy
+    from fusegate.strategies.base import StrategyContext
     from fusegate.spec import GroupInfo
 
     info = GroupInfo(world_size=world_size, backend="gloo", device_type="cpu", devices=("cpu",) * world_size)
@@ -161,7 +161,7 @@ def test_four_ranks(name):
 def _timeout_rank(rank, world_size, name, absent):
     import torch.distributed as dist
 
-    from fusegate.backends.workspace import PeerTimeoutError
+    from fusegate.strategies.workspace import PeerTimeoutError
 
     # One program per rank: the interpreter runs a rank's programs one after another, so with
     # several, a later program's pushes would wait behind an earlier program's timeout and the

@@ -12,7 +12,7 @@ import torch
 
 import fusegate
 from fusegate import quant as Q
-from fusegate.backends import admission, get_strategy
+from fusegate.strategies import admission, get_strategy
 from fusegate.probe.capabilities import Capabilities, CpuInfo, GpuInfo, Versions
 from fusegate.reference import (
     _e2m1_codes,

@@ -2,7 +2,7 @@
 
 import torch.distributed as dist
 
-from fusegate.backends.reference import ReferenceStrategy
+from fusegate.strategies.reference import ReferenceStrategy
 
 
 class DropsLastRankStrategy(ReferenceStrategy):

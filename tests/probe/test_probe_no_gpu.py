@@ -47,17 +47,17 @@ def test_versions_are_filled(caps):
     assert v.triton == importlib.metadata.version("triton")
 
 
-def test_optional_backends_match_what_is_installed(caps):
-    names = [b.name for b in caps.backends]
+def test_optional_packages_match_what_is_installed(caps):
+    names = [b.name for b in caps.packages]
     assert names == ["triton", "flashinfer", "pynvml", "cuda-python", "matplotlib"]
-    for backend, module in zip(caps.backends, ["triton", "flashinfer", "pynvml", None, "matplotlib"]):
+    for backend, module in zip(caps.packages, ["triton", "flashinfer", "pynvml", None, "matplotlib"]):
         if module is not None:
             assert backend.available == (importlib.util.find_spec(module) is not None), backend
         if backend.available:
             assert backend.version and backend.reason == ""
         else:
             assert backend.reason.startswith("not installed (pip install "), backend
-    assert caps.backend("triton").available and caps.backend("triton").version == importlib.metadata.version("triton")
+    assert caps.package("triton").available and caps.package("triton").version == importlib.metadata.version("triton")
 
 
 def test_nvml_status_says_why_when_there_is_no_driver(caps):
@@ -69,7 +69,7 @@ def test_to_dict_is_json_and_round_trips_the_facts(caps):
     data = json.loads(json.dumps(caps.to_dict()))
     assert data["gpus"] == [] and data["cpu"]["num_cores"] == os.cpu_count()
     assert data["versions"]["torch"] == torch.__version__
-    assert {b["name"]: b["available"] for b in data["backends"]} == {b.name: b.available for b in caps.backends}
+    assert {b["name"]: b["available"] for b in data["packages"]} == {b.name: b.available for b in caps.packages}
 
 
 def test_import_probes_nothing():

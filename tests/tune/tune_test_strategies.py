@@ -12,8 +12,8 @@
 import torch
 import torch.distributed as dist
 
-from fusegate.backends.base import Strategy
-from fusegate.backends.reference import ReferenceStrategy
+from fusegate.strategies.base import Strategy
+from fusegate.strategies.reference import ReferenceStrategy
 from fusegate.reference import accumulation_dtype, residual_rmsnorm_ref
 from fusegate.spec import Needs
 

@@ -146,7 +146,7 @@ def measure_section(caps):
 
 def build_report(args):
     """(Capabilities, report dict): the dict is exactly what --json prints."""
-    from fusegate.backends import admission, strategy_names
+    from fusegate.strategies import admission, strategy_names
     from fusegate.integrations.doctor import engine_rows
     from fusegate.probe import probe
 

@@ -113,7 +113,7 @@ def expected_group(caps, world_size: int, *, backend: str, device: str):
 def admission_here(names: Iterable[str], problems: Iterable[tuple], *, world_size: int, backend: str,
                    device: str) -> dict[str, dict]:
     """{strategy: {problem tuple: Verdict}} for `problems` given as (op, tokens, hidden, dtype, has_residual)."""
-    from fusegate.backends import admission
+    from fusegate.strategies import admission
     from fusegate.probe import probe
     from fusegate.spec import Op, Problem
 

@@ -53,7 +53,7 @@ def _backend(args: argparse.Namespace) -> tuple[str, str | None]:
 
 def _check_args(args: argparse.Namespace) -> None:
     """Every check that needs no torch, before anything heavy is imported."""
-    from fusegate.backends import canonical_name, strategy_names
+    from fusegate.strategies import canonical_name, strategy_names
     from fusegate.cli.preflight import check_positive, check_world_size, require_runtime
 
     check_world_size(args.world_size)

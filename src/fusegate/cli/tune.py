@@ -84,7 +84,7 @@ def _check_args(args) -> tuple[tuple[int, ...], tuple[str, ...], tuple[str, ...]
         except CacheDirError as exc:
             raise UsageError(str(exc)) from None
     ops = ("all_reduce_residual_rmsnorm", "all_reduce") if args.op == "both" else (args.op,)
-    from fusegate.backends import canonical_name, strategy_names
+    from fusegate.strategies import canonical_name, strategy_names
 
     strategies = tuple(canonical_name(s) for s in args.strategies.split(",") if s) or None
     if strategies:

@@ -45,7 +45,7 @@ def _verify_rank(rank, world_size, strategy, baseline, sizes, buckets, dtype, op
 def run(args) -> int:
     import time
 
-    from fusegate.backends import canonical_name, strategy_names
+    from fusegate.strategies import canonical_name, strategy_names
     from fusegate.cli.main import EXIT_NEGATIVE, EXIT_OK, UsageError, dumps_json
     from fusegate.cli.preflight import reject_not_admitted
     from fusegate.cli.ranks import describe_failure, spawn

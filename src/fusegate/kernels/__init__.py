@@ -1,9 +1,9 @@
-"""Triton kernels and their launchers; `fusegate.backends` decides which launcher runs.
+"""Triton kernels and their launchers; `fusegate.strategies` decides which launcher runs.
 
 - `epilogue`: residual-add + RMSNorm in one pass (and the row helper the fused kernels share).
 - `sync`: the PCIe-safe waiting primitives (sentinel polling with a bounded spin, -0.0 canonicalisation).
 - `oneshot`, `twoshot`: allreduce fused with the epilogue over peer buffers (Lamport protocol,
-  described in `fusegate.backends.workspace`).
+  described in `fusegate.strategies.workspace`).
 - `custom_ops`: `torch.library` registrations so torch.compile graphs can call the kernels.
 
 Importing this package imports nothing; each module imports Triton when it is imported. Set

@@ -1,7 +1,7 @@
 """The peer protocol's constants and its work plan, in one place (imports neither torch nor Triton).
 
-Kernels (`oneshot`, `twoshot`, `sync`), the workspace (`fusegate.backends.workspace`) and
-admission (`fusegate.backends.oneshot`) import these names; nothing else may restate them.
+Kernels (`oneshot`, `twoshot`, `sync`), the workspace (`fusegate.strategies.workspace`) and
+admission (`fusegate.strategies.oneshot`) import these names; nothing else may restate them.
 
 Buffer of one rank (elements of the data dtype):
 

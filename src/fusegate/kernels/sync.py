@@ -1,6 +1,6 @@
 """Waiting primitives of the fused collectives, safe on PCIe by construction.
 
-The protocol (see `fusegate.backends.workspace`) is Lamport's "data is the flag": a receive slot
+The protocol (see `fusegate.strategies.workspace`) is Lamport's "data is the flag": a receive slot
 holds a sentinel bit pattern until a peer's plain remote store overwrites it with data. So the
 kernels need only posted remote stores and volatile polling of *local* memory: no remote
 read-modify-write (which PCIe P2P may not make atomic), no barrier, no flag word to order.

@@ -1,4 +1,4 @@
-"""MoE runner backends: who multiplies the routed tokens by this rank's experts.
+"""MoE runners: who multiplies the routed tokens by this rank's experts.
 
 Chosen the way collectives are: admission by capability (can this runner run here, for this
 device, dtype and execution mode?), then choice by measurement (which admitted runner is fastest

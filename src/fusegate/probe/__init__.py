@@ -31,7 +31,7 @@ def probe(*, nvml=None) -> Capabilities:
     from fusegate.probe.gpus import read_gpus
     from fusegate.probe.links import native_atomics_reader, read_links
     from fusegate.probe.nvml import read_nvml
-    from fusegate.probe.optional import read_backends
+    from fusegate.probe.optional import read_packages
     from fusegate.probe.versions import cuda_version_string, read_versions
 
     torch = _import_torch()
@@ -58,7 +58,7 @@ def probe(*, nvml=None) -> Capabilities:
         gpus=tuple(gpus),
         links=tuple(links),
         versions=versions,
-        backends=read_backends(),
+        packages=read_packages(),
         cpu=read_cpu(),
         nvml=report.status,
         notes=tuple(notes),

@@ -57,7 +57,7 @@ class Versions:
 
 
 @dataclass(frozen=True)
-class OptionalBackend:
+class PackageStatus:
     """An optional package a strategy may use; `reason` says why it is not available."""
 
     name: str
@@ -101,7 +101,7 @@ class Capabilities:
     gpus: tuple[GpuInfo, ...]
     links: tuple[LinkInfo, ...]
     versions: Versions
-    backends: tuple[OptionalBackend, ...]
+    packages: tuple[PackageStatus, ...]  # optional packages (fusegate.probe.optional)
     cpu: CpuInfo
     nvml: str  # "ok" or why NVML facts are missing
     notes: tuple[str, ...] = ()
@@ -117,10 +117,10 @@ class Capabilities:
                 return link
         return None
 
-    def backend(self, name: str) -> OptionalBackend | None:
-        for backend in self.backends:
-            if backend.name == name:
-                return backend
+    def package(self, name: str) -> PackageStatus | None:
+        for package in self.packages:
+            if package.name == name:
+                return package
         return None
 
     def to_dict(self) -> dict:

@@ -12,12 +12,12 @@ import importlib.metadata
 import importlib.util
 from dataclasses import dataclass
 
-from fusegate.probe.capabilities import OptionalBackend
+from fusegate.probe.capabilities import PackageStatus
 
 
 @dataclass(frozen=True)
 class OptionalPackage:
-    name: str  # what Needs.package and Capabilities.backend() use
+    name: str  # what Needs.package and Capabilities.package() use
     module: str  # import name
     distributions: tuple[str, ...]  # pip distribution names that provide the module
     install: str  # the fix, as a command
@@ -42,7 +42,7 @@ def _version(package: OptionalPackage) -> str | None:
     return None
 
 
-def read_backend(package: OptionalPackage) -> OptionalBackend:
+def read_package(package: OptionalPackage) -> PackageStatus:
     """Whether `package` is importable here; `reason` names the failure and the fix."""
     try:
         spec = importlib.util.find_spec(package.module)
@@ -54,16 +54,16 @@ def read_backend(package: OptionalPackage) -> OptionalBackend:
         why = f"not installed ({package.install})" if error is None or isinstance(error, ModuleNotFoundError) else (
             f"cannot be located: {type(error).__name__}: {error} ({package.install})"
         )
-        return OptionalBackend(package.name, False, None, why)
+        return PackageStatus(package.name, False, None, why)
     version = _version(package)
     if package.import_check:
         try:
             module = importlib.import_module(package.module)
         except Exception as exc:  # any import failure (missing shared library, ABI mismatch) is the reason
-            return OptionalBackend(package.name, False, version, f"installed but import failed: {type(exc).__name__}: {exc}")
+            return PackageStatus(package.name, False, version, f"installed but import failed: {type(exc).__name__}: {exc}")
         version = version or getattr(module, "__version__", None)
-    return OptionalBackend(package.name, True, version, "")
+    return PackageStatus(package.name, True, version, "")
 
 
-def read_backends(packages: tuple[OptionalPackage, ...] = OPTIONAL_PACKAGES) -> tuple[OptionalBackend, ...]:
-    return tuple(read_backend(p) for p in packages)
+def read_packages(packages: tuple[OptionalPackage, ...] = OPTIONAL_PACKAGES) -> tuple[PackageStatus, ...]:
+    return tuple(read_package(p) for p in packages)

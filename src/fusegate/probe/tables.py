@@ -102,11 +102,11 @@ def versions_table(caps: Capabilities) -> Table:
     return table
 
 
-def backends_table(caps: Capabilities) -> Table:
+def packages_table(caps: Capabilities) -> Table:
     table = Table(title="Optional packages")
     for column in ("package", "available", "version", "reason"):
         table.add_column(column)
-    for b in caps.backends:
+    for b in caps.packages:
         add_row(table, b.name, _yes_no(b.available), b.version or "-", b.reason or "-")
     return table
 
@@ -126,7 +126,7 @@ def capability_tables(caps: Capabilities) -> list[Table]:
     tables = [cpu_table(caps)]
     if caps.gpus:
         tables += [gpu_table(caps), pair_table(caps)]
-    tables += [versions_table(caps), backends_table(caps)]
+    tables += [versions_table(caps), packages_table(caps)]
     if caps.fabric is not None:
         tables.append(fabric_table(caps.fabric))
     return tables

@@ -12,8 +12,8 @@ from typing import Callable
 
 import torch
 
-from fusegate.backends import admission, get_strategy
-from fusegate.backends.base import Strategy, StrategyContext
+from fusegate.strategies import admission, get_strategy
+from fusegate.strategies.base import Strategy, StrategyContext
 from fusegate.reference import random_inputs
 from fusegate.spec import Op, Problem, Verdict
 

@@ -28,7 +28,7 @@ import hashlib
 import torch
 import torch.distributed as dist
 
-from fusegate.backends.host_wait import PeerLostError
+from fusegate.strategies.host_wait import PeerLostError
 from fusegate.reference import (
     TOLERANCE,
     all_reduce_ref,

@@ -287,10 +287,10 @@ def parse(text: str | bytes) -> DispatchTable:
 
 
 def _current_names(table: DispatchTable) -> DispatchTable:
-    """`table` with every former strategy name (`fusegate.backends.RENAMED`) replaced by its
+    """`table` with every former strategy name (`fusegate.strategies.RENAMED`) replaced by its
     current one, after the digest was checked over the names as written. Schema 1 is unchanged
     by a rename: the names are data, and a reader maps the old ones."""
-    from fusegate.backends import canonical_name
+    from fusegate.strategies import canonical_name
 
     def rename(entry: Entry) -> Entry:
         keyed = {k: {canonical_name(n): v for n, v in getattr(entry, k).items()}

@@ -4,7 +4,7 @@ Collective: every rank of `group` calls it with the same `TuneSpec`. It works in
 process group, so an engine can tune in place; `fusegate tune` spawns local ranks and calls it.
 
 Per (op, hidden, token bucket):
-1. admission (`fusegate.backends.admission`) on the group's agreed facts;
+1. admission (`fusegate.strategies.admission`) on the group's agreed facts;
 2. verify before timing (`correctness.check_candidate`): a candidate that fails on any rank is
    rejected on every rank and never timed;
 3. first pass: every passing candidate, `rounds` interleaved samples (`measure.time_interleaved`,

@@ -1,15 +1,15 @@
 """The `twoshot` strategy: reduce-scatter by token rows, gather the sums, epilogue on every rank.
 
 One Triton kernel (`fusegate.kernels.twoshot`) over the same peer buffers and Lamport protocol
-as `oneshot` (`fusegate.backends.workspace`). Each rank reduces R = ceil(M / W) rows and pushes
+as `oneshot` (`fusegate.strategies.workspace`). Each rank reduces R = ceil(M / W) rows and pushes
 the rounded sums to every rank, so each input byte crosses the fabric about twice instead of
 W - 1 times: the better trade once messages are large. Options and workspace lifetime as in
-`fusegate.backends.oneshot`.
+`fusegate.strategies.oneshot`.
 """
 
 from __future__ import annotations
 
-from fusegate.backends.oneshot import PeerStrategy
+from fusegate.strategies.oneshot import PeerStrategy
 
 
 class TwoShotStrategy(PeerStrategy):

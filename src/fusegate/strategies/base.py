@@ -105,9 +105,9 @@ def check_needs(needs: Needs, problem: Problem, caps: "Capabilities") -> Verdict
             "at least one pair cannot map the other's memory"
         )
     if needs.package is not None:
-        backend = caps.backend(needs.package)
-        if backend is None or not backend.available:
-            why = backend.reason if backend is not None else "not probed"
+        package = caps.package(needs.package)
+        if package is None or not package.available:
+            why = package.reason if package is not None else "not probed"
             return Verdict.no(f"needs the package {needs.package!r}: {why}")
     if needs.hidden_multiple > 1 and problem.hidden % needs.hidden_multiple:
         return Verdict.no(

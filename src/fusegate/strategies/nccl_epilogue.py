@@ -27,7 +27,7 @@ import importlib.util
 import torch
 import torch.distributed as dist
 
-from fusegate.backends.base import Strategy
+from fusegate.strategies.base import Strategy
 from fusegate.kernels.protocol import MAX_HIDDEN  # imports no Triton: admission stays light
 from fusegate.quant import KINDS, admission_reason
 from fusegate.spec import Needs, Problem, Verdict

@@ -1,7 +1,7 @@
 """The `oneshot` strategy: every rank reads every peer's rows and applies the epilogue, in one kernel.
 
 Collective and epilogue are one Triton kernel (`fusegate.kernels.oneshot`) over peer buffers
-mapped through CUDA IPC (`fusegate.backends.workspace`, Lamport protocol): lowest latency at
+mapped through CUDA IPC (`fusegate.strategies.workspace`, Lamport protocol): lowest latency at
 decode sizes, W x the bytes of the input over the fabric. `PeerStrategy` here is also the base of
 `twoshot`.
 
@@ -32,7 +32,7 @@ from typing import Callable, ClassVar
 import torch
 
 from fusegate import env
-from fusegate.backends.base import Strategy
+from fusegate.strategies.base import Strategy
 from fusegate.kernels.protocol import (
     MAX_HIDDEN,
     MAX_INPUT_BYTES,
@@ -112,7 +112,7 @@ class PeerStrategy(Strategy):
         Created once, for every call of up to max(this call, the max_tokens option) tokens, before
         any capture.
         """
-        from fusegate.backends.workspace import LamportWorkspace
+        from fusegate.strategies.workspace import LamportWorkspace
 
         need = self._need(num_tokens, hidden, dtype)
         ws = self._workspaces.get(dtype)
@@ -137,7 +137,7 @@ class PeerStrategy(Strategy):
     def _unfused(self) -> Strategy:
         """The group's unfused path, for calls that do not fit the workspace."""
         if self._fallback is None:
-            from fusegate.backends import get_strategy
+            from fusegate.strategies import get_strategy
 
             name = "nccl_epilogue" if self.ctx.problem_group.backend == "nccl" else "reference"
             self._fallback = get_strategy(name)(self.ctx)

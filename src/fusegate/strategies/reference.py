@@ -8,7 +8,7 @@ same reduced buffer from the collective, so every rank returns identical bits.
 
 Peer failure: over gloo the allreduce is waited on for at most `timeout_s` (Communicator option,
 default FUSEGATE_TIMEOUT_S), then raises `PeerLostError`; later calls refuse at once
-(`fusegate.backends.host_wait`). Over NCCL, NCCL's watchdog and the group timeout apply.
+(`fusegate.strategies.host_wait`). Over NCCL, NCCL's watchdog and the group timeout apply.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from fusegate.backends.base import Strategy
-from fusegate.backends.host_wait import PeerGuard, goes_through_host, strategy_timeout_s
+from fusegate.strategies.base import Strategy
+from fusegate.strategies.host_wait import PeerGuard, goes_through_host, strategy_timeout_s
 from fusegate.quant import KINDS
 from fusegate.reference import accumulation_dtype, residual_rmsnorm_quant_ref, residual_rmsnorm_ref
 from fusegate.spec import Needs

@@ -13,17 +13,17 @@ from typing import TYPE_CHECKING
 from fusegate.spec import Problem, Verdict
 
 if TYPE_CHECKING:
-    from fusegate.backends.base import Strategy
+    from fusegate.strategies.base import Strategy
     from fusegate.probe.capabilities import Capabilities
 
 # name -> "module:Class". Order is the order doctor lists them in.
 _REGISTRY: dict[str, str] = {
-    "reference": "fusegate.backends.reference:ReferenceStrategy",
-    "ring": "fusegate.backends.ring:RingStrategy",
-    "nccl_epilogue": "fusegate.backends.nccl_epilogue:NcclEpilogueStrategy",
-    "nccl_eager": "fusegate.backends.nccl_eager:NcclEagerStrategy",
-    "oneshot": "fusegate.backends.oneshot:OneShotStrategy",
-    "twoshot": "fusegate.backends.twoshot:TwoShotStrategy",
+    "reference": "fusegate.strategies.reference:ReferenceStrategy",
+    "ring": "fusegate.strategies.ring:RingStrategy",
+    "nccl_epilogue": "fusegate.strategies.nccl_epilogue:NcclEpilogueStrategy",
+    "nccl_eager": "fusegate.strategies.nccl_eager:NcclEagerStrategy",
+    "oneshot": "fusegate.strategies.oneshot:OneShotStrategy",
+    "twoshot": "fusegate.strategies.twoshot:TwoShotStrategy",
 }
 
 

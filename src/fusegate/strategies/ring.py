@@ -18,7 +18,7 @@ memory only, so CUDA tensors over a gloo group are staged through the host. Not 
 
 Peer failure: over gloo every exchange waits at most `timeout_s` (Communicator option, default
 FUSEGATE_TIMEOUT_S), then raises `PeerLostError` naming both neighbours; later calls
-refuse at once (`fusegate.backends.host_wait`). The bound is per request, not "until the peer's
+refuse at once (`fusegate.strategies.host_wait`). The bound is per request, not "until the peer's
 socket closes": when a rank dies, only its two neighbours see the closed socket; they raise and stop
 sending, and the ranks beyond them would otherwise wait for the group's 30-minute timeout.
 """
@@ -28,8 +28,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from fusegate.backends.base import Strategy
-from fusegate.backends.host_wait import PeerGuard, goes_through_host, strategy_timeout_s
+from fusegate.strategies.base import Strategy
+from fusegate.strategies.host_wait import PeerGuard, goes_through_host, strategy_timeout_s
 from fusegate.quant import KINDS
 from fusegate.reference import accumulation_dtype, residual_rmsnorm_quant_ref, residual_rmsnorm_ref
 from fusegate.spec import Needs

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from fusegate.backends.base import Strategy
+from fusegate.strategies.base import Strategy
 from fusegate.quant import KINDS
 from fusegate.reference import residual_rmsnorm_quant_ref, residual_rmsnorm_ref
 from fusegate.spec import Needs
