@@ -126,7 +126,8 @@ def reference(xs, res, w):
 class Case:
     """One (strategy, W, tokens sequence, hidden, dtype) setup with its inputs and outputs."""
 
-    def __init__(self, strategy: str, world: int, tokens_seq: tuple, hidden: int, dtype, *, chunk=None):
+    def __init__(self, strategy: str, world: int, tokens_seq: tuple, hidden: int, dtype, *, chunk=None, quant=None,
+                 path="in_kernel"):
         from fusegate.kernels.oneshot import oneshot_launch
         from fusegate.kernels.protocol import Plan, make_plan, region_elems_for
         from fusegate.kernels.twoshot import twoshot_launch
@@ -153,13 +154,59 @@ class Case:
         self.w = (1 + 0.1 * random_inputs(101, 1, hidden, torch.float32, seed=hidden)[0]).to(dtype).cuda()
         self.outs = [(torch.empty(mmax, hidden, dtype=dtype, device="cuda"), torch.empty(mmax, hidden, dtype=dtype, device="cuda"))
                      for _ in range(world)]
+        self.quant, self.path = quant, path  # quantized output: in the peer kernel, or by the epilogue after it
+        self.last = [None] * world  # each rank's latest QuantOutput (the captured call's, after capture)
 
     def call(self, rank: int, j: int) -> None:
         m = self.tokens_seq[j % len(self.tokens_seq)]
         out = self.outs[rank]
+        if self.quant is not None:
+            self.last[rank] = self.call_quantized(rank, m)
+            return
         self.launch(self.xs[rank][:m], self.res[:m], self.w, 1e-6, self.ws[rank], timeout_s=5.0,
                     max_programs=self.max_programs, plan_programs=self.plan_programs,
                     out=(out[0][:m], out[1][:m]), plan=self.plans[m])
+
+    def call_quantized(self, rank: int, m: int):
+        from fusegate.kernels.epilogue import residual_rmsnorm
+
+        kw = dict(timeout_s=5.0, max_programs=self.max_programs, plan_programs=self.plan_programs, plan=self.plans[m])
+        x, ws = self.xs[rank][:m], self.ws[rank]
+        if self.path == "in_kernel":
+            return self.launch(x, self.res[:m], self.w, 1e-6, ws, quant=self.quant, **kw)
+        s = self.launch(x, None, None, 0.0, ws, has_norm=False, out=(self.outs[rank][0][:m], None), **kw)[0]
+        return residual_rmsnorm(s, self.res[:m], self.w, 1e-6, quant=self.quant)
+
+    def check_quantized(self, m: int) -> tuple[bool, str]:
+        """Every rank's bits equal rank 0's; rank 0 against the reference quantizer of the fp32
+        rank-order sum (new residual exact; scales and codes within the one-step rule of
+        tests/kernels/test_quant_interpreter.py: the sum of squares is a tree in the kernel and
+        sequential in torch, so a row's fp32 values may differ by an ulp)."""
+        from fusegate.reference import all_reduce_residual_rmsnorm_quant_ref
+
+        got = [tuple(t.contiguous().view(torch.uint8).cpu() if t is not None else None for t in q) for q in self.last]
+        for rank in range(1, self.world):
+            if any((a is None) != (b is None) or (a is not None and not torch.equal(a, b)) for a, b in zip(got[rank], got[0])):
+                return False, f"rank {rank} quantized bits differ from rank 0"
+        q = self.last[0]
+        ref = all_reduce_residual_rmsnorm_quant_ref([x[:m].cpu() for x in self.xs], self.res[:m].cpu(), self.w.cpu(), 1e-6,
+                                                    self.quant)
+        if not torch.equal(q.residual.cpu(), ref.residual):
+            return False, "new residual differs from the reference"
+        nib = self.quant.kind == "nvfp4"
+        if nib:
+            step = (ordinal(q.scale.cpu(), False) - ordinal(ref.scale, False)).abs().max().item()
+        elif self.quant.kind != "fp8_static":
+            step = ((q.scale.cpu() - ref.scale).abs() / ref.scale.abs().clamp_min(1e-30)).max().item() / 2.0**-23 / 4
+        else:
+            step = 0
+        if not step <= 1:
+            return False, f"scales off by {step:g} steps"
+        if not nib or torch.equal(q.scale.cpu().view(torch.uint8), ref.scale.view(torch.uint8)):
+            codes = (ordinal(q.out.cpu(), nib) - ordinal(ref.out, nib)).abs().max().item()
+            if codes > 1:
+                return False, f"codes off by {codes} steps"
+        return True, "ok"
 
     def check(self) -> tuple[bool, str]:
         """Errors zero, bits identical on every rank, results right for the last call's size."""
@@ -169,6 +216,8 @@ class Case:
         if any(e[0] for e in errs):
             return False, f"error words {errs}"
         m = self.tokens_seq[-1]
+        if self.quant is not None:
+            return self.check_quantized(m)
         ref, ref64 = reference([x[:m] for x in self.xs], self.res[:m], self.w)
         for rank, (normed, new_res) in enumerate(self.outs):
             if not torch.equal(normed[:m].view(torch.int16 if self.dtype.itemsize == 2 else torch.int32),
@@ -185,10 +234,23 @@ class Case:
         for normed, new_res in self.outs:
             normed.fill_(float("nan"))
             new_res.fill_(float("nan"))
+        for q in self.last:
+            for t in q or ():
+                if t is not None:
+                    t.view(torch.uint8).fill_(0x7F)  # NaN in e4m3 (codes, NVFP4 scales); a NaN-ish fp32/bf16 pattern
 
 
-def run_case(strategy, world, tokens_seq, hidden, dtype, mode, n, reps, chunk=None):
-    case = Case(strategy, world, tokens_seq, hidden, dtype, chunk=chunk)
+def ordinal(codes, nibbles: bool):
+    """Signed grid positions of e4m3 codes (or of packed e2m1 nibbles): adjacent values differ by one."""
+    c = codes.contiguous().view(torch.uint8).to(torch.int32)
+    if nibbles:
+        c = torch.stack([c & 0xF, c >> 4], dim=-1)
+        return torch.where(c >= 8, -(c - 8), c)
+    return torch.where(c >= 0x80, -(c - 0x80), c)
+
+
+def run_case(strategy, world, tokens_seq, hidden, dtype, mode, n, reps, chunk=None, quant=None, path="in_kernel"):
+    case = Case(strategy, world, tokens_seq, hidden, dtype, chunk=chunk, quant=quant, path=path)
     streams = [torch.cuda.Stream() for _ in range(world)]
     calls = [lambda j, r=r: case.call(r, j) for r in range(world)]
     for j in range(len(tokens_seq)):  # eager warm-up: compiles every size, runs the protocol once
@@ -242,6 +304,8 @@ def main(argv=None) -> int:
     parser.add_argument("--budget-s", type=float, default=420.0, help="stop starting new cases after this long")
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--quick", action="store_true", help="hidden 6144 bf16, W in 1/2/8, tokens 1/16/64 only")
+    parser.add_argument("--quant-first", action="store_true",
+                        help="run the quantized-output cases before the unquantized grid (they run last otherwise)")
     args = parser.parse_args(argv)
     t0 = time.time()
     rows, table = [], []
@@ -251,27 +315,52 @@ def main(argv=None) -> int:
         row = make_row(op, strategy, shape, str(dtype).replace("torch.", ""), world, samples, "us", emulated=True, **extra)
         rows.append(row)
         append_rows(args.out, [row])
-        table.append((op, strategy, world, shape, dtype, row.median, extra.get("valid", True)))
+        label = op if "quant" not in extra else f"quant {extra['quant']} {extra['path']}"
+        table.append((label, strategy, world, shape, dtype, row.median, extra.get("valid", True)))
 
-    def peer(strategy, world, tokens_seq, hidden, dtype, mode="steady", chunk=None, label=None):
+    def peer(strategy, world, tokens_seq, hidden, dtype, mode="steady", chunk=None, label=None, quant=None,
+             path="in_kernel"):
         if time.time() - t0 > args.budget_s:
             return None
         n = 40 if max(tokens_seq) <= 64 else 16
         try:
-            samples, ok, why, plan, programs = run_case(strategy, world, tokens_seq, hidden, dtype, mode, n, args.reps, chunk)
+            samples, ok, why, plan, programs = run_case(strategy, world, tokens_seq, hidden, dtype, mode, n, args.reps,
+                                                        chunk, quant, path)
         except Exception as exc:  # a case that cannot run is a finding, not the end of the run
-            print(f"FAILED {strategy} W={world} T={tokens_seq} H={hidden} {dtype} {mode}: {exc!r}", flush=True)
+            print(f"FAILED {strategy} W={world} T={tokens_seq} H={hidden} {dtype} {mode} {quant}: {exc!r}", flush=True)
             return None
         shape = {"tokens": tokens_seq[-1] if label is None else label, "hidden": hidden}
-        emit("all_reduce_residual_rmsnorm", strategy, shape, dtype, world, samples, mode=mode, valid=ok, check=why,
+        op = "all_reduce_residual_rmsnorm" if quant is None else "all_reduce_residual_rmsnorm_quant"
+        qextra = {} if quant is None else {"quant": quant.key, "path": path}
+        emit(op, strategy, shape, dtype, world, samples, mode=mode, valid=ok, check=why,
              chunk=plan.chunk, num_chunks=plan.num_chunks, programs=programs, calls_per_stream=n,
-             chunk_forced=chunk is not None)
+             chunk_forced=chunk is not None, **qextra)
         if not ok:
             print(f"INVALID {strategy} W={world} T={tokens_seq} H={hidden}: {why}", flush=True)
         return rows[-1].median
 
     tokens = (1, 16, 64) if args.quick else TOKENS
     worlds = (1, 2, 8) if args.quick else WORLDS
+
+    def quantized():
+        """Quantized output: in the peer kernel against the peer allreduce + quantizing epilogue,
+        beside the unquantized call, W = 2 and 8, hidden 6144 and 7168."""
+        from fusegate import quant as Q
+
+        specs = (Q.fp8_static(0.05), Q.fp8_per_token(), Q.fp8_per_group(128, layout="col"), Q.nvfp4(40.0))
+        for hidden in (6144, 7168):
+            for world in (8, 2):
+                for t in (1, 16, 64):
+                    peer("oneshot", world, (t,), hidden, bf16)
+                    for spec in specs:
+                        for path in ("in_kernel", "two_kernels"):
+                            peer("oneshot", world, (t,), hidden, bf16, quant=spec, path=path)
+                for spec in specs[1:2]:
+                    for t in (1, 16):
+                        peer("twoshot", world, (t,), hidden, bf16, quant=spec)
+
+    if args.quant_first:
+        quantized()
     # 1. the main grid: hidden 6144, bf16, steady
     for world in worlds:
         for strategy in ("oneshot", "twoshot"):
@@ -318,13 +407,15 @@ def main(argv=None) -> int:
             for t in (1, 64):
                 peer("oneshot", world, (t,), hidden, bf16)
 
+    if not args.quant_first:
+        quantized()
     if args.plot:
         plot(rows, args.plot)
     print(f"\n{len(rows)} rows in {time.time() - t0:.0f} s -> {args.out} (one GPU, W ranks emulated as W streams: no fabric)")
-    print(f"{'op':<28} {'strategy':<9} {'W':>2} {'shape':<30} {'dtype':<9} {'median us':>9}")
+    print(f"{'op':<44} {'strategy':<9} {'W':>2} {'shape':<30} {'dtype':<9} {'median us':>9}")
     for op, strategy, world, shape, dtype, med, ok in table:
         flag = "" if ok else "  INVALID"
-        print(f"{op:<28} {strategy:<9} {world:>2} {json.dumps(shape):<30} {str(dtype)[6:]:<9} {med:>9.2f}{flag}")
+        print(f"{op:<44} {strategy:<9} {world:>2} {json.dumps(shape):<30} {str(dtype)[6:]:<9} {med:>9.2f}{flag}")
     return 0
 
 

@@ -25,7 +25,7 @@ def test_quant_admission_reasons(capsys, monkeypatch, no_moe_section, kind):  # 
         assert "e2m1 by the software conversion" in fused["reason"]
     for name in ("oneshot", "twoshot"):  # the peer allreduce, then the quantizing epilogue
         peer = admission[name]
-        assert peer["admitted"] and "quantized output in a second kernel" in peer["reason"] and "hardware cvt" in peer["reason"]
+        assert peer["admitted"] and "quantized output in the peer kernel" in peer["reason"] and "hardware cvt" in peer["reason"]
     assert admission["nccl_eager"]["admitted"]
     assert main(["doctor", "--quant", kind]) == 0  # the table names the format
     assert f"{kind} output" in capsys.readouterr().out

@@ -158,7 +158,21 @@ def test_four_ranks(name):
 
 # ---- timeouts ----------------------------------------------------------------------------------
 
-def _timeout_rank(rank, world_size, name, absent):
+def _poisoned(result) -> bool:
+    """Whether a failed call's outputs are all NaN: the normed rows, or the quantized output's
+    scales (and FP8 codes: e4m3 NaN is 0x7F / 0xFF)."""
+    from fusegate.quant import QuantOutput
+
+    if not isinstance(result, QuantOutput):
+        return bool(torch.isnan(result[0]).all())
+    scale = result.scale.float()
+    if result.out.dtype == torch.uint8:  # NVFP4: e2m1 has no NaN; the real blocks' scales are NaN
+        m, k = result.residual.shape[0], result.residual.shape[1] // 16
+        return bool(torch.isnan(scale[:m, :k]).all())
+    return bool(torch.isnan(scale).all() and ((result.out.view(torch.uint8) & 0x7F) == 0x7F).all())
+
+
+def _timeout_rank(rank, world_size, name, absent, quant=None):
     import torch.distributed as dist
 
     from fusegate.strategies.workspace import PeerTimeoutError
@@ -171,11 +185,11 @@ def _timeout_rank(rank, world_size, name, absent):
     outcome = None
     if rank != absent:
         x = small_integer_inputs(rank, 3, 32, torch.float32)
-        normed, _ = strategy.all_reduce_residual_rmsnorm(x, x, torch.ones(32), 1e-6)
+        result = strategy.all_reduce_residual_rmsnorm(x, x, torch.ones(32), 1e-6, quant=quant)
         try:
             strategy.check()
         except PeerTimeoutError as exc:
-            outcome = (exc.code, exc.ranks, str(exc), bool(torch.isnan(normed).all()))
+            outcome = (exc.code, exc.ranks, str(exc), _poisoned(result))
             try:  # the next call refuses to run on the broken workspace
                 strategy.all_reduce_residual_rmsnorm(x, x, torch.ones(32), 1e-6)
             except PeerTimeoutError:
@@ -186,11 +200,15 @@ def _timeout_rank(rank, world_size, name, absent):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["oneshot", "twoshot"])
-def test_absent_rank_times_out_with_its_name(name):
+@pytest.mark.parametrize("name, quant", [("oneshot", None), ("twoshot", None), ("oneshot", "fp8_per_token"),
+                                         ("twoshot", "nvfp4")])
+def test_absent_rank_times_out_with_its_name(name, quant):
+    """Survivors name the absent rank, return NaN (quantized output: NaN scales) and refuse the next call."""
+    from fusegate import quant as Q
     from fusegate.kernels.protocol import ERR_ABORTED, ERR_TIMEOUT
 
-    results = run_ranks(_timeout_rank, 3, args=(name, 2), env=INTERP, timeout_s=120)
+    spec = {None: None, "fp8_per_token": Q.fp8_per_token(), "nvfp4": Q.nvfp4(2.0, swizzled=False)}[quant]
+    results = run_ranks(_timeout_rank, 3, args=(name, 2, spec), env=INTERP, timeout_s=120)
     timed_out = {rank for rank in (0, 1) if results[rank][0] == ERR_TIMEOUT}
     assert timed_out, "at least one survivor must report the absent rank itself"
     for rank in (0, 1):
@@ -332,3 +350,75 @@ def test_peer_strategies_quantized_output_equals_the_reference(name):
                 assert (g is None) == (r is None), (spec.key, part)
                 if g is not None:
                     assert g[:2] == r[:2] and torch.equal(g[3], r[3]), f"{name} rank {rank} {spec.key}: {part} differs"
+
+
+def _split_quant_specs():
+    from fusegate import quant as Q
+
+    return [Q.fp8_static(0.125), Q.fp8_per_token(with_normed=True), Q.fp8_per_token(scale_ub=0.004),
+            Q.fp8_per_group(16, layout="col"), Q.fp8_per_group(32), Q.nvfp4(40.0, swizzled=True), Q.nvfp4(3.0)]
+
+
+def _split_quant_rank(rank, world_size, name, h, chunk):
+    from fusegate.kernels.oneshot import oneshot_launch
+    from fusegate.kernels.protocol import Plan
+    from fusegate.kernels.twoshot import twoshot_launch
+    from tests.foundation.test_quant_gloo import _pack
+
+    launch = oneshot_launch if name == "oneshot" else twoshot_launch
+    strategy = _strategy(name, rank, world_size, timeout_s=5.0)
+    strategy.prepare(hidden=h, dtype=torch.bfloat16, max_tokens=3)
+    (ws,) = strategy._workspaces.values()
+    x = small_integer_inputs(rank, 3, h, torch.bfloat16, seed=7)
+    res, w = small_integer_inputs(100, 3, h, torch.bfloat16, seed=7), small_integer_inputs(101, 1, h, torch.bfloat16, seed=7)[0]
+    num_chunks = -(-h // chunk)
+    plan = Plan(chunk=chunk, num_chunks=num_chunks, items=3 * num_chunks, num_warps=1)
+    outs = []
+    inputs = [t.clone() for t in (x, res, w)]
+    for spec in _split_quant_specs():
+        normed = torch.full_like(x, float("nan"))  # poisoned: the kernel must write every element it returns
+        got = launch(x, res, w, 1e-6, ws, timeout_s=5.0, max_programs=4, plan_programs=4, plan=plan, quant=spec,
+                     out=(normed, None))
+        outs.append(_pack(got))
+        assert all(torch.equal(a, b) for a, b in zip(inputs, (x, res, w))), f"{spec.key} wrote into its inputs"
+    strategy.check()
+    strategy.close()
+    return outs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["oneshot", "twoshot"])
+def test_split_rows_quantized_in_the_peer_kernel_equal_the_reference(name):
+    """Rows of three 64-element chunks: per-token FP8 exchanges each row's absmax between its
+    chunks, per-group and NVFP4 scale blocks fall inside chunks, swizzled padding is zeroed."""
+    from fusegate.reference import all_reduce_residual_rmsnorm_quant_ref
+    from tests.foundation.test_quant_gloo import _pack
+
+    h, chunk = 192, 64
+    results = run_ranks(_split_quant_rank, 2, args=(name, h, chunk), env=INTERP, timeout_s=600)
+    xs = [small_integer_inputs(r, 3, h, torch.bfloat16, seed=7) for r in range(2)]
+    res, w = small_integer_inputs(100, 3, h, torch.bfloat16, seed=7), small_integer_inputs(101, 1, h, torch.bfloat16, seed=7)[0]
+    for i, spec in enumerate(_split_quant_specs()):
+        ref = _pack(all_reduce_residual_rmsnorm_quant_ref(xs, res, w, 1e-6, spec))
+        for rank in range(2):
+            for part, g, r in zip(("out", "scale", "residual", "normed"), results[rank][i], ref):
+                assert (g is None) == (r is None), (spec.key, part)
+                if g is not None:
+                    assert g[:2] == r[:2] and torch.equal(g[3], r[3]), f"{name} rank {rank} {spec.key}: {part} differs"
+
+
+def test_chunks_that_cut_scale_blocks_are_refused_by_the_kernels():
+    """A plan whose chunks do not hold whole scale blocks is not quantized in the peer kernel: the
+    strategy quantizes after the allreduce instead (`quantizes_in_kernel`)."""
+    from fusegate import quant as Q
+    from fusegate.kernels.oneshot import quantizes_in_kernel
+    from fusegate.kernels.protocol import Plan, make_plan
+
+    plan = Plan(chunk=128, num_chunks=2, items=2, num_warps=1)
+    assert quantizes_in_kernel(plan, Q.fp8_per_group(128)) and not quantizes_in_kernel(plan, Q.fp8_per_group(256))
+    assert quantizes_in_kernel(plan, Q.nvfp4(1.0)) and not quantizes_in_kernel(Plan(32, 4, 4, 1), Q.nvfp4(1.0))
+    assert quantizes_in_kernel(Plan(16, 4, 4, 1), Q.fp8_per_token()) and quantizes_in_kernel(Plan(16, 4, 4, 1), Q.fp8_static(1.0))
+    for tokens in (1, 16, 4096):  # real plans: chunks of at least 128 elements hold every group <= 128
+        for itemsize in (2, 4):
+            plan = make_plan(tokens, 7168, itemsize, 128)
+            assert all(quantizes_in_kernel(plan, spec) for spec in (Q.fp8_per_group(128), Q.nvfp4(1.0))), plan

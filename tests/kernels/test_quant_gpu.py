@@ -155,31 +155,97 @@ def test_nccl_epilogue_on_one_rank():
             assert torch.equal(g, r.view(torch.uint8) if r.element_size() == 1 else r), spec.key
 
 
+# (tokens, hidden): 9 x 1024 rows of one chunk; 1 x 6144 a row split over programs that each
+# hold one item (the kernels' one-pass path); 16 x 6144 split rows, several items per program.
+# Small integers keep every sum of squares exact in fp32, so every bit is the reference's.
+SHARED_SHAPES = ((9, 1024), (1, 6144), (16, 6144))
+
+
+def _shared_inputs(rank, m, h):
+    return (small_integer_inputs(rank, m, h, torch.bfloat16), small_integer_inputs(50, m, h, torch.bfloat16),
+            small_integer_inputs(51, 1, h, torch.bfloat16)[0])
+
+
 def _shared_gpu_rank(rank, world_size, strategy):
     from fusegate import Communicator
 
     torch.cuda.set_device(0)
-    x = small_integer_inputs(rank, 9, 1024, torch.bfloat16).cuda()
-    res = small_integer_inputs(50, 9, 1024, torch.bfloat16).cuda()
-    w = small_integer_inputs(51, 1, 1024, torch.bfloat16)[0].cuda()
+    out = []
     with Communicator(strategy=strategy, device="cuda") as comm:
-        return [_host(comm.all_reduce_residual_rmsnorm(x, res, w, quant=_on(spec))) for spec in MODEL_SPECS]
+        for m, h in SHARED_SHAPES:
+            x, res, w = (t.cuda() for t in _shared_inputs(rank, m, h))
+            out.append([_host(comm.all_reduce_residual_rmsnorm(x, res, w, quant=_on(spec))) for spec in MODEL_SPECS])
+        comm.check()
+    return out
 
 
 @pytest.mark.parametrize("strategy", ["reference", "ring", "oneshot", "twoshot"])
 def test_ranks_sharing_one_gpu_get_the_reference_bits(strategy):
     """CUDA tensors over gloo, two ranks on one GPU: the reference quantizer on the device, and the
-    peer strategies' allreduce + quantizing epilogue."""
+    peer strategies quantizing inside their kernel (split rows exchange per-token absmax)."""
     from fusegate.launch import run_ranks
     from fusegate.reference import all_reduce_residual_rmsnorm_quant_ref
 
-    env = {"TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES": "1", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-           "NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1"}
-    results = run_ranks(_shared_gpu_rank, 2, args=(strategy,), env=env, timeout_s=300)
-    xs = [small_integer_inputs(r, 9, 1024, torch.bfloat16) for r in range(2)]
-    res, w = small_integer_inputs(50, 9, 1024, torch.bfloat16), small_integer_inputs(51, 1, 1024, torch.bfloat16)[0]
-    for i, spec in enumerate(MODEL_SPECS):
-        ref = _host(all_reduce_residual_rmsnorm_quant_ref(xs, res, w, 1e-6, spec))
+    results = run_ranks(_shared_gpu_rank, 2, args=(strategy,), env=SHARED_ENV, timeout_s=300)
+    for k, (m, h) in enumerate(SHARED_SHAPES):
+        xs = [_shared_inputs(r, m, h)[0] for r in range(2)]
+        _, res, w = _shared_inputs(0, m, h)
+        for i, spec in enumerate(MODEL_SPECS):
+            ref = _host(all_reduce_residual_rmsnorm_quant_ref(xs, res, w, 1e-6, spec))
+            for rank in range(2):
+                for g, r in zip(results[rank][k][i], ref):
+                    assert (g is None and r is None) or torch.equal(g, r), (strategy, rank, (m, h), spec.key)
+
+
+SHARED_ENV = {"TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES": "1", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+              "NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def _quant_graph_rank(rank, world_size, strategy):
+    import torch.distributed as dist
+
+    from fusegate import Communicator
+
+    torch.cuda.set_device(0)
+    m, h = 16, 6144
+    spec = Q.fp8_per_token(scale_ub=1.0)
+    outs = []
+    with Communicator(strategy=strategy, device="cuda", timeout_s=20.0) as comm:
+        comm.prepare(hidden=h, dtype=torch.bfloat16, max_tokens=64)
+        x, res = (torch.zeros(m, h, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+        w = torch.zeros(h, dtype=torch.bfloat16, device="cuda")
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            comm.all_reduce_residual_rmsnorm(x.fill_(1), res, w.fill_(1), quant=spec)  # compiles the variant
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            q = comm.all_reduce_residual_rmsnorm(x, res, w, quant=spec)
+        for step in range(3):
+            x.copy_(small_integer_inputs(rank, m, h, torch.bfloat16, seed=step))
+            res.copy_(small_integer_inputs(50, m, h, torch.bfloat16, seed=step))
+            w.copy_(small_integer_inputs(51, 1, h, torch.bfloat16, seed=step)[0])
+            q.out.view(torch.uint8).fill_(0x7F), q.scale.fill_(float("nan"))
+            graph.replay()
+            outs.append(_host(q))
+        comm.check()
+        dist.barrier()
+    return outs
+
+
+@pytest.mark.parametrize("strategy", ["oneshot", "twoshot"])
+def test_quantized_peer_calls_replay_in_a_cuda_graph(strategy):
+    from fusegate.launch import run_ranks
+    from fusegate.reference import all_reduce_residual_rmsnorm_quant_ref
+
+    m, h = 16, 6144
+    results = run_ranks(_quant_graph_rank, 2, args=(strategy,), env=SHARED_ENV, timeout_s=300)
+    for step in range(3):
+        xs = [small_integer_inputs(r, m, h, torch.bfloat16, seed=step) for r in range(2)]
+        res = small_integer_inputs(50, m, h, torch.bfloat16, seed=step)
+        w = small_integer_inputs(51, 1, h, torch.bfloat16, seed=step)[0]
+        ref = _host(all_reduce_residual_rmsnorm_quant_ref(xs, res, w, 1e-6, Q.fp8_per_token(scale_ub=1.0)))
         for rank in range(2):
-            for g, r in zip(results[rank][i], ref):
-                assert (g is None and r is None) or torch.equal(g, r), (strategy, rank, spec.key)
+            for g, r in zip(results[rank][step], ref):
+                assert (g is None and r is None) or torch.equal(g, r), (strategy, rank, step)

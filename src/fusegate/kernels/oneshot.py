@@ -29,6 +29,7 @@ import triton.language as tl
 
 from fusegate.kernels.epilogue import interpreting, round_like
 from fusegate.kernels.protocol import MAX_HIDDEN, NUM_SLOTS, STATE_ARRIVE, STATE_CALLS, make_plan, region_elems_for
+from fusegate.kernels.quant import KIND_BY_NAME, KIND_FP8_TOKEN, PAD_CHUNK, QuantBuffers, abs_bits, quantize_chunk, zero_scale_padding
 from fusegate.kernels.sync import (
     and_scalar,
     canonicalize,
@@ -46,27 +47,83 @@ from fusegate.kernels.sync import (
 )
 
 _CALLS, _ARRIVE, _SLOTS = tl.constexpr(STATE_CALLS), tl.constexpr(STATE_ARRIVE), tl.constexpr(NUM_SLOTS)
+KIND_FP8_TOKEN_C = tl.constexpr(KIND_FP8_TOKEN)
 # Interpreter spin bound per second of timeout: one interpreted poll of a 32-element row took
 # about 1 ms on the 2-core CI-class machine (tests/kernels/test_interpreter.py timeout test).
 INTERPRETER_SPINS_PER_S = 1_000
 
 
 @triton.jit
-def finish_norm(h, w, ss, H, eps, out_ptr, offs, cmask, like, SOFT_BF16: tl.constexpr):
-    """normed = round(h * (1 / sqrt(ss / H + eps)) * w), correctly rounded steps (see epilogue)."""
+def normed_fp32(h, w, ss, H, eps):
+    """h * (1 / sqrt(ss / H + eps)) * w in fp32, correctly rounded steps (as the epilogue's)."""
     ms = tl.math.div_rn(ss, H.to(tl.float32))
     inv = tl.math.div_rn(1.0, tl.math.sqrt_rn(ms + eps))
-    tl.store(out_ptr + offs, round_like(h * inv * w, like, SOFT_BF16), mask=cmask)
+    return h * inv * w
+
+
+@triton.jit
+def store_normed(
+    y, row, start, M, H, out_ptr, offs, cmask, like, qargs, row_amax,
+    CHUNK: tl.constexpr, SOFT_BF16: tl.constexpr, QKIND: tl.constexpr, QGROUP: tl.constexpr,
+    QSWIZZLED: tl.constexpr, QHAS_UB: tl.constexpr, QHW: tl.constexpr, WITH_NORMED: tl.constexpr,
+    ROW_AMAX: tl.constexpr,
+):
+    """Store the chunk's normed values `y` (fp32): rounded to the data dtype (without quantization,
+    or with WITH_NORMED), and quantized (QKIND > 0, `fusegate.kernels.quant.quantize_chunk`; qargs
+    = (codes, codes' row stride, scales, scale row stride, scale column stride, static or global
+    scale, scale bound), `row_amax` the row's absmax bits when ROW_AMAX)."""
+    if (QKIND == 0) | WITH_NORMED:
+        tl.store(out_ptr + offs, round_like(y, like, SOFT_BF16), mask=cmask)
+    if QKIND != 0:
+        quantize_chunk(tl.reshape(y, [CHUNK]), row, start, M, H, qargs[0], qargs[1], qargs[2], qargs[3], qargs[4],
+                       qargs[5], qargs[6], row_amax, QKIND, QGROUP, CHUNK, QSWIZZLED, QHAS_UB, QHW, ROW_AMAX)
+
+
+@triton.jit
+def row_amax_of(part_ptr, items, row, calls, deadline, max_spins, dead, err_ptr,
+                NCHUNK: tl.constexpr, NCP: tl.constexpr, USE_ASM: tl.constexpr):
+    """(absmax bits of `row` from its chunks' published partials, dead): per-token FP8 of a split
+    row. The absmax partials sit after the norm partials (`part_ptr + items + item`)."""
+    parts = tl.arange(0, NCP)
+    a, ok = wait_partials(part_ptr + items + row * NCHUNK + parts, parts < NCHUNK, calls, deadline, max_spins,
+                          dead, USE_ASM)
+    if (ok == 0) & (dead == 0):
+        stall(err_ptr, row, calls)
+    dead = dead | (ok == 0)
+    amax = tl.max(a.to(tl.int32, bitcast=True), axis=0)
+    return tl.where(dead, 0x7FC00000, amax), dead  # a failed row's scale is NaN
+
+
+@triton.jit
+def publish_amax(part_ptr, items, i, y, cmask, calls):
+    """Publish the absmax (as |y| bits) of item i's chunk, for `row_amax_of`."""
+    publish_partial(part_ptr + items, i, tl.max(abs_bits(y, cmask)).to(tl.float32, bitcast=True), calls)
+
+
+@triton.jit
+def zero_padding_scales(qargs, pid, nprog, M, H, QSWIZZLED: tl.constexpr, QNG: tl.constexpr):
+    """128x4-swizzled NVFP4 scales: zero the padding rows' (M .. align128(M)), spread over the programs."""
+    if QSWIZZLED:
+        num_pad = ((M + 127) // 128 * 128 - M + PAD_CHUNK - 1) // PAD_CHUNK
+        c = pid
+        while c < num_pad:
+            zero_scale_padding(qargs[2], M, H, c, QNG, PAD_CHUNK)
+            c += nprog
 
 
 @triton.jit
 def norm_partials_pass(
-    newres_ptr, w_ptr, out_ptr, part_ptr, pid, nprog, items, H, eps, calls, deadline, max_spins, dead, err_ptr,
-    CHUNK: tl.constexpr, NCHUNK: tl.constexpr, NCP: tl.constexpr, USE_ASM: tl.constexpr, SOFT_BF16: tl.constexpr,
+    newres_ptr, w_ptr, out_ptr, part_ptr, pid, nprog, items, M, H, eps, calls, deadline, max_spins, dead, err_ptr,
+    qargs, CHUNK: tl.constexpr, NCHUNK: tl.constexpr, NCP: tl.constexpr, USE_ASM: tl.constexpr,
+    SOFT_BF16: tl.constexpr, QKIND: tl.constexpr, QGROUP: tl.constexpr, QSWIZZLED: tl.constexpr,
+    QHAS_UB: tl.constexpr, QHW: tl.constexpr, WITH_NORMED: tl.constexpr,
 ):
-    """Phase 3 of split rows: wait for each row's partials, sum them in chunk order, write normed.
+    """Phase 3 of split rows: wait for each row's partials, sum them in chunk order, write normed
+    (or quantize it). Per-token FP8 publishes each chunk's absmax here and quantizes in a second
+    pass (`token_quant_pass`), once every program has published: the same no-waiter-waits order.
 
     The next item's loads are issued before this item is finished, so their latency overlaps.
+    Returns `dead`.
     """
     cols = tl.arange(0, CHUNK)
     parts = tl.arange(0, NCP)
@@ -79,7 +136,8 @@ def norm_partials_pass(
     nr_next = tl.load(newres_ptr + row.to(tl.int64) * H + col, mask=cmask, other=0.0)
     while i < items:
         row = i // NCHUNK
-        col = (i % NCHUNK) * CHUNK + cols
+        start = (i % NCHUNK) * CHUNK
+        col = start + cols
         cmask = col < H
         offs = row.to(tl.int64) * H + col
         w, nr = w_next.to(tl.float32), nr_next
@@ -94,16 +152,55 @@ def norm_partials_pass(
         dead = dead | (ok == 0)
         ss = tl.sum(p, axis=0)
         ss = tl.where(dead, float("nan"), ss)
-        finish_norm(nr.to(tl.float32), w, ss, H, eps, out_ptr, offs, cmask, nr, SOFT_BF16)
+        y = normed_fp32(nr.to(tl.float32), w, ss, H, eps)
+        if QKIND == KIND_FP8_TOKEN_C:
+            publish_amax(part_ptr, items, i, y, cmask, calls)
+            if WITH_NORMED:  # the codes come in token_quant_pass
+                tl.store(out_ptr + offs, round_like(y, nr, SOFT_BF16), mask=cmask)
+        else:
+            store_normed(y, row, start, M, H, out_ptr, offs, cmask, nr, qargs, 0, CHUNK, SOFT_BF16, QKIND, QGROUP,
+                         QSWIZZLED, QHAS_UB, QHW, WITH_NORMED, False)
         i = j
+    return dead
+
+
+@triton.jit
+def token_quant_pass(
+    newres_ptr, w_ptr, part_ptr, pid, nprog, items, M, H, eps, calls, deadline, max_spins, dead, err_ptr, qargs,
+    CHUNK: tl.constexpr, NCHUNK: tl.constexpr, NCP: tl.constexpr, USE_ASM: tl.constexpr, QHAS_UB: tl.constexpr,
+    QHW: tl.constexpr,
+):
+    """Per-token FP8 of split rows, after `norm_partials_pass`: recompute each chunk's normed values
+    (the same loads and arithmetic, so the same bits), then quantize them with the row's absmax."""
+    cols = tl.arange(0, CHUNK)
+    parts = tl.arange(0, NCP)
+    i = pid
+    while i < items:
+        row = i // NCHUNK
+        start = (i % NCHUNK) * CHUNK
+        col = start + cols
+        cmask = col < H
+        w = tl.load(w_ptr + col, mask=cmask, other=0.0).to(tl.float32)
+        nr = tl.load(newres_ptr + row.to(tl.int64) * H + col, mask=cmask, other=0.0)
+        p, ok = wait_partials(part_ptr + row * NCHUNK + parts, parts < NCHUNK, calls, deadline, max_spins, dead,
+                              USE_ASM)  # already published: this returns at once
+        dead = dead | (ok == 0)
+        amax, dead = row_amax_of(part_ptr, items, row, calls, deadline, max_spins, dead, err_ptr, NCHUNK, NCP, USE_ASM)
+        ss = tl.where(dead, float("nan"), tl.sum(p, axis=0))
+        y = normed_fp32(nr.to(tl.float32), w, ss, H, eps)
+        quantize_chunk(y, row, start, M, H, qargs[0], qargs[1], qargs[2], qargs[3], qargs[4], qargs[5], qargs[6], amax,
+                       KIND_FP8_TOKEN_C, 0, CHUNK, False, QHAS_UB, QHW, True)
+        i += nprog
 
 
 @triton.jit
 def residual_step(
-    s, row, col, cmask, offs, r, w, newres_ptr, out_ptr, part_ptr, i, H, eps, calls,
+    s, row, col, cmask, offs, r, w, newres_ptr, out_ptr, part_ptr, i, M, H, eps, calls, qargs, CHUNK: tl.constexpr,
     HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr, SPLIT: tl.constexpr, SOFT_BF16: tl.constexpr,
+    QKIND: tl.constexpr, QGROUP: tl.constexpr, QSWIZZLED: tl.constexpr, QHAS_UB: tl.constexpr, QHW: tl.constexpr,
+    WITH_NORMED: tl.constexpr,
 ):
-    """After the reduced chunk `s` (data dtype): new_residual, and normed or its partial."""
+    """After the reduced chunk `s` (data dtype): new_residual, and normed (quantized) or its partial."""
     if HAS_NORM:
         if HAS_RES:
             nr = round_like(s.to(tl.float32) + r.to(tl.float32), s, SOFT_BF16)
@@ -114,8 +211,9 @@ def residual_step(
         ss = tl.sum(tl.where(cmask, h * h, 0.0))
         if SPLIT:
             publish_partial(part_ptr, i, ss, calls)
-        else:
-            finish_norm(h, w, ss, H, eps, out_ptr, offs, cmask, s, SOFT_BF16)
+        else:  # the chunk is the whole row
+            store_normed(normed_fp32(h, w, ss, H, eps), row, 0, M, H, out_ptr, offs, cmask, s, qargs, 0, CHUNK,
+                         SOFT_BF16, QKIND, QGROUP, QSWIZZLED, QHAS_UB, QHW, WITH_NORMED, False)
     else:
         tl.store(out_ptr + offs, s, mask=cmask)
 
@@ -141,11 +239,12 @@ def sum_in_rank_order(v, x, srcs, rank, W: tl.constexpr):
 
 @triton.jit(do_not_specialize=["rank", "M", "timeout_ns", "max_spins"])
 def oneshot_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, newres_ptr, bufs, local_ptr, part_ptr, state_ptr, err_ptr,
+    x_ptr, res_ptr, w_ptr, out_ptr, newres_ptr, bufs, local_ptr, part_ptr, state_ptr, err_ptr, qargs,
     rank, M, H, region, header, eps, timeout_ns, max_spins,
     W: tl.constexpr, WP: tl.constexpr, CHUNK: tl.constexpr, NCHUNK: tl.constexpr, NCP: tl.constexpr,
     SENT: tl.constexpr, ELEM_BITS: tl.constexpr, HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr,
-    SPLIT: tl.constexpr, USE_ASM: tl.constexpr, SOFT_BF16: tl.constexpr,
+    SPLIT: tl.constexpr, USE_ASM: tl.constexpr, SOFT_BF16: tl.constexpr, QKIND: tl.constexpr, QGROUP: tl.constexpr,
+    QSWIZZLED: tl.constexpr, QHAS_UB: tl.constexpr, QHW: tl.constexpr, WITH_NORMED: tl.constexpr, QNG: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -196,11 +295,23 @@ def oneshot_kernel(
                                       dead, USE_ASM)
                 if (ok == 0) & (dead == 0):
                     stall(err_ptr, row, calls)
-                ss = tl.where(dead | (ok == 0), float("nan"), tl.sum(p, axis=0))
-                finish_norm(h, w, ss, H, eps, out_ptr, offs, cmask, s, SOFT_BF16)
+                dead = dead | (ok == 0)
+                ss = tl.where(dead, float("nan"), tl.sum(p, axis=0))
+                y = normed_fp32(h, w, ss, H, eps)
+                start = (pid % NCHUNK) * CHUNK
+                if QKIND == KIND_FP8_TOKEN_C:  # the row's absmax, from its chunks' programs
+                    publish_amax(part_ptr, items, pid, y, cmask, calls)
+                    amax, dead = row_amax_of(part_ptr, items, row, calls, deadline, max_spins, dead, err_ptr, NCHUNK,
+                                             NCP, USE_ASM)
+                    store_normed(y, row, start, M, H, out_ptr, offs, cmask, s, qargs, amax, CHUNK, SOFT_BF16, QKIND,
+                                 QGROUP, QSWIZZLED, QHAS_UB, QHW, WITH_NORMED, True)
+                else:
+                    store_normed(y, row, start, M, H, out_ptr, offs, cmask, s, qargs, 0, CHUNK, SOFT_BF16, QKIND,
+                                 QGROUP, QSWIZZLED, QHAS_UB, QHW, WITH_NORMED, False)
             else:
-                residual_step(s, row, col, cmask, offs, r, w, newres_ptr, out_ptr, part_ptr, pid, H, eps, calls,
-                              HAS_RES, HAS_NORM, SPLIT, SOFT_BF16)
+                residual_step(s, row, col, cmask, offs, r, w, newres_ptr, out_ptr, part_ptr, pid, M, H, eps, calls,
+                              qargs, CHUNK, HAS_RES, HAS_NORM, SPLIT, SOFT_BF16, QKIND, QGROUP, QSWIZZLED, QHAS_UB,
+                              QHW, WITH_NORMED)
     else:
         # 1. push this rank's chunks into every other rank's current slot, region `rank`
         # (the next item's input is loaded before this one is stored: the loads overlap the stores)
@@ -245,14 +356,20 @@ def oneshot_kernel(
             tl.store(ptrs, fill, mask=m2)  # re-arm exactly what was read (a failed workspace is never read again)
             acc = tl.where(dead, float("nan"), sum_in_rank_order(v, x, srcs, rank, W))
             s = round_like(acc, x, SOFT_BF16)
-            residual_step(s, row, col, cmask, offs, r, w, newres_ptr, out_ptr, part_ptr, i, H, eps, calls,
-                          HAS_RES, HAS_NORM, SPLIT, SOFT_BF16)
+            residual_step(s, row, col, cmask, offs, r, w, newres_ptr, out_ptr, part_ptr, i, M, H, eps, calls, qargs,
+                          CHUNK, HAS_RES, HAS_NORM, SPLIT, SOFT_BF16, QKIND, QGROUP, QSWIZZLED, QHAS_UB, QHW,
+                          WITH_NORMED)
             i = j
 
         # 3. split rows: every partial of this program is published; now finish the norm
         if SPLIT:
-            norm_partials_pass(newres_ptr, w_ptr, out_ptr, part_ptr, pid, nprog, items, H, eps, calls, deadline,
-                               max_spins, dead, err_ptr, CHUNK, NCHUNK, NCP, USE_ASM, SOFT_BF16)
+            dead = norm_partials_pass(newres_ptr, w_ptr, out_ptr, part_ptr, pid, nprog, items, M, H, eps, calls,
+                                      deadline, max_spins, dead, err_ptr, qargs, CHUNK, NCHUNK, NCP, USE_ASM,
+                                      SOFT_BF16, QKIND, QGROUP, QSWIZZLED, QHAS_UB, QHW, WITH_NORMED)
+            if QKIND == KIND_FP8_TOKEN_C:
+                token_quant_pass(newres_ptr, w_ptr, part_ptr, pid, nprog, items, M, H, eps, calls, deadline,
+                                 max_spins, dead, err_ptr, qargs, CHUNK, NCHUNK, NCP, USE_ASM, QHAS_UB, QHW)
+    zero_padding_scales(qargs, pid, nprog, M, H, QSWIZZLED, QNG)
 
     # 4. the last program to arrive advances the epoch
     old = tl.atomic_add(state_ptr + _ARRIVE, 1)
@@ -266,34 +383,93 @@ def spin_bounds(timeout_s: float) -> tuple[int, int]:
     return int(timeout_s * 1e9), max(1, int(timeout_s * INTERPRETER_SPINS_PER_S))
 
 
-def check_fits(where: str, x, ws, plan, *, twoshot: bool) -> None:
+def check_fits(where: str, x, ws, plan, *, twoshot: bool, quant=None) -> None:
     m, h = x.shape
     if h > MAX_HIDDEN:
         raise ValueError(f"{where}: hidden size {h} exceeds {MAX_HIDDEN}; use strategy='nccl_epilogue'")
     need = region_elems_for(m, h, len(ws.peers.views), plan, twoshot=twoshot)
-    if need > ws.region_elems or (plan.split and plan.items > ws.partials.numel()):
+    if need > ws.region_elems or (plan.split and partials_needed(plan, quant) > ws.partials.numel()):
         raise ValueError(f"{where}: {m}x{h} elements exceed the workspace region of {ws.region_elems}; "
                          "call prepare() with a larger max_tokens")
+    if quant is not None and not quantizes_in_kernel(plan, quant):
+        raise ValueError(f"{where}: chunks of {plan.chunk} elements do not hold whole {quant.kind} scale blocks; "
+                         "quantize after the allreduce (fusegate.kernels.epilogue.residual_rmsnorm)")
 
 
-def launch_args(x, residual, weight, ws, out, has_norm):
-    """Outputs and the pointer arguments both peer kernels share."""
-    if out is not None:  # caller's buffers (tests poison them with NaN)
-        out, new_res = out[0], (out[1] if has_norm else out[0])
-    else:
-        out = torch.empty_like(x)
-        new_res = torch.empty_like(x) if has_norm else out
-    ptrs = (x, residual if residual is not None else x, weight if weight is not None else x, out, new_res,
-            tuple(ws.peers.views), ws.peers.local, ws.partials, ws.state, ws.err)
-    return out, new_res, ptrs
+def partials_needed(plan, quant) -> int:
+    """Partials of a split row's call: norm partials, and absmax partials for per-token FP8."""
+    return plan.items * (2 if quant is not None and quant.kind == "fp8_per_token" else 1)
 
 
-def kernel_meta(x, residual, ws, plan, has_norm) -> dict:
+def quantizes_in_kernel(plan, quant) -> bool:
+    """Whether the peer kernels can quantize this plan's chunks themselves (`quantize_chunk`): a
+    chunk must hold whole scale blocks (per-group FP8: GROUP columns; NVFP4: 64, so that the
+    row's last chunk also covers the padded scale columns). Plans' chunks are powers of two of at
+    least 128 elements, so every format of `fusegate.quant` at group <= 128 qualifies."""
+    if quant.kind == "fp8_per_group":
+        return plan.chunk % quant.group == 0
+    if quant.kind == "nvfp4":
+        return plan.chunk % 64 == 0
+    return True
+
+
+def quant_buffers(x, quant, with_normed_out):
+    """(QuantBuffers or None, the kernels' qargs tuple, normed output or None) of one call."""
+    if quant is None:
+        return None, (x, 0, x, 0, 0, x, 0.0), None
+    from fusegate.kernels.epilogue import hardware_fp4, hardware_fp8
+
+    m, h = x.shape
+    buf = QuantBuffers(quant, m, h, x.device, hardware_fp8(x.device), hardware_fp4(x.device))
+    qargs = (buf.codes, buf.codes.stride(0), buf.scales, *buf.s_strides, buf.param, buf.scale_ub)
+    normed = (with_normed_out if with_normed_out is not None else torch.empty_like(x)) if quant.with_normed else None
+    return buf, qargs, normed
+
+
+def launch_args(x, residual, weight, ws, out, has_norm, quant=None):
+    """(out, new_residual, QuantBuffers or None, the pointer arguments both peer kernels share)."""
+    given, given_res = out if out is not None else (None, None)  # caller's buffers (tests poison them with NaN)
+    out = given if given is not None else torch.empty_like(x)
+    new_res = (given_res if given_res is not None else torch.empty_like(x)) if has_norm else out
+    buf, qargs, normed = quant_buffers(x, quant, given)
+    if quant is not None:
+        out = normed
+    ptrs = (x, residual if residual is not None else x, weight if weight is not None else x,
+            out if out is not None else x, new_res, tuple(ws.peers.views), ws.peers.local, ws.partials, ws.state,
+            ws.err, qargs)
+    return out, new_res, buf, ptrs
+
+
+def kernel_meta(x, residual, ws, plan, has_norm, quant=None) -> dict:
     world = len(ws.peers.views)
+    h = x.shape[1]
     return dict(W=world, WP=triton.next_power_of_2(world), CHUNK=plan.chunk, NCHUNK=plan.num_chunks,
                 NCP=triton.next_power_of_2(plan.num_chunks), SENT=ws.sentinel, ELEM_BITS=8 * x.element_size(),
                 HAS_RES=residual is not None, HAS_NORM=has_norm, SPLIT=has_norm and plan.split, USE_ASM=not interpreting(),
-                SOFT_BF16=interpreting(), num_warps=plan.num_warps)
+                SOFT_BF16=interpreting(), num_warps=plan.num_warps,
+                QKIND=KIND_BY_NAME[quant.kind] if quant is not None else 0, QGROUP=(quant.group or 16) if quant else 16,
+                QSWIZZLED=quant is not None and quant.layout == "swizzled",
+                QHAS_UB=quant is not None and quant.scale_ub is not None,
+                QHW=quant_hw_bits(x.device, quant), WITH_NORMED=quant is not None and quant.with_normed,
+                QNG=triton.next_power_of_2(max(4, -(-(h // 16) // 4) * 4)))
+
+
+def quant_hw_bits(device, quant) -> int:
+    """HW_CVT bits of `fusegate.kernels.quant` for `device` (0 without quantization)."""
+    if quant is None:
+        return 0
+    from fusegate.kernels.epilogue import hardware_fp4, hardware_fp8
+
+    return int(hardware_fp8(device)) | (2 if hardware_fp4(device) else 0)
+
+
+def finish_outputs(out, new_res, buf, has_norm):
+    """What a launcher returns: (out, new_residual), or a QuantOutput with quantization."""
+    if buf is None:
+        return out, (new_res if has_norm else None)
+    from fusegate.quant import QuantOutput
+
+    return QuantOutput(buf.out, buf.scale, new_res, out)
 
 
 def grid_for(plan, max_programs: int) -> tuple[int]:
@@ -304,25 +480,36 @@ def grid_for(plan, max_programs: int) -> tuple[int]:
 
 
 def oneshot_launch(x, residual, weight, eps, ws, *, timeout_s: float, max_programs: int, plan_programs: int,
-                   has_norm: bool = True, warmup: bool = False, out: tuple | None = None, plan=None):
-    """Run one call on the current stream; returns (out, new_residual) (new_residual is None without norm).
+                   has_norm: bool = True, warmup: bool = False, out: tuple | None = None, plan=None, quant=None):
+    """Run one call on the current stream; returns (out, new_residual) (new_residual is None without norm),
+    or with `quant` (a `fusegate.quant.QuantSpec`, checked by the caller) a QuantOutput quantized in
+    this kernel (`quantizes_in_kernel(plan, quant)` must hold).
 
     x (M, H) contiguous and fitting the workspace; weight (H,) (ignored without norm).
     `plan_programs` sizes the work plan (identical on every rank); `max_programs` caps the grid.
     `warmup=True` compiles the kernel without launching it (call before any collective use).
-    `out=(out, new_residual)` writes into given buffers (new_residual ignored without norm).
+    `out=(out, new_residual)` writes into given buffers (new_residual ignored without norm; with
+    `quant`, out is the unquantized normed output the spec asks for).
     """
+    return launch(oneshot_kernel, "oneshot", x, residual, weight, eps, ws, timeout_s=timeout_s,
+                  max_programs=max_programs, plan_programs=plan_programs, has_norm=has_norm, warmup=warmup, out=out,
+                  plan=plan, quant=quant, twoshot=False)
+
+
+def launch(kernel, where, x, residual, weight, eps, ws, *, timeout_s, max_programs, plan_programs, has_norm, warmup,
+           out, plan, quant, twoshot):
+    """The launcher both peer kernels share (their arguments are the same)."""
     m, h = x.shape
     plan = plan or make_plan(m, h, x.element_size(), plan_programs)
-    check_fits("oneshot", x, ws, plan, twoshot=False)
-    out, new_res, ptrs = launch_args(x, residual, weight, ws, out, has_norm)
+    check_fits(where, x, ws, plan, twoshot=twoshot, quant=quant)
+    out, new_res, buf, ptrs = launch_args(x, residual, weight, ws, out, has_norm, quant)
     timeout_ns, max_spins = spin_bounds(timeout_s)
     args = ptrs + (ws.rank, m, h, ws.region_elems, ws.header_elems, float(eps), timeout_ns, max_spins)
-    meta = kernel_meta(x, residual, ws, plan, has_norm)
+    meta = kernel_meta(x, residual, ws, plan, has_norm, quant)
     grid = grid_for(plan, max_programs)
     if warmup:
         if not interpreting():
-            oneshot_kernel.warmup(*args, grid=grid, **meta)
+            kernel.warmup(*args, grid=grid, **meta)
         return None
-    oneshot_kernel[grid](*args, **meta)
-    return out, (new_res if has_norm else None)
+    kernel[grid](*args, **meta)
+    return finish_outputs(out, new_res, buf, has_norm)

@@ -125,6 +125,8 @@ def round_region(elems: int) -> int:
 
 
 def partials_len(region_elems: int, itemsize: int) -> int:
-    """int64 norm partials a workspace needs: at most two items per chunk-sized piece of a region
-    (a row's last chunk may be partial), chunks being at least MIN_CHUNK_BYTES."""
-    return 2 * region_elems // (MIN_CHUNK_BYTES // itemsize) + MAX_CHUNK_BYTES // MIN_CHUNK_BYTES
+    """int64 partials a workspace needs: two per item (the norm's sum of squares, and per-token
+    FP8's absmax), at most two items per chunk-sized piece of a region (a row's last chunk may be
+    partial), chunks being at least MIN_CHUNK_BYTES."""
+    items = 2 * region_elems // (MIN_CHUNK_BYTES // itemsize) + MAX_CHUNK_BYTES // MIN_CHUNK_BYTES
+    return 2 * items

@@ -155,19 +155,50 @@ def quantize_row(
     (KIND 1) or global scale (KIND 4); unused otherwise. scale_ub: fp32 bound on dynamic scales,
     used when HAS_UB. BLOCK: a power of two >= H (and >= 64 for nvfp4).
     """
-    rmask = (row + 0 * cols) < M
-    mask = cmask & rmask
+    quantize_chunk(y, row, 0, M, H, q_ptr, q_row_stride, s_ptr, s_row_stride, s_col_stride, param_ptr, scale_ub, 0,
+                   KIND, GROUP, BLOCK, SWIZZLED, HAS_UB, HW_CVT, False)
+
+
+@triton.jit
+def abs_bits(y, mask):
+    """|y| as uint32 bit patterns (NaN above inf), 0 in masked lanes: maxima of these are absmax."""
+    return tl.where(mask, y.to(tl.uint32, bitcast=True) & 0x7FFFFFFF, 0)
+
+
+@triton.jit
+def quantize_chunk(
+    y, row, start, M, H, q_ptr, q_row_stride, s_ptr, s_row_stride, s_col_stride, param_ptr, scale_ub, row_amax,
+    KIND: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr, SWIZZLED: tl.constexpr,
+    HAS_UB: tl.constexpr, HW_CVT: tl.constexpr, ROW_AMAX: tl.constexpr,
+):
+    """Quantize and store columns start .. start + BLOCK - 1 of one row (`quantize_row` is the
+    chunk that starts at 0 and covers the row); what a kernel that holds a row in several chunks
+    (the peer kernels' split rows) calls once per chunk.
+
+    y: fp32 [BLOCK] (BLOCK a power of two). start: a multiple of BLOCK, and BLOCK a multiple of
+    GROUP for per-group FP8 and of 64 for NVFP4 (so a chunk holds whole scale blocks and the last
+    chunk of a row covers the padded scale columns up to align4(H/16)). Per-token FP8: with
+    ROW_AMAX the row's absolute maximum comes in as `row_amax` (uint32 bits, as `abs_bits` gives:
+    the maximum over the row's chunks), else the chunk must be the whole row; only the chunk that
+    starts at 0 stores the row's scale. Other arguments as `quantize_row`.
+    """
+    cols = tl.arange(0, BLOCK)
+    gcols = start + cols
+    mask = (gcols < H) & ((row + 0 * cols) < M)
     if KIND == 1:
         inv = inverse(tl.load(param_ptr))  # one scalar load, not one per element
         q = y * inv
-        tl.store(q_ptr + row.to(tl.int64) * q_row_stride + cols, e4m3_code(q, HW_CVT & 1).to(tl.uint8), mask=mask)
+        tl.store(q_ptr + row.to(tl.int64) * q_row_stride + gcols, e4m3_code(q, HW_CVT & 1).to(tl.uint8), mask=mask)
     else:
         G: tl.constexpr = BLOCK if KIND == 2 else GROUP
         NG: tl.constexpr = BLOCK // G
-        bits = tl.where(mask, y.to(tl.uint32, bitcast=True) & 0x7FFFFFFF, 0)
-        amax = tl.max(tl.reshape(bits, [NG, G]), axis=1).to(tl.float32, bitcast=True)
+        gidx = start // G + tl.arange(0, NG)  # this chunk's scale blocks, numbered along the row
+        if ROW_AMAX:
+            amax = (row_amax + 0 * gidx).to(tl.uint32).to(tl.float32, bitcast=True)
+        else:
+            amax = tl.max(tl.reshape(abs_bits(y, mask), [NG, G]), axis=1).to(tl.float32, bitcast=True)
         y2 = tl.reshape(y, [NG, G])
-        gidx = tl.arange(0, NG)
+        srow = row + 0 * gidx
         if KIND == 4:
             gs = tl.zeros_like(amax) + tl.load(param_ptr)  # one scalar load, broadcast over the blocks
             t = amax * 0.16666667163372040  # fp32(1/6), as FlashInfer's RECIPROCAL_6
@@ -180,11 +211,10 @@ def quantize_row(
                 lo, hi = e2m1_pair_hw(lo, hi)
             else:
                 lo, hi = e2m1_code(lo), e2m1_code(hi)
-            pcols = tl.arange(0, BLOCK // 2)
+            pcols = start // 2 + tl.arange(0, BLOCK // 2)
             pmask = (pcols < H // 2) & ((row + 0 * pcols) < M)
             tl.store(q_ptr + row.to(tl.int64) * q_row_stride + pcols, (lo | (hi << 4)).to(tl.uint8), mask=pmask)
             k_real = H // 16
-            srow = row + 0 * gidx
             value = tl.where((gidx < k_real) & (srow < M), sf_code, 0).to(tl.uint8)
             if SWIZZLED:
                 k4 = (k_real + 3) // 4
@@ -202,8 +232,9 @@ def quantize_row(
             scale = tl.where(amax != amax, tl.full(amax.shape, 0x7FC00000, tl.int32).to(tl.float32, bitcast=True), scale)
             q2 = y2 * inverse(scale)[:, None]
             codes = tl.reshape(e4m3_code(q2, HW_CVT & 1), [BLOCK]).to(tl.uint8)
-            tl.store(q_ptr + row.to(tl.int64) * q_row_stride + cols, codes, mask=mask)
-            smask = (gidx < (H + G - 1) // G) & ((row + 0 * gidx) < M)  # per token: G = BLOCK may exceed H
+            tl.store(q_ptr + row.to(tl.int64) * q_row_stride + gcols, codes, mask=mask)
+            # per token: G = BLOCK may exceed H, and only the row's first chunk stores its scale
+            smask = (gidx < (H + G - 1) // G) & (srow < M) & ((KIND != 2) | ((start + 0 * gidx) == 0))
             tl.store(s_ptr + row.to(tl.int64) * s_row_stride + gidx * s_col_stride, scale, mask=smask)
 
 

@@ -24,18 +24,17 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from fusegate.kernels.epilogue import interpreting, round_like
+from fusegate.kernels.epilogue import round_like
 from fusegate.kernels.oneshot import (
-    check_fits,
-    grid_for,
-    kernel_meta,
-    launch_args,
+    KIND_FP8_TOKEN_C,
+    launch,
     norm_partials_pass,
     residual_step,
     sum_in_rank_order,
-    spin_bounds,
+    token_quant_pass,
+    zero_padding_scales,
 )
-from fusegate.kernels.protocol import NUM_SLOTS, STATE_ARRIVE, STATE_CALLS, make_plan
+from fusegate.kernels.protocol import NUM_SLOTS, STATE_ARRIVE, STATE_CALLS
 from fusegate.kernels.sync import (
     and_scalar,
     canonicalize,
@@ -59,11 +58,12 @@ def first_of(start, pid, nprog):
 
 @triton.jit(do_not_specialize=["rank", "M", "timeout_ns", "max_spins"])
 def twoshot_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, newres_ptr, bufs, local_ptr, part_ptr, state_ptr, err_ptr,
+    x_ptr, res_ptr, w_ptr, out_ptr, newres_ptr, bufs, local_ptr, part_ptr, state_ptr, err_ptr, qargs,
     rank, M, H, region, header, eps, timeout_ns, max_spins,
     W: tl.constexpr, WP: tl.constexpr, CHUNK: tl.constexpr, NCHUNK: tl.constexpr, NCP: tl.constexpr,
     SENT: tl.constexpr, ELEM_BITS: tl.constexpr, HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr,
-    SPLIT: tl.constexpr, USE_ASM: tl.constexpr, SOFT_BF16: tl.constexpr,
+    SPLIT: tl.constexpr, USE_ASM: tl.constexpr, SOFT_BF16: tl.constexpr, QKIND: tl.constexpr, QGROUP: tl.constexpr,
+    QSWIZZLED: tl.constexpr, QHAS_UB: tl.constexpr, QHW: tl.constexpr, WITH_NORMED: tl.constexpr, QNG: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -133,13 +133,18 @@ def twoshot_kernel(
         dead = dead | (arrived == 0)
         tl.store(ptrs, fill1, mask=m1)  # re-arm what was read
         s = tl.where(dead, float("nan"), v.to(tl.float32)).to(local_ptr.dtype.element_ty)
-        residual_step(s, row, col, cmask, offs, r, w, newres_ptr, out_ptr, part_ptr, i, H, eps, calls,
-                      HAS_RES, HAS_NORM, SPLIT, SOFT_BF16)
+        residual_step(s, row, col, cmask, offs, r, w, newres_ptr, out_ptr, part_ptr, i, M, H, eps, calls, qargs,
+                      CHUNK, HAS_RES, HAS_NORM, SPLIT, SOFT_BF16, QKIND, QGROUP, QSWIZZLED, QHAS_UB, QHW, WITH_NORMED)
         i += nprog
 
     if SPLIT:
-        norm_partials_pass(newres_ptr, w_ptr, out_ptr, part_ptr, pid, nprog, items, H, eps, calls, deadline,
-                           max_spins, dead, err_ptr, CHUNK, NCHUNK, NCP, USE_ASM, SOFT_BF16)
+        dead = norm_partials_pass(newres_ptr, w_ptr, out_ptr, part_ptr, pid, nprog, items, M, H, eps, calls, deadline,
+                                  max_spins, dead, err_ptr, qargs, CHUNK, NCHUNK, NCP, USE_ASM, SOFT_BF16, QKIND,
+                                  QGROUP, QSWIZZLED, QHAS_UB, QHW, WITH_NORMED)
+        if QKIND == KIND_FP8_TOKEN_C:
+            token_quant_pass(newres_ptr, w_ptr, part_ptr, pid, nprog, items, M, H, eps, calls, deadline, max_spins,
+                             dead, err_ptr, qargs, CHUNK, NCHUNK, NCP, USE_ASM, QHAS_UB, QHW)
+    zero_padding_scales(qargs, pid, nprog, M, H, QSWIZZLED, QNG)
 
     # 4. the last program to arrive advances the epoch
     old = tl.atomic_add(state_ptr + _ARRIVE, 1)
@@ -149,19 +154,8 @@ def twoshot_kernel(
 
 
 def twoshot_launch(x, residual, weight, eps, ws, *, timeout_s: float, max_programs: int, plan_programs: int,
-                   has_norm: bool = True, warmup: bool = False, out: tuple | None = None, plan=None):
-    """Run one call on the current stream; returns (out, new_residual); see oneshot_launch."""
-    m, h = x.shape
-    plan = plan or make_plan(m, h, x.element_size(), plan_programs)
-    check_fits("twoshot", x, ws, plan, twoshot=True)
-    out, new_res, ptrs = launch_args(x, residual, weight, ws, out, has_norm)
-    timeout_ns, max_spins = spin_bounds(timeout_s)
-    args = ptrs + (ws.rank, m, h, ws.region_elems, ws.header_elems, float(eps), timeout_ns, max_spins)
-    meta = kernel_meta(x, residual, ws, plan, has_norm)
-    grid = grid_for(plan, max_programs)
-    if warmup:
-        if not interpreting():
-            twoshot_kernel.warmup(*args, grid=grid, **meta)
-        return None
-    twoshot_kernel[grid](*args, **meta)
-    return out, (new_res if has_norm else None)
+                   has_norm: bool = True, warmup: bool = False, out: tuple | None = None, plan=None, quant=None):
+    """Run one call on the current stream; returns what `oneshot_launch` returns (same arguments)."""
+    return launch(twoshot_kernel, "twoshot", x, residual, weight, eps, ws, timeout_s=timeout_s,
+                  max_programs=max_programs, plan_programs=plan_programs, has_norm=has_norm, warmup=warmup, out=out,
+                  plan=plan, quant=quant, twoshot=True)

@@ -18,10 +18,12 @@ that was captured on the workspace. One workspace per dtype; calls from several 
 ordered one after another (`LamportWorkspace._bind_stream`). Failures raise
 PeerTimeoutError on the next eager call, or from `check()` (which synchronises).
 
-Quantized output (`quant=`, every format of `fusegate.quant`) takes two kernels: the peer
-allreduce, then the epilogue with quantization (`fusegate.kernels.epilogue`); quantizing inside
-the peer kernel is not done yet (a row split over programs would need its absmax exchanged too).
-Run one quantized call eagerly before graph capture: prepare() does not compile that kernel.
+Quantized output (`quant=`, every format of `fusegate.quant`) is written by the peer kernel
+itself (`fusegate.kernels.quant.quantize_chunk` per chunk; a row split over programs exchanges
+its absmax for per-token FP8 as it does its sum of squares), bit for bit the reference quantizer
+of the kernel's fp32 rows. A plan whose chunks do not hold whole scale blocks (per-group FP8 with
+a group above 128) takes two kernels instead: the peer allreduce, then the quantizing epilogue.
+Run one quantized call eagerly before graph capture: prepare() does not compile that variant.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import torch
 
 from fusegate import env
 from fusegate.strategies.base import Strategy
+from fusegate.kernels.oneshot import quantizes_in_kernel
 from fusegate.kernels.protocol import (
     MAX_HIDDEN,
     MAX_INPUT_BYTES,
@@ -70,8 +73,8 @@ class PeerStrategy(Strategy):
         if problem.world_size > MAX_WORLD:
             return Verdict.no(f"world size {problem.world_size} exceeds {MAX_WORLD}")
         reason = f"peer access, rows of {row_bytes} bytes (16-byte multiple), input <= {MAX_INPUT_BYTES} bytes"
-        if problem.quant is not None:  # the peer allreduce, then the epilogue kernel with quantization
-            reason += f"; quantized output in a second kernel, {admission_reason(problem.quant, caps)}"
+        if problem.quant is not None:
+            reason += f"; quantized output in the peer kernel, {admission_reason(problem.quant, caps)}"
         return Verdict.yes(reason)
 
     def __init__(self, ctx) -> None:
@@ -157,56 +160,61 @@ class PeerStrategy(Strategy):
         self._unfused().prepare(hidden=hidden, dtype=dtype, max_tokens=max_tokens)
         ws._barrier()  # every rank has compiled before any rank's first launch can start spinning
 
-    def _precompile(self, ws, dtype, hidden, plan, has_res, has_norm) -> None:
+    def _precompile(self, ws, dtype, hidden, plan, has_res, has_norm, quant=None) -> None:
         """Compile a kernel variant without launching it (once per process and variant).
 
         prepare() follows it with a barrier: a rank that compiled faster would otherwise start
         spinning while a peer still compiles, and a cold compile takes a good part of a timeout.
         """
-        key = (dtype, hidden, plan, has_res, has_norm)
+        variant = None if quant is None else (quant.kind, quant.group, quant.layout, quant.scale_ub is not None,
+                                              quant.with_normed)
+        key = (dtype, hidden, plan, has_res, has_norm, variant)
         if key in self._compiled:
             return
         x = torch.zeros(1, hidden, dtype=dtype, device=self.ctx.device)
         self._launcher()(x, x if has_res else None, x[0], 1e-6, ws, timeout_s=self.timeout_s,
                          max_programs=self.max_programs, plan_programs=self.plan_programs, has_norm=has_norm,
-                         warmup=True, plan=plan)
+                         warmup=True, plan=plan, quant=quant)
         self._compiled.add(key)
 
-    def _run(self, x, residual, weight, eps, has_norm):
+    def _run(self, x, residual, weight, eps, has_norm, quant=None):
         m, h = x.shape
         ws = self._workspace(x.dtype, m, h)
         if ws is None:
             fallback = self._unfused()
             if has_norm:
-                return fallback.all_reduce_residual_rmsnorm(x, residual, weight, eps)
+                return fallback.all_reduce_residual_rmsnorm(x, residual, weight, eps, quant=quant)
             return fallback.all_reduce(x), None
+        plan = self._plan(m, h, x.dtype)
+        if quant is not None and not quantizes_in_kernel(plan, quant):
+            return self._quantize_after(x, residual, weight, eps, quant)
         ws.before_call()
         capturing = self.ctx.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        plan = self._plan(m, h, x.dtype)
         if not capturing:
             # A variant prepare() did not compile: compile it before launching, so this rank's
             # spin deadline starts after its own compile. No barrier here (a rank that never calls
             # must produce a bounded timeout, not a blocked host); prepare() is the way to have
             # every rank compiled before the first launch.
-            self._precompile(ws, x.dtype, h, plan, residual is not None, has_norm)
+            self._precompile(ws, x.dtype, h, plan, residual is not None, has_norm, quant)
         out = self._launcher()(x, residual, weight, eps, ws, timeout_s=self.timeout_s, max_programs=self.max_programs,
-                               plan_programs=self.plan_programs, has_norm=has_norm, plan=plan)
+                               plan_programs=self.plan_programs, has_norm=has_norm, plan=plan, quant=quant)
         ws.after_call()
         return out
+
+    def _quantize_after(self, x, residual, weight, eps, quant):
+        """Two kernels: the peer allreduce, then the epilogue that adds, normalises and quantizes in
+        registers (the kernel and bits of `nccl_epilogue`'s, from this strategy's rank-ordered sum)."""
+        from fusegate.kernels.epilogue import residual_rmsnorm
+
+        s = self._run(x, None, None, 0.0, has_norm=False)[0]
+        return residual_rmsnorm(s, residual, weight, eps, quant=quant)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         return self._run(x, None, None, 0.0, has_norm=False)[0]
 
     def all_reduce_residual_rmsnorm(self, x, residual, weight, eps, *, quant=None):
-        """(normed, new_residual); with `quant`, a QuantOutput from two kernels: the peer allreduce,
-        then the epilogue that adds, normalises and quantizes in registers (the same kernel and bits
-        as `nccl_epilogue`'s; the sum it starts from is this strategy's rank-ordered fp32 sum)."""
-        if quant is None:
-            return self._run(x, residual, weight, eps, has_norm=True)
-        from fusegate.kernels.epilogue import residual_rmsnorm
-
-        s = self._run(x, None, None, 0.0, has_norm=False)[0]
-        return residual_rmsnorm(s, residual, weight, eps, quant=quant)
+        """(normed, new_residual); with `quant`, a QuantOutput quantized inside the peer kernel."""
+        return self._run(x, residual, weight, eps, has_norm=True, quant=quant)
 
     def check(self) -> None:
         """Synchronise and raise PeerTimeoutError if any call of this strategy timed out (use after graph replays)."""
