@@ -329,6 +329,10 @@ def _quant_rank(rank, world_size, name):
     x = small_integer_inputs(rank, 3, 64, torch.bfloat16, seed=4)
     res, w = small_integer_inputs(100, 3, 64, torch.bfloat16, seed=4), small_integer_inputs(101, 1, 64, torch.bfloat16, seed=4)[0]
     outs = [_pack(strategy.all_reduce_residual_rmsnorm(x, res, w, 1e-6, quant=spec)) for spec in _quant_specs()]
+    # a plan of more items than programs quantizes after the peer allreduce, in the epilogue
+    strategy.plan_programs = 1
+    assert not strategy._quantizes_in_kernel(strategy._plan(3, 64, x.dtype), _quant_specs()[0])
+    outs += [_pack(strategy.all_reduce_residual_rmsnorm(x, res, w, 1e-6, quant=spec)) for spec in _quant_specs()]
     strategy.check()
     strategy.close()
     return outs
@@ -343,7 +347,8 @@ def test_peer_strategies_quantized_output_equals_the_reference(name):
     results = run_ranks(_quant_rank, 2, args=(name,), env=INTERP, timeout_s=300)
     xs = [small_integer_inputs(r, 3, 64, torch.bfloat16, seed=4) for r in range(2)]
     res, w = small_integer_inputs(100, 3, 64, torch.bfloat16, seed=4), small_integer_inputs(101, 1, 64, torch.bfloat16, seed=4)[0]
-    for i, spec in enumerate(_quant_specs()):
+    specs = _quant_specs()
+    for i, spec in enumerate(specs + specs):  # in the kernel, then after it
         ref = _pack(all_reduce_residual_rmsnorm_quant_ref(xs, res, w, 1e-6, spec))
         for rank in range(2):
             for part, g, r in zip(("out", "scale", "residual", "normed"), results[rank][i], ref):

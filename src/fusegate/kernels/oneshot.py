@@ -29,7 +29,16 @@ import triton.language as tl
 
 from fusegate.kernels.epilogue import interpreting, round_like
 from fusegate.kernels.protocol import MAX_HIDDEN, NUM_SLOTS, STATE_ARRIVE, STATE_CALLS, make_plan, region_elems_for
-from fusegate.kernels.quant import KIND_BY_NAME, KIND_FP8_TOKEN, PAD_CHUNK, QuantBuffers, abs_bits, quantize_chunk, zero_scale_padding
+from fusegate.kernels.quant import (
+    KIND_BY_NAME,
+    KIND_FP8_TOKEN,
+    PAD_CHUNK,
+    QuantBuffers,
+    abs_bits,
+    load_param,
+    quantize_chunk,
+    zero_scale_padding,
+)
 from fusegate.kernels.sync import (
     and_scalar,
     canonicalize,
@@ -71,7 +80,7 @@ def store_normed(
     """Store the chunk's normed values `y` (fp32): rounded to the data dtype (without quantization,
     or with WITH_NORMED), and quantized (QKIND > 0, `fusegate.kernels.quant.quantize_chunk`; qargs
     = (codes, codes' row stride, scales, scale row stride, scale column stride, static or global
-    scale, scale bound), `row_amax` the row's absmax bits when ROW_AMAX)."""
+    scale (loaded, `start_quantized`), scale bound), `row_amax` the row's absmax bits when ROW_AMAX)."""
     if (QKIND == 0) | WITH_NORMED:
         tl.store(out_ptr + offs, round_like(y, like, SOFT_BF16), mask=cmask)
     if QKIND != 0:
@@ -101,14 +110,18 @@ def publish_amax(part_ptr, items, i, y, cmask, calls):
 
 
 @triton.jit
-def zero_padding_scales(qargs, pid, nprog, M, H, QSWIZZLED: tl.constexpr, QNG: tl.constexpr):
-    """128x4-swizzled NVFP4 scales: zero the padding rows' (M .. align128(M)), spread over the programs."""
+def start_quantized(qargs, pid, nprog, M, H, QKIND: tl.constexpr, QSWIZZLED: tl.constexpr, QNG: tl.constexpr):
+    """At a peer kernel's start, before it waits for any peer: zero the 128x4-swizzled NVFP4
+    scales of the padding rows (M .. align128(M); they depend on no data), spread over the
+    programs, and load the static / global scale. Returns qargs with that scale in place of its
+    pointer, so no load of it sits at the end of a row's dependency chain."""
     if QSWIZZLED:
         num_pad = ((M + 127) // 128 * 128 - M + PAD_CHUNK - 1) // PAD_CHUNK
         c = pid
         while c < num_pad:
             zero_scale_padding(qargs[2], M, H, c, QNG, PAD_CHUNK)
             c += nprog
+    return qargs[0], qargs[1], qargs[2], qargs[3], qargs[4], load_param(qargs[5], QKIND), qargs[6]
 
 
 @triton.jit
@@ -261,6 +274,7 @@ def oneshot_kernel(
     r = tl.load(res_ptr + offs, mask=first & HAS_RES, other=0.0)
     w = tl.load(w_ptr + col, mask=first & HAS_NORM, other=0.0).to(tl.float32)
     calls = tl.load(state_ptr + _CALLS)
+    qargs = start_quantized(qargs, pid, nprog, M, H, QKIND, QSWIZZLED, QNG)
     abort_ptr = int32_ptr(local_ptr)
     dead = entry_state(err_ptr, abort_ptr, rank, calls)
     deadline = start_deadline(timeout_ns, USE_ASM)
@@ -369,7 +383,6 @@ def oneshot_kernel(
             if QKIND == KIND_FP8_TOKEN_C:
                 token_quant_pass(newres_ptr, w_ptr, part_ptr, pid, nprog, items, M, H, eps, calls, deadline,
                                  max_spins, dead, err_ptr, qargs, CHUNK, NCHUNK, NCP, USE_ASM, QHAS_UB, QHW)
-    zero_padding_scales(qargs, pid, nprog, M, H, QSWIZZLED, QNG)
 
     # 4. the last program to arrive advances the epoch
     old = tl.atomic_add(state_ptr + _ARRIVE, 1)

@@ -155,8 +155,20 @@ def quantize_row(
     (KIND 1) or global scale (KIND 4); unused otherwise. scale_ub: fp32 bound on dynamic scales,
     used when HAS_UB. BLOCK: a power of two >= H (and >= 64 for nvfp4).
     """
-    quantize_chunk(y, row, 0, M, H, q_ptr, q_row_stride, s_ptr, s_row_stride, s_col_stride, param_ptr, scale_ub, 0,
-                   KIND, GROUP, BLOCK, SWIZZLED, HAS_UB, HW_CVT, False)
+    quantize_chunk(y, row, 0, M, H, q_ptr, q_row_stride, s_ptr, s_row_stride, s_col_stride, load_param(param_ptr, KIND),
+                   scale_ub, 0, KIND, GROUP, BLOCK, SWIZZLED, HAS_UB, HW_CVT, False)
+
+
+@triton.jit
+def load_param(param_ptr, KIND: tl.constexpr):
+    """The fp32 static scale (KIND 1) or global scale (KIND 4) at param_ptr; 0.0 for the other
+    formats (whose param_ptr may point anywhere). One scalar load: a kernel that can, loads it
+    early, off the dependency chain of its rows."""
+    if (KIND == 1) | (KIND == 4):
+        param = tl.load(param_ptr).to(tl.float32)
+    else:
+        param = 0.0
+    return param
 
 
 @triton.jit
@@ -167,7 +179,7 @@ def abs_bits(y, mask):
 
 @triton.jit
 def quantize_chunk(
-    y, row, start, M, H, q_ptr, q_row_stride, s_ptr, s_row_stride, s_col_stride, param_ptr, scale_ub, row_amax,
+    y, row, start, M, H, q_ptr, q_row_stride, s_ptr, s_row_stride, s_col_stride, param, scale_ub, row_amax,
     KIND: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr, SWIZZLED: tl.constexpr,
     HAS_UB: tl.constexpr, HW_CVT: tl.constexpr, ROW_AMAX: tl.constexpr,
 ):
@@ -180,13 +192,14 @@ def quantize_chunk(
     chunk of a row covers the padded scale columns up to align4(H/16)). Per-token FP8: with
     ROW_AMAX the row's absolute maximum comes in as `row_amax` (uint32 bits, as `abs_bits` gives:
     the maximum over the row's chunks), else the chunk must be the whole row; only the chunk that
-    starts at 0 stores the row's scale. Other arguments as `quantize_row`.
+    starts at 0 stores the row's scale. `param`: the fp32 static or global scale (`load_param`).
+    Other arguments as `quantize_row`.
     """
     cols = tl.arange(0, BLOCK)
     gcols = start + cols
     mask = (gcols < H) & ((row + 0 * cols) < M)
     if KIND == 1:
-        inv = inverse(tl.load(param_ptr))  # one scalar load, not one per element
+        inv = inverse(param)
         q = y * inv
         tl.store(q_ptr + row.to(tl.int64) * q_row_stride + gcols, e4m3_code(q, HW_CVT & 1).to(tl.uint8), mask=mask)
     else:
@@ -200,7 +213,7 @@ def quantize_chunk(
         y2 = tl.reshape(y, [NG, G])
         srow = row + 0 * gidx
         if KIND == 4:
-            gs = tl.zeros_like(amax) + tl.load(param_ptr)  # one scalar load, broadcast over the blocks
+            gs = tl.zeros_like(amax) + param  # broadcast over the blocks
             t = amax * 0.16666667163372040  # fp32(1/6), as FlashInfer's RECIPROCAL_6
             sf_code = e4m3_code(gs * t, HW_CVT & 1)
             sfv = e4m3_value(sf_code)

@@ -30,9 +30,9 @@ from fusegate.kernels.oneshot import (
     launch,
     norm_partials_pass,
     residual_step,
+    start_quantized,
     sum_in_rank_order,
     token_quant_pass,
-    zero_padding_scales,
 )
 from fusegate.kernels.protocol import NUM_SLOTS, STATE_ARRIVE, STATE_CALLS
 from fusegate.kernels.sync import (
@@ -68,6 +68,7 @@ def twoshot_kernel(
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     calls = tl.load(state_ptr + _CALLS)
+    qargs = start_quantized(qargs, pid, nprog, M, H, QKIND, QSWIZZLED, QNG)
     abort_ptr = int32_ptr(local_ptr)
     dead = entry_state(err_ptr, abort_ptr, rank, calls)
     deadline = start_deadline(timeout_ns, USE_ASM)
@@ -144,7 +145,6 @@ def twoshot_kernel(
         if QKIND == KIND_FP8_TOKEN_C:
             token_quant_pass(newres_ptr, w_ptr, part_ptr, pid, nprog, items, M, H, eps, calls, deadline, max_spins,
                              dead, err_ptr, qargs, CHUNK, NCHUNK, NCP, USE_ASM, QHAS_UB, QHW)
-    zero_padding_scales(qargs, pid, nprog, M, H, QSWIZZLED, QNG)
 
     # 4. the last program to arrive advances the epoch
     old = tl.atomic_add(state_ptr + _ARRIVE, 1)

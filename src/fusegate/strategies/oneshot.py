@@ -186,7 +186,7 @@ class PeerStrategy(Strategy):
                 return fallback.all_reduce_residual_rmsnorm(x, residual, weight, eps, quant=quant)
             return fallback.all_reduce(x), None
         plan = self._plan(m, h, x.dtype)
-        if quant is not None and not quantizes_in_kernel(plan, quant):
+        if quant is not None and not self._quantizes_in_kernel(plan, quant):
             return self._quantize_after(x, residual, weight, eps, quant)
         ws.before_call()
         capturing = self.ctx.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
@@ -200,6 +200,16 @@ class PeerStrategy(Strategy):
                                plan_programs=self.plan_programs, has_norm=has_norm, plan=plan, quant=quant)
         ws.after_call()
         return out
+
+    def _quantizes_in_kernel(self, plan, quant) -> bool:
+        """Quantize inside the peer kernel when its programs hold one item each (decode sizes);
+        larger calls quantize in the epilogue after the peer allreduce. Measured with W ranks
+        emulated on one H200 (benchmarks/results/peer_kernels_emulated.jsonl, `quant` rows): at
+        1 token the kernel's own quantization saves 0.7-1.8 us against the two kernels, while at
+        64 tokens a program that quantizes item after item (per-token FP8: a second pass for the
+        row's absmax) cost up to 1.35x the two kernels. A pure function of the shape and agreed
+        group facts, so every rank takes the same path."""
+        return quantizes_in_kernel(plan, quant) and plan.items <= self.plan_programs
 
     def _quantize_after(self, x, residual, weight, eps, quant):
         """Two kernels: the peer allreduce, then the epilogue that adds, normalises and quantizes in
