@@ -89,7 +89,11 @@ class QuantSpec:
 
 
 def fp8_static(scale, *, with_normed: bool = False) -> QuantSpec:
-    """e4m3 with one given scale: q = e4m3(y * (1 / scale)); dequantize as q * scale."""
+    """e4m3 with one given scale: q = e4m3(y * (1 / scale)); dequantize as q * scale.
+
+    Pass `scale` as an fp32 (1,) tensor on the device, as engines hold it: a Python float is
+    filled into a new tensor on every call, one more small kernel (the `fp8_static` rows of
+    benchmarks/results/peer_kernels_emulated.jsonl with a float scale measure it)."""
     return QuantSpec("fp8_static", 0, "row", None, with_normed, scale)
 
 
