@@ -343,6 +343,8 @@ def main(argv=None) -> int:
         shape = {"tokens": tokens_seq[-1] if label is None else label, "hidden": hidden}
         op = "all_reduce_residual_rmsnorm" if quant is None else "all_reduce_residual_rmsnorm_quant"
         qextra = {} if quant is None else {"quant": quant.key, "path": path}
+        if quant is not None and quant.kind in ("fp8_static", "nvfp4"):
+            qextra["scale_arg"] = "tensor" if isinstance(quant.scale, torch.Tensor) else "float"
         emit(op, strategy, shape, dtype, world, samples, mode=mode, valid=ok, check=why,
              chunk=plan.chunk, num_chunks=plan.num_chunks, programs=programs, calls_per_stream=n,
              chunk_forced=chunk is not None, **qextra)
