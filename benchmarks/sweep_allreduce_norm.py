@@ -420,7 +420,7 @@ def main(argv=None) -> int:
 
     from fusegate.bench.results import append_rows
     from fusegate.launch import run_ranks
-    from fusegate.tune.table import token_buckets
+    from fusegate.dispatch.table import token_buckets
 
     smoke = args.cpu_smoke
     mode = "cpu-smoke" if smoke else "shared-gpu" if args.shared_gpu else "nccl"

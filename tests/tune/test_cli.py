@@ -9,7 +9,7 @@ import pytest
 from fusegate.bench.results import read_rows
 from fusegate.cli.main import main
 from fusegate.probe import probe
-from fusegate.tune.table import load, versions_of
+from fusegate.dispatch.table import load, versions_of
 
 from tune_test_strategies import PLUGINS
 

@@ -46,7 +46,7 @@ def _tune_rank(rank, world_size, spec, device, fresh, show_progress):
     import torch.distributed as dist
 
     from fusegate.probe import probe
-    from fusegate.tune.table import load, table_path, versions_of
+    from fusegate.dispatch.table import load, table_path, versions_of
     from fusegate.tune.tuner import tune_in_group
 
     share_cpu_threads(world_size, device)
@@ -76,8 +76,8 @@ def _check_args(args) -> tuple[tuple[int, ...], tuple[str, ...], tuple[str, ...]
         check_writable(str(results_file(args.results, "tune.jsonl")), flag="--results")
     if not args.no_save:  # before measuring (and before torch): a read-only cache fails now, not after the run
         from fusegate.env import cache_dir
-        from fusegate.tune.table import CacheDirError
-        from fusegate.tune.table import check_writable as table_writable
+        from fusegate.dispatch.table import CacheDirError
+        from fusegate.dispatch.table import check_writable as table_writable
 
         try:
             table_writable(os.path.abspath(args.cache_dir) if args.cache_dir else cache_dir())
@@ -114,7 +114,7 @@ def run(args) -> int:
 
     from fusegate.cli.main import UsageError, dumps_json
     from fusegate.cli.ranks import describe_failure, spawn
-    from fusegate.tune.table import CacheDirError, parse, save, token_buckets
+    from fusegate.dispatch.table import CacheDirError, parse, save, token_buckets
 
     sizes, ops, strategies = _check_args(args)
     buckets = tuple(token_buckets(args.max_tokens))

@@ -49,7 +49,7 @@ def run(args) -> int:
     from fusegate.cli.main import EXIT_NEGATIVE, EXIT_OK, UsageError, dumps_json
     from fusegate.cli.preflight import reject_not_admitted
     from fusegate.cli.ranks import describe_failure, spawn
-    from fusegate.tune.table import token_buckets
+    from fusegate.dispatch.table import token_buckets
 
     sizes = hiddens(args, "verify")
     check_launch_args(args)

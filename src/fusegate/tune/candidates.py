@@ -18,14 +18,6 @@ from fusegate.reference import random_inputs
 from fusegate.spec import Op, Problem, Verdict
 
 
-def is_fused(name: str) -> bool:
-    """True when the strategy runs collective and epilogue in one kernel (the guard's subject)."""
-    try:
-        return bool(get_strategy(name).fused)
-    except (ImportError, ValueError):
-        return False
-
-
 def admitted(problem: Problem, caps, names: list[str] | None = None) -> tuple[list[str], dict[str, Verdict]]:
     """(admitted names in registry order, every verdict) for `problem`."""
     verdicts = admission(problem, caps, names)

@@ -26,12 +26,13 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from fusegate.dispatch.choice import is_fused
+from fusegate.dispatch.table import DEFAULT_MARGIN, DispatchTable, Entry, fingerprint, now_iso, parse, versions_of
 from fusegate.group import agree_group_info, device_type_of
 from fusegate.spec import Op, Problem
-from fusegate.tune.candidates import CandidatePool, admitted, is_fused, timed_call
+from fusegate.tune.candidates import CandidatePool, admitted, timed_call
 from fusegate.tune.correctness import check_candidate
 from fusegate.tune.measure import summary, time_interleaved
-from fusegate.tune.table import DEFAULT_MARGIN, DispatchTable, Entry, fingerprint, now_iso, parse, versions_of
 
 ALL_OPS = (Op.ALL_REDUCE_RESIDUAL_RMSNORM.value, Op.ALL_REDUCE.value)
 

@@ -18,7 +18,7 @@ misread the new one):
 One file per fingerprint, `<cache dir>/dispatch-<fingerprint digest[:16]>.json`, cache dir from
 `fusegate.env.cache_dir()` (FUSEGATE_CACHE_DIR, else the XDG cache). `load` never raises on a bad
 file: it returns (None, why) for a missing, unreadable (not a regular file, over `MAX_TABLE_BYTES`),
-corrupt (not UTF-8, not JSON, a field of the wrong type or range per `fusegate.tune.schema`,
+corrupt (not UTF-8, not JSON, a field of the wrong type or range per `fusegate.dispatch.schema`,
 digest mismatch), stale (other schema or other fusegate/torch/driver versions) or foreign (other
 fingerprint) table, so that the Communicator can warn and fall back. Writing: `check_writable`
 before measuring, `save` atomically (temp file, fsync, rename; it also removes the temp files of
@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from fusegate import env
-from fusegate.tune.schema import check_table
+from fusegate.dispatch.schema import check_table
 
 SCHEMA_VERSION = 1
 KIND = "fusegate-dispatch-table"
