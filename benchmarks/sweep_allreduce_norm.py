@@ -270,7 +270,7 @@ def rank_main(rank: int, world_size: int, spec: SweepSpec):
     from fusegate import Communicator
     from fusegate.strategies import admission, strategy_names
     from fusegate.spec import Op, Problem
-    from fusegate.tune.cli_common import share_cpu_threads
+    from fusegate.spawned import share_cpu_threads
 
     share_cpu_threads(world_size, spec.device)
     group = dist.group.WORLD

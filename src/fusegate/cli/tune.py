@@ -19,7 +19,8 @@ import json
 import os
 
 from fusegate.cli.preflight import check_positive, check_writable
-from fusegate.tune.cli_common import add_launch_args, check_launch_args, add_shape_args, hiddens, launch, progress_bar, share_cpu_threads
+from fusegate.cli.args import add_launch_args, add_shape_args, check_launch_args, hiddens, launch
+from fusegate.spawned import progress_bar, share_cpu_threads
 
 
 def add_parser(subparsers) -> None:

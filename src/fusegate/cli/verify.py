@@ -12,7 +12,8 @@ environment errors, among them a --strategy or --baseline admitted for none of t
 
 from __future__ import annotations
 
-from fusegate.tune.cli_common import add_launch_args, check_launch_args, add_shape_args, hiddens, launch, progress_bar, share_cpu_threads
+from fusegate.cli.args import add_launch_args, add_shape_args, check_launch_args, hiddens, launch
+from fusegate.spawned import progress_bar, share_cpu_threads
 
 
 def add_parser(subparsers) -> None:

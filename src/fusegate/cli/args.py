@@ -1,4 +1,4 @@
-"""Arguments and launching shared by `fusegate tune` and `fusegate verify` (no torch at import).
+"""Argument groups and their checks shared by `fusegate tune` and `fusegate verify` (no torch at import).
 
 Launch modes for `--world-size N` local ranks (`fusegate.launch.run_ranks`):
 - CPU (default without a GPU): gloo, CPU tensors;
@@ -11,9 +11,6 @@ Launch modes for `--world-size N` local ranks (`fusegate.launch.run_ranks`):
 from __future__ import annotations
 
 import argparse
-import contextlib
-import sys
-from typing import Callable, Iterator
 
 from fusegate.cli.main import UsageError
 from fusegate.cli.preflight import check_positive, check_world_size, require_runtime
@@ -92,35 +89,3 @@ def launch(args) -> tuple[int, str, str]:
         raise UsageError(f"{world_size} ranks but {gpus} GPU(s); NCCL needs one GPU per rank. Pass --shared-gpu for "
                          "a functional check with ranks sharing a GPU, or --world-size <= the GPU count")
     return world_size, "nccl", "cuda"
-
-
-def share_cpu_threads(world_size: int, device: str) -> None:
-    """In a spawned CPU rank: use this rank's share of the cores for torch's intra-op threads.
-
-    N ranks each running one thread per core oversubscribe the machine (OpenMP threads spin while
-    a peer waits in a collective), and times then measure the contention, not the strategy.
-    torchrun sets OMP_NUM_THREADS=1 for multi-process runs for the same reason; here each rank gets
-    cores // N threads. An explicit OMP_NUM_THREADS is left alone.
-    """
-    import os
-
-    if device != "cpu" or "OMP_NUM_THREADS" in os.environ:
-        return
-    import torch
-
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-
-
-@contextlib.contextmanager
-def progress_bar(total: int, description: str, enabled: bool) -> Iterator[Callable[[str], None]]:
-    """A rich progress bar on stderr (when `enabled` and stderr is a terminal); yields advance(text)."""
-    if not enabled or not sys.stderr.isatty():
-        yield lambda text: None
-        return
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=Console(stderr=True), transient=True) as bar:
-        task = bar.add_task(description, total=total)
-        yield lambda text: bar.update(task, advance=1, description=f"{description}: {text}")
