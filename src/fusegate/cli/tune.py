@@ -46,18 +46,15 @@ def _tune_rank(rank, world_size, spec, device, fresh, show_progress):
     parent saves once every rank has finished, so an aborted run never does."""
     import torch.distributed as dist
 
+    from fusegate.dispatch.table import merged_with_saved, table_path, versions_of
     from fusegate.probe import probe
-    from fusegate.dispatch.table import load, table_path, versions_of
     from fusegate.tune.tuner import tune_in_group
 
     share_cpu_threads(world_size, device)
     with progress_bar(spec.num_steps, "tune", show_progress and rank == 0) as advance:
         measured = tune_in_group(spec, device=device, progress=advance)
     path = table_path(measured.fingerprint)
-    table = measured
-    if not fresh:
-        old, _ = load(path, measured.fingerprint, versions_of(probe()))
-        table = old.merged(measured) if old is not None else measured
+    table = merged_with_saved(measured, path, versions_of(probe()), fresh=fresh)
     dist.barrier()
     return (measured.to_json(), table.to_json(), str(path)) if rank == 0 else None
 
@@ -180,8 +177,7 @@ def _print_summary(table, path, world_size, backend, device, *, kept: int, secon
                     e.choice, *cells)
     console = Console()
     console.print(out)
-    guarded = [e for e in entries if "fused" in e.reason and "no fused candidate" not in e.reason]
-    for e in guarded:
+    for e in (e for e in entries if e.guarded):
         console.print(f"{e.op} {e.tokens}x{e.hidden}: {e.reason}", soft_wrap=True)
     rejected = {n: r for e in entries for n, r in e.rejected.items()}
     for name, reason in rejected.items():

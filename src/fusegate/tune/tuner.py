@@ -172,4 +172,5 @@ def _tune_bucket(spec, pool, op, hidden, tokens, dtype, max_tokens, info, caps, 
             confirmed = {n: summary(s) for n, s in again.items()}
     deciding = {n: t["median"] for n, t in (confirmed or times).items()}
     choice, best_unfused, reason = decide(deciding, spec.margin, is_fused)
-    return Entry(op.value, spec.dtype, hidden, tokens, choice, reason, best_unfused, times, confirmed, rejected)
+    return Entry(op.value, spec.dtype, hidden, tokens, choice, reason, best_unfused, times, confirmed, rejected,
+                 guarded=any(is_fused(n) for n in deciding))
