@@ -1,16 +1,16 @@
-"""Argument groups and their checks shared by `fusegate tune` and `fusegate verify` (no torch at import).
+"""Argument groups and their checks shared by the commands (no torch at import).
 
-Launch modes for `--world-size N` local ranks (`fusegate.launch.run_ranks`):
-- CPU (default without a GPU): gloo, CPU tensors;
-- GPUs, N <= number of GPUs: NCCL, one GPU per rank (the only mode whose timings mean anything
-  for a multi-GPU deployment);
-- `--shared-gpu`: gloo with CUDA tensors, all ranks on the current GPU; a functional check of
-  the GPU code paths on one GPU, timings not representative.
+- `add_rank_args`: `--world-size`, `--device`, `--shared-gpu` (and `--timeout`) for every command that spawns ranks
+  (resolved by `fusegate.cli.ranks.resolve_ranks`), and `deprecated_alias` for the flags they replace;
+- `add_shape_args` and `hiddens`: presets, hidden sizes, token buckets and dtype of tune and verify;
+- `add_output_args`: `--json` and `--results` of tune and verify.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
+from typing import Any, Callable
 
 from fusegate.cli.main import UsageError
 from fusegate.cli.preflight import check_positive, check_world_size, require_runtime
@@ -34,16 +34,42 @@ def add_shape_args(p: argparse.ArgumentParser, *, default_max_tokens: int) -> No
     g.add_argument("--dtype", choices=DTYPES, default="bfloat16")
 
 
-def add_launch_args(p: argparse.ArgumentParser) -> None:
+DEVICE_HELP = "where the ranks' tensors live (auto: cuda when torch sees a GPU; cuda is NCCL, one GPU per rank)"
+SHARED_GPU_HELP = "gloo ranks that all hold CUDA tensors on one GPU: a functional check, timings not representative"
+
+
+def add_rank_args(p: argparse.ArgumentParser, *, default_world_size: int | None = None,
+                  default_timeout_s: float | None = None) -> None:
+    """The rank flags of every command that spawns ranks, in a group titled "ranks" (with
+    `--timeout` when the command takes one). `default_world_size` None: the GPU count if 2 or
+    more, else 2; the command passes the same value to `ranks_of`."""
+    default = ("default: the number of GPUs if 2 or more, else 2" if default_world_size is None
+               else f"default {default_world_size}")
     g = p.add_argument_group("ranks")
     g.add_argument("--world-size", type=int, default=None,
-                   help="local ranks to spawn (default: the number of GPUs if 2 or more, else 2; at most "
-                        "4 per usable CPU core, and one per GPU with NCCL)")
-    g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                   help="where tensors live (auto: cuda if torch sees a GPU)")
-    g.add_argument("--shared-gpu", action="store_true",
-                   help="gloo with all ranks on one GPU: a functional check, timings not representative")
-    g.add_argument("--timeout", type=float, default=1800.0, help="seconds before a hung rank is killed (default 1800)")
+                   help=f"local ranks to spawn ({default}; at most 4 per usable CPU core, and one per GPU with NCCL)")
+    g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help=DEVICE_HELP)
+    g.add_argument("--shared-gpu", action="store_true", help=SHARED_GPU_HELP)
+    if default_timeout_s is not None:
+        g.add_argument("--timeout", type=float, default=default_timeout_s,
+                       help=f"seconds before a hung rank is killed (default {default_timeout_s:g})")
+
+
+def deprecated_alias(new_flag: str, translate: Callable[[Any], Any] = lambda value: value) -> type[argparse.Action]:
+    """An argparse action for a former flag: one line on stderr naming `new_flag`, then the value
+    `translate(value)` stored where `new_flag` stores it (add it with help=argparse.SUPPRESS)."""
+
+    class DeprecatedAlias(argparse.Action):
+        def __call__(self, parser, namespace, values, option_string=None):
+            new_value = translate(values)
+            print(f"fusegate: warning: {option_string} is deprecated; use {new_flag} {new_value}", file=sys.stderr)
+            setattr(namespace, self.dest, new_value)
+
+    return DeprecatedAlias
+
+
+def add_output_args(p: argparse.ArgumentParser) -> None:
+    """`--json` and `--results` of tune and verify."""
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument("--results", default=None, metavar="PATH",
                    help="also append the measured times as result rows to PATH: a file, or a directory "
@@ -61,31 +87,21 @@ def hiddens(args, command: str) -> tuple[int, ...]:
     return tuple(dict.fromkeys(sizes))
 
 
-def check_launch_args(args) -> None:
-    """The launch flags' checks that need no torch, and the runtime packages the ranks need."""
+def check_rank_args(args) -> None:
+    """The rank flags' checks that need no torch, and the runtime packages the ranks need."""
     check_world_size(args.world_size)
-    if not args.timeout > 0:
-        raise UsageError(f"--timeout must be > 0 seconds, got {args.timeout}; pass e.g. --timeout 600")
+    timeout = getattr(args, "timeout", None)
+    if timeout is not None and not timeout > 0:
+        raise UsageError(f"--timeout must be > 0 seconds, got {timeout}; pass e.g. --timeout 300")
     require_runtime()
 
 
-def launch(args) -> tuple[int, str, str]:
-    """(world size, process-group backend, tensor device) for the requested ranks, or UsageError."""
-    import torch
+def ranks_of(args, *, default_world_size: int | None = None):
+    """`fusegate.cli.ranks.resolve_ranks` over the rank flags, with the resolved world size checked
+    against what this host can run (imports torch)."""
+    from fusegate.cli.ranks import resolve_ranks
 
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    device = args.device if args.device != "auto" else ("cuda" if gpus else "cpu")
-    if device == "cuda" and not gpus:
-        raise UsageError("--device cuda but torch sees no CUDA GPU; use --device cpu")
-    world_size = args.world_size if args.world_size is not None else (gpus if gpus >= 2 else 2)
-    check_world_size(world_size)
-    if device == "cpu":
-        if args.shared_gpu:
-            raise UsageError("--shared-gpu needs --device cuda (or auto on a GPU machine)")
-        return world_size, "gloo", "cpu"
-    if args.shared_gpu:
-        return world_size, "gloo", "cuda"
-    if world_size > gpus:
-        raise UsageError(f"{world_size} ranks but {gpus} GPU(s); NCCL needs one GPU per rank. Pass --shared-gpu for "
-                         "a functional check with ranks sharing a GPU, or --world-size <= the GPU count")
-    return world_size, "nccl", "cuda"
+    ranks = resolve_ranks(args.world_size, args.device, shared_gpu=args.shared_gpu,
+                          default_world_size=default_world_size)
+    check_world_size(ranks.world_size)
+    return ranks

@@ -39,6 +39,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--op", default=DEFAULT_OP, help=f"collective op (default {DEFAULT_OP})")
     p.add_argument("--quant", default=None, help="quantized output format of the problem: fp8_static, fp8_per_token, "
                    "fp8_per_group or nvfp4 (admission then says which conversion each strategy uses)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="where the problem's ranks hold their tensors (auto: cuda when the probe finds a GPU)")
     p.add_argument("--shared-gpu", action="store_true",
                    help="model ranks that share one GPU (gloo with CUDA tensors); allows --world-size above the GPU count")
     p.add_argument("--measure", action="store_true", help="also measure peer read/write bandwidth and latency between GPUs")
@@ -64,30 +66,19 @@ def _check_args(args) -> "object":
     return Op(args.op)
 
 
-def representative_problem(args, caps, op):
-    """The Problem admission is asked about, with the GroupInfo such a group would agree on here
-    (the same rules as fusegate.group.agree_group_info, computed from the probe instead of ranks)."""
-    from fusegate.spec import Op, Problem
-
-    from fusegate.cli.preflight import expected_group
+def problem_of(args, caps, op):
+    """The Problem admission is asked about: the flags' ranks (`fusegate.cli.ranks.resolve_ranks`,
+    planned for the GPUs the probe found) and `fusegate.group.representative_problem`."""
+    from fusegate.cli.ranks import resolve_ranks
+    from fusegate.group import representative_problem
 
     num_gpus = len(caps.gpus)
-    if not caps.has_gpu:
-        if args.shared_gpu:
-            raise UsageError("--shared-gpu needs a CUDA GPU and the probe found none; drop --shared-gpu")
-        group = expected_group(caps, args.world_size or CPU_DEFAULT_WORLD_SIZE, backend="gloo", device="cpu")
-    elif args.shared_gpu:
-        group = expected_group(caps, args.world_size or num_gpus, backend="gloo", device="cuda")
-    else:
-        world = args.world_size or num_gpus
-        if world > num_gpus:
-            raise UsageError(
-                f"--world-size {world} exceeds the {num_gpus} GPU(s) found; use --world-size {num_gpus} or less, "
-                "or --shared-gpu to model ranks sharing one GPU"
-            )
-        group = expected_group(caps, world, backend="nccl", device="cuda")
-    return Problem(op, args.tokens, args.hidden, args.dtype, group, has_residual=op is Op.ALL_REDUCE_RESIDUAL_RMSNORM,
-                   quant=getattr(args, "quant", None))
+    # Default: every GPU (even one), or the smallest CPU group.
+    default = num_gpus if num_gpus and args.device != "cpu" else CPU_DEFAULT_WORLD_SIZE
+    ranks = resolve_ranks(args.world_size, args.device, shared_gpu=args.shared_gpu, default_world_size=default,
+                          num_gpus=num_gpus)
+    return representative_problem(op, args.tokens, args.hidden, args.dtype, caps, world_size=ranks.world_size,
+                                  backend=ranks.backend, device_type=ranks.device, quant=getattr(args, "quant", None))
 
 
 def moe_runner_section(caps) -> dict:
@@ -152,7 +143,7 @@ def build_report(args):
 
     op = _check_args(args)
     caps = probe()
-    problem = representative_problem(args, caps, op)
+    problem = problem_of(args, caps, op)
     verdicts = admission(problem, caps, strategy_names())
     fabric = None
     if args.measure:

@@ -19,7 +19,7 @@ import json
 import os
 
 from fusegate.cli.preflight import check_positive, check_writable
-from fusegate.cli.args import add_launch_args, add_shape_args, check_launch_args, hiddens, launch
+from fusegate.cli.args import add_output_args, add_rank_args, add_shape_args, check_rank_args, hiddens, ranks_of
 from fusegate.spawned import progress_bar, share_cpu_threads
 
 
@@ -36,7 +36,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--cache-dir", default=None, help="where to write the table (default: FUSEGATE_CACHE_DIR or XDG cache)")
     p.add_argument("--fresh", action="store_true", help="replace the existing table instead of merging into it")
     p.add_argument("--no-save", action="store_true", help="measure and print, write nothing")
-    add_launch_args(p)
+    add_rank_args(p, default_timeout_s=1800.0)
+    add_output_args(p)
     p.set_defaults(run=run)
 
 
@@ -64,7 +65,7 @@ def _check_args(args) -> tuple[tuple[int, ...], tuple[str, ...], tuple[str, ...]
     from fusegate.cli.main import UsageError
 
     sizes = hiddens(args, "tune")
-    check_launch_args(args)
+    check_rank_args(args)
     if not 0 <= args.margin < 1:
         raise UsageError(f"--margin is a fraction in [0, 1), e.g. 0.03; got {args.margin}")
     check_positive(rounds=args.rounds, confirm_rounds=args.confirm_rounds)
@@ -116,7 +117,8 @@ def run(args) -> int:
 
     sizes, ops, strategies = _check_args(args)
     buckets = tuple(token_buckets(args.max_tokens))
-    world_size, backend, device = launch(args)
+    ranks = ranks_of(args)
+    world_size, backend, device = ranks.world_size, ranks.backend, ranks.device
     if strategies:
         _reject_unservable(strategies, [(op, t, h, args.dtype, op == "all_reduce_residual_rmsnorm")
                                         for op in ops for h in sizes for t in buckets], world_size, backend, device)
