@@ -104,3 +104,30 @@ def test_representative_problem_groups_follow_the_launch_rules():
     with pytest.raises(ValueError, match="representative_problem: 9 NCCL ranks need as many GPUs"):
         representative_problem(Op.ALL_REDUCE, 4, 64, "float32", caps, world_size=9, backend="nccl", device_type="cuda")
 
+
+def _sweep_module():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "sweep_allreduce_norm.py"
+    spec = importlib.util.spec_from_file_location("sweep_allreduce_norm", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_sweep_takes_the_same_rank_flags_and_its_former_cpu_smoke(capsys):
+    sweep = _sweep_module()
+    args = sweep.parse_args(["--world-size", "3", "--device", "cuda", "--shared-gpu"])
+    assert (args.world_size, args.device, args.shared_gpu, args.timeout) == (3, "cuda", True, 3600.0)
+    assert capsys.readouterr().err == ""
+    assert sweep.parse_args(["--cpu-smoke"]).device == "cpu"
+    assert capsys.readouterr().err.splitlines() == ["fusegate: warning: --cpu-smoke is deprecated; use --device cpu"]
+
+
+def test_the_sweep_refuses_ranks_it_cannot_run_with_the_fix(capsys):
+    assert _sweep_module().main(["--device", "cpu", "--shared-gpu"]) == 2
+    assert capsys.readouterr().err.strip() == ("sweep_allreduce_norm: --shared-gpu needs --device cuda (or auto on a "
+                                               "GPU machine)")
