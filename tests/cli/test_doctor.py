@@ -162,7 +162,7 @@ def fake_gpu_caps(*, atomics: bool = True) -> Capabilities:
 
 
 def args(**overrides):
-    base = dict(world_size=None, hidden=6144, tokens=8, dtype="bfloat16", op="all_reduce_residual_rmsnorm", shared_gpu=False,
+    base = dict(world_size=None, hidden=6144, num_tokens=8, dtype="bfloat16", op="all_reduce_residual_rmsnorm", shared_gpu=False,
                 device="auto")
     return argparse.Namespace(**{**base, **overrides})
 

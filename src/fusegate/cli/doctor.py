@@ -34,7 +34,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument("--world-size", type=int, default=None, help="ranks of the problem (default: the number of GPUs, or 2 on CPU)")
     p.add_argument("--hidden", type=int, default=DEFAULT_HIDDEN, help=f"hidden size (default {DEFAULT_HIDDEN}, GLM-5)")
-    p.add_argument("--tokens", type=int, default=DEFAULT_TOKENS, help=f"tokens per call (default {DEFAULT_TOKENS})")
+    p.add_argument("--tokens", dest="num_tokens", metavar="TOKENS", type=int, default=DEFAULT_TOKENS,
+                   help=f"tokens per call (default {DEFAULT_TOKENS})")
     p.add_argument("--dtype", default=DEFAULT_DTYPE, help=f"activation dtype (default {DEFAULT_DTYPE})")
     p.add_argument("--op", default=DEFAULT_OP, help=f"collective op (default {DEFAULT_OP})")
     p.add_argument("--quant", default=None, help="quantized output format of the problem: fp8_static, fp8_per_token, "
@@ -60,7 +61,7 @@ def _check_args(args) -> "object":
         raise UsageError(f"--quant {args.quant!r} needs --op {DEFAULT_OP} and one of: {', '.join(KINDS)}")
     if args.dtype not in DTYPE_BYTES:
         raise UsageError(f"--dtype {args.dtype!r} is not supported; use one of: {', '.join(DTYPE_BYTES)}")
-    for flag, value in (("--hidden", args.hidden), ("--tokens", args.tokens), ("--world-size", args.world_size)):
+    for flag, value in (("--hidden", args.hidden), ("--tokens", args.num_tokens), ("--world-size", args.world_size)):
         if value is not None and value < 1:
             raise UsageError(f"{flag} {value} must be at least 1; pass a positive integer")
     return Op(args.op)
@@ -77,7 +78,7 @@ def problem_of(args, caps, op):
     default = num_gpus if num_gpus and args.device != "cpu" else CPU_DEFAULT_WORLD_SIZE
     ranks = resolve_ranks(args.world_size, args.device, shared_gpu=args.shared_gpu, default_world_size=default,
                           num_gpus=num_gpus)
-    return representative_problem(op, args.tokens, args.hidden, args.dtype, caps, world_size=ranks.world_size,
+    return representative_problem(op, args.num_tokens, args.hidden, args.dtype, caps, world_size=ranks.world_size,
                                   backend=ranks.backend, device_type=ranks.device, quant=getattr(args, "quant", None))
 
 

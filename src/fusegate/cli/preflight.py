@@ -92,7 +92,7 @@ def check_positive(**flags: int | None) -> None:
 
 def admission_here(names: Iterable[str], problems: Iterable[tuple], *, world_size: int, backend: str,
                    device: str) -> dict[str, dict]:
-    """{strategy: {problem tuple: Verdict}} for `problems` given as (op, tokens, hidden, dtype, has_residual)."""
+    """{strategy: {problem tuple: Verdict}} for `problems` given as (op, num_tokens, hidden, dtype, has_residual)."""
     from fusegate.group import expected_group_info
     from fusegate.probe import probe
     from fusegate.strategies import admission
@@ -102,10 +102,10 @@ def admission_here(names: Iterable[str], problems: Iterable[tuple], *, world_siz
     group = expected_group_info(caps, world_size, backend=backend, device_type=device)
     names = list(names)
     out: dict[str, dict] = {name: {} for name in names}
-    for op, tokens, hidden, dtype, has_residual in problems:
-        verdicts = admission(Problem(Op(op), tokens, hidden, dtype, group, has_residual), caps, names)
+    for op, num_tokens, hidden, dtype, has_residual in problems:
+        verdicts = admission(Problem(Op(op), num_tokens, hidden, dtype, group, has_residual), caps, names)
         for name in names:
-            out[name][(op, tokens, hidden, dtype, has_residual)] = verdicts[name]
+            out[name][(op, num_tokens, hidden, dtype, has_residual)] = verdicts[name]
     return out
 
 

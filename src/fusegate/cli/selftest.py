@@ -30,7 +30,8 @@ def add_parser(sub) -> None:
     p.add_argument("--backend", dest="device", choices=tuple(_BACKEND_AS_DEVICE), help=argparse.SUPPRESS,
                    action=deprecated_alias("--device", _BACKEND_AS_DEVICE.get))
     p.add_argument("--strategy", action="append", help="only this strategy (repeatable)")
-    p.add_argument("--tokens", type=int, default=4, help="tokens of the random model-shape cases (default 4)")
+    p.add_argument("--tokens", dest="num_tokens", metavar="TOKENS", type=int, default=4,
+                   help="tokens of the random model-shape cases (default 4)")
     p.add_argument("--repeats", type=int, default=10, help="timed calls per case (default 10)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.set_defaults(run=run)
@@ -42,7 +43,7 @@ def _check_args(args: argparse.Namespace) -> None:
     from fusegate.cli.preflight import check_positive
 
     check_rank_args(args)
-    check_positive(tokens=args.tokens, repeats=args.repeats)
+    check_positive(tokens=args.num_tokens, repeats=args.repeats)
     args.strategy = [canonical_name(n) for n in args.strategy] if args.strategy else args.strategy
     for name in args.strategy or []:
         if name not in strategy_names():
@@ -56,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     from fusegate.selftest import default_cases, merge_ranks, rank_main
 
     ranks = ranks_of(args, default_world_size=DEFAULT_WORLD_SIZE)
-    cases = default_cases(num_tokens=args.tokens)
+    cases = default_cases(num_tokens=args.num_tokens)
     if args.strategy:
         problems = [(c.op, c.num_tokens, c.hidden, c.dtype, c.has_residual) for c in cases]
         reject_not_admitted(args.strategy, problems, world_size=ranks.world_size, backend=ranks.backend,

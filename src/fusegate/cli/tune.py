@@ -102,8 +102,8 @@ def _reject_unservable(strategies, problems, world_size, backend, device) -> Non
     for problem in problems:
         if not any(verdicts[name][problem].ok for name in strategies):
             reasons = "; ".join(f"{name}: {verdicts[name][problem].reason}" for name in strategies)
-            op, tokens, hidden, dtype, _ = problem
-            raise UsageError(f"--strategies {','.join(strategies)}: none is admitted for {op} {tokens}x{hidden} {dtype} "
+            op, num_tokens, hidden, dtype, _ = problem
+            raise UsageError(f"--strategies {','.join(strategies)}: none is admitted for {op} {num_tokens}x{hidden} {dtype} "
                              f"on {world_size} {backend} rank(s) on {device} ({reasons}); add an admitted strategy "
                              "(`fusegate doctor` lists them) or drop --strategies")
 

@@ -72,10 +72,10 @@ def token_buckets(max_tokens: int) -> list[int]:
     """1, 2, 4, ... below `max_tokens`, then `max_tokens` itself."""
     if max_tokens < 1:
         raise ValueError(f"token_buckets: max_tokens must be >= 1, got {max_tokens}")
-    buckets, tokens = [], 1
-    while tokens < max_tokens:
-        buckets.append(tokens)
-        tokens *= 2
+    buckets, num_tokens = [], 1
+    while num_tokens < max_tokens:
+        buckets.append(num_tokens)
+        num_tokens *= 2
     buckets.append(max_tokens)
     return buckets
 

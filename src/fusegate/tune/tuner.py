@@ -160,7 +160,7 @@ def _tune_bucket(spec, pool, op, hidden, tokens, dtype, max_tokens, info, caps, 
 
     def calls(selected):
         return {n: timed_call(pool.get(n, hidden=hidden, dtype=dtype, max_tokens=max_tokens), op, rank=rank,
-                              tokens=tokens, hidden=hidden, dtype=dtype, device=dev) for n in selected}
+                              num_tokens=tokens, hidden=hidden, dtype=dtype, device=dev) for n in selected}
 
     first = time_interleaved(calls(passing), group=group, device=dev, rounds=spec.rounds, warmup=spec.warmup)
     times = {n: summary(s) for n, s in first.items()}

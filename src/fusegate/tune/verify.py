@@ -136,7 +136,7 @@ def verify_in_group(strategy: str, *, hiddens: tuple[int, ...], buckets: tuple[i
 
     def call(name, hidden, tokens):
         instance = pool.get(name, hidden=hidden, dtype=torch_dtype, max_tokens=max_tokens)
-        return timed_call(instance, the_op, rank=rank, tokens=tokens, hidden=hidden, dtype=torch_dtype, device=dev)
+        return timed_call(instance, the_op, rank=rank, num_tokens=tokens, hidden=hidden, dtype=torch_dtype, device=dev)
 
     try:
         if baseline is None:
