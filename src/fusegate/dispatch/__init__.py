@@ -1,8 +1,7 @@
 """Selection at run time: what every `Communicator` uses to choose a strategy for a call.
 
-- `choice`: the choice rules (explicit request, measured table with the do-no-harm guard,
-  conservative default) and the fused/unfused classification the guard applies;
-- `table`: the persisted `DispatchTable` (fingerprint, digest, lookup, load, merge and save);
+- `choice`: the choice rules (explicit, measured table with the do-no-harm guard, default) and `is_fused`;
+- `table`: the persisted `DispatchTable`: fingerprint, digest, lookup, load, merge and atomic save;
 - `schema`: typed validation of a dispatch table's JSON before any of its fields is used;
 - `agree`: all ranks use the same table or none (digest agreement at construction).
 
