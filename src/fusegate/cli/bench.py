@@ -82,6 +82,10 @@ def make_spec(args, **extra):
     from fusegate.cli.preflight import check_positive, check_world_size
 
     check_world_size(args.world_size)
+    if args.shared_gpu:  # the one rank flag these commands refuse
+        raise UsageError("--shared-gpu: the reference model is timed with one GPU per rank over NCCL, and ranks "
+                         "sharing a GPU would time the sharing; drop --shared-gpu (`fusegate selftest --shared-gpu` "
+                         "checks the GPU code paths on one GPU)")
     check_positive(layers=args.layers, experts=args.experts, vocab=args.vocab, prompt_len=args.prompt_len,
                    context=args.context, steps=extra.get("steps"))
     num_ranks = args.world_size if args.world_size is not None else DEFAULT_WORLD_SIZE
@@ -113,16 +117,11 @@ def check_model(spec) -> None:
 
 
 def resolve_spec_ranks(spec, args):
-    """(`spec` with its device resolved, Ranks) by `fusegate.cli.ranks.resolve_ranks`; imports torch.
-    The model is timed with one GPU per rank, so --shared-gpu is refused here."""
+    """(`spec` with its device resolved, Ranks) by `fusegate.cli.ranks.resolve_ranks`; imports torch."""
     import dataclasses
 
     from fusegate.cli.ranks import resolve_ranks
 
-    if args.shared_gpu:
-        raise UsageError("--shared-gpu: the reference model is timed with one GPU per rank over NCCL, and ranks "
-                         "sharing a GPU would time the sharing; drop --shared-gpu (`fusegate selftest --shared-gpu` "
-                         "checks the GPU code paths on one GPU)")
     ranks = resolve_ranks(spec.tp, args.device, default_world_size=DEFAULT_WORLD_SIZE)
     return dataclasses.replace(spec, device=ranks.device), ranks
 

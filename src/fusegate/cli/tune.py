@@ -18,8 +18,8 @@ import dataclasses
 import json
 import os
 
-from fusegate.cli.preflight import check_positive, check_writable
 from fusegate.cli.args import add_output_args, add_rank_args, add_shape_args, check_rank_args, hiddens, ranks_of
+from fusegate.cli.preflight import check_positive, check_writable
 from fusegate.spawned import progress_bar, share_cpu_threads
 
 
