@@ -3,8 +3,11 @@ unfused and third-party baselines, per hidden size and token bucket, in one run.
 
     python benchmarks/sweep_allreduce_norm.py                       # one NCCL rank per GPU (up to 8)
     python benchmarks/sweep_allreduce_norm.py --peer-gbps 370 --plot sweep.png   # with the floor
-    python benchmarks/sweep_allreduce_norm.py --cpu-smoke --out /tmp/sweep.jsonl # 2 gloo CPU ranks
+    python benchmarks/sweep_allreduce_norm.py --device cpu --out /tmp/sweep.jsonl # 2 gloo CPU ranks, tiny sizes
     python benchmarks/sweep_allreduce_norm.py --shared-gpu --out /tmp/sweep.jsonl # 2 ranks on GPU 0
+
+The rank flags (`--world-size`, `--device`, `--shared-gpu`) are those of `fusegate tune`, resolved
+by the same rule (`fusegate.cli.ranks.resolve_ranks`); `--cpu-smoke` is the former `--device cpu`.
 
 Providers: `fusegate/<strategy>` for every strategy the registry admits for the problem (one not
 admitted is listed with its admission reason); `fusegate/nccl_epilogue` is the nccl+epilogue baseline.
@@ -21,7 +24,7 @@ which); a provider failing on any rank is timed on none. (2) each passing call i
 CUDA graph, replayed `--reps` times per sample. (3) `fusegate.tune.measure.time_interleaved`:
 providers visited in an order rotated every round, device sync and a barrier before each sample,
 CUDA events around it, each sample the maximum over ranks (a collective ends when its slowest rank
-does); median, p20, p80 in us per call. `--cpu-smoke` times eager calls with perf_counter,
+does); median, p20, p80 in us per call. `--device cpu` times eager calls with perf_counter,
 `--shared-gpu` eager calls with CUDA events (gloo cannot be captured), rows marked functional only.
 Ratios are median / nccl+eager median (below 1 is faster). `--peer-gbps B` (`fusegate doctor
 --measure`) adds the floor 2.5 us + 2(W-1)/W x T x H x itemsize / B and each provider's ratio to it.
@@ -270,7 +273,7 @@ def rank_main(rank: int, world_size: int, spec: SweepSpec):
     from fusegate import Communicator
     from fusegate.strategies import admission, strategy_names
     from fusegate.spec import Op, Problem
-    from fusegate.tune.cli_common import share_cpu_threads
+    from fusegate.spawned import share_cpu_threads
 
     share_cpu_threads(world_size, spec.device)
     group = dist.group.WORLD
@@ -397,45 +400,45 @@ def plot(rows: list, path: str) -> None:
 def parse_args(argv):
     """The command line; defaults that depend on the mode stay None here."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--hidden", default=None, help="comma-separated hidden sizes (default 6144,7168; 64 with --cpu-smoke)")
-    p.add_argument("--max-tokens", type=int, default=None, help="largest bucket (default 16384; 4 with --cpu-smoke)")
+    from fusegate.cli.args import add_rank_args, deprecated_alias
+
+    p.add_argument("--hidden", default=None, help="comma-separated hidden sizes (default 6144,7168; 64 with --device cpu)")
+    p.add_argument("--max-tokens", type=int, default=None, help="largest bucket (default 16384; 4 with --device cpu)")
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
-    p.add_argument("--world-size", type=int, default=None, help="ranks (default: the GPU count; 2 for the smoke runs)")
-    p.add_argument("--trials", type=int, default=None, help="interleaved samples per provider (default 30; 5 smoke)")
+    p.add_argument("--trials", type=int, default=None, help="interleaved samples per provider (default 30; 5 on CPU or a shared GPU)")
     p.add_argument("--reps", type=int, default=20, help="calls per timed graph replay batch")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--peer-gbps", type=float, default=None, help="measured peer bandwidth, GB/s (fusegate doctor --measure)")
     p.add_argument("--out", default="benchmarks/results/sweep_allreduce_norm.jsonl")
     p.add_argument("--plot", default=None, metavar="PNG")
-    p.add_argument("--timeout", type=float, default=3600.0, help="seconds before hung ranks are killed")
-    mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--cpu-smoke", action="store_true", help="2 gloo CPU ranks, tiny sizes, no GPU needed")
-    mode.add_argument("--shared-gpu", action="store_true", help="2 gloo ranks sharing GPU 0: functional check only")
+    add_rank_args(p, default_timeout_s=3600.0)
+    p.add_argument("--cpu-smoke", dest="device", nargs=0, help=argparse.SUPPRESS,
+                   action=deprecated_alias("--device", lambda values: "cpu"))
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    import torch
-
     from fusegate.bench.results import append_rows
+    from fusegate.cli.main import UsageError
+    from fusegate.cli.ranks import resolve_ranks
+    from fusegate.dispatch.table import token_buckets
     from fusegate.launch import run_ranks
-    from fusegate.tune.table import token_buckets
 
-    smoke = args.cpu_smoke
-    mode = "cpu-smoke" if smoke else "shared-gpu" if args.shared_gpu else "nccl"
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    world_size = args.world_size or (2 if mode != "nccl" else gpus)
-    if not smoke and not 1 <= world_size <= (gpus if mode == "nccl" else 64 * bool(gpus)):
-        print(f"sweep_allreduce_norm: {world_size} ranks over NCCL need as many GPUs (torch sees {gpus}); lower "
-              "--world-size, or use --shared-gpu (one GPU) or --cpu-smoke (none)", file=sys.stderr)
+    try:
+        ranks = resolve_ranks(args.world_size, args.device, shared_gpu=args.shared_gpu)
+    except UsageError as exc:
+        print(f"sweep_allreduce_norm: {exc}", file=sys.stderr)
         return 2
+    world_size = ranks.world_size
+    smoke = ranks.device == "cpu"
+    mode = "cpu-smoke" if smoke else "shared-gpu" if ranks.shared_gpu else "nccl"
     spec = SweepSpec(
-        mode=mode, device="cpu" if smoke else "cuda", dtype=args.dtype, reps=args.reps, warmup=args.warmup,
+        mode=mode, device=ranks.device, dtype=args.dtype, reps=args.reps, warmup=args.warmup,
         hiddens=tuple(int(h) for h in (args.hidden or ("64" if smoke else "6144,7168")).split(",")),
         buckets=tuple(token_buckets(args.max_tokens or (4 if smoke else 16384))),
         trials=args.trials or (5 if mode != "nccl" else 30))
-    results = run_ranks(rank_main, world_size, backend="nccl" if mode == "nccl" else "gloo", args=(spec,),
+    results = run_ranks(rank_main, world_size, backend=ranks.backend, args=(spec,),
                         env=RANK_ENV, timeout_s=args.timeout)[0]
     rows = build_rows(results, spec, world_size, args.peer_gbps)
     append_rows(args.out, rows)

@@ -11,7 +11,7 @@ Calls run on the caller's current CUDA stream. The ops' exact meaning and roundi
 `fusegate.reference`; every strategy matches it and returns identical bits on every rank.
 
 Strategy choice: `strategy="auto"` consults the dispatch table written by `fusegate tune` (see
-`fusegate.dispatch`); an explicit name (or FUSEGATE_STRATEGY) is honoured, and a call it cannot
+`fusegate.dispatch.choice`); an explicit name (or FUSEGATE_STRATEGY) is honoured, and a call it cannot
 serve raises ValueError with the admission reason. `debug=True` (or FUSEGATE_DEBUG=1) checks before
 each collective that all ranks agree on shape and dtype, turning a would-be hang into an error.
 Construction first checks that every rank asked for the same strategy, debug mode and device
@@ -27,11 +27,10 @@ from fusegate import env
 from fusegate.strategies import admission, canonical_name, get_strategy, strategy_names
 from fusegate.strategies.base import Strategy, StrategyContext
 from fusegate.strategies.host_wait import PeerGuard, goes_through_host, strategy_timeout_s
-from fusegate.dispatch import CONSERVATIVE_DEFAULT, Choice, choose, warn_once
+from fusegate.dispatch.agree import agreed_table
+from fusegate.dispatch.choice import CONSERVATIVE_DEFAULT, Choice, choose, is_fused, warn_once
 from fusegate.group import agree_group_info, agree_settings, device_type_of
 from fusegate.spec import Op, Problem, dtype_name
-from fusegate.tune.agree import agreed_table
-from fusegate.tune.candidates import is_fused
 from fusegate.validation import SUPPORTED_DTYPES, as_rows, check_all_reduce, check_quant, check_residual_rmsnorm
 
 
@@ -95,7 +94,7 @@ class Communicator:
         self._choices: dict[tuple, Choice] = {}
         self._closed = False
         # Collective: every rank loads its dispatch table and all agree on its digest, or all
-        # use none (fusegate.tune.agree). Loaded once; `fusegate tune` output applies to new
+        # use none (fusegate.dispatch.agree). Loaded once; `fusegate tune` output applies to new
         # Communicators.
         self.table, self.table_note = agreed_table(self.cpu_group, self.info, self.caps)
 

@@ -4,6 +4,10 @@
 rank of the group must call it). Each rank reports its host, its device and which of the other
 ranks' GPUs it can map; the result is identical on every rank.
 
+`expected_group_info` applies the same rules to the probe instead of to ranks: the GroupInfo that
+local ranks launched a given way would agree on, known before any rank exists (the CLI's checks
+before spawning; `representative_problem` for `fusegate doctor`).
+
 `agree_settings` runs first: the Communicator's own settings (strategy, debug, device) must be the
 same on every rank, because ranks that differ would run different collectives and hang. A mismatch,
 or a setting one rank could not read (a bad FUSEGATE_* value), raises the same ValueError on every
@@ -17,7 +21,7 @@ import socket
 import torch
 import torch.distributed as dist
 
-from fusegate.spec import GroupInfo
+from fusegate.spec import GroupInfo, Op, Problem
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -131,3 +135,35 @@ def _all_native_atomics(caps, indices: list[int]) -> bool:
             if link is None or not link.native_atomics:
                 return False
     return True
+
+
+def expected_group_info(caps, world_size: int, *, backend: str, device_type: str) -> GroupInfo:
+    """The GroupInfo `world_size` local ranks would agree on here (the rules of `agree_group_info`,
+    computed from the probe `caps` instead of from ranks): gloo CPU ranks when `device_type` is
+    "cpu", gloo ranks sharing GPU 0 for ("gloo", "cuda"), else NCCL over the first `world_size` GPUs."""
+    if device_type == "cpu":
+        return GroupInfo(world_size=world_size, backend="gloo", device_type="cpu", devices=("cpu",) * world_size)
+    if backend == "gloo":  # ranks sharing GPU 0
+        gpu = caps.gpus[0]
+        return GroupInfo(world_size=world_size, backend="gloo", device_type="cuda",
+                         devices=(gpu.uuid or "cuda0",) * world_size, peer_access=True, native_atomics=True,
+                         shares_device=world_size > 1)
+    gpus = caps.gpus[:world_size]
+    pairs = [caps.link(a.index, b.index) for a in gpus for b in gpus if a.index != b.index]
+    peer = all(link is not None and link.peer_access for link in pairs)
+    atomics = peer and all(link.native_atomics for link in pairs)
+    return GroupInfo(world_size=world_size, backend="nccl", device_type="cuda",
+                     devices=tuple(g.uuid or f"cuda{g.index}" for g in gpus), peer_access=peer, native_atomics=atomics)
+
+
+def representative_problem(op: Op, num_tokens: int, hidden: int, dtype: str, caps, *, world_size: int, backend: str,
+                           device_type: str, quant: str | None = None) -> Problem:
+    """The Problem a call of `op` on `world_size` local ranks launched this way would pose here, with
+    the group they would agree on (`expected_group_info`): what admission is asked about before any
+    rank exists."""
+    if device_type == "cuda" and backend == "nccl" and world_size > len(caps.gpus):
+        raise ValueError(f"representative_problem: {world_size} NCCL ranks need as many GPUs, the probe found "
+                         f"{len(caps.gpus)}; use world_size <= {len(caps.gpus)} or gloo ranks sharing a GPU")
+    group = expected_group_info(caps, world_size, backend=backend, device_type=device_type)
+    return Problem(op, num_tokens, hidden, dtype, group, has_residual=op is Op.ALL_REDUCE_RESIDUAL_RMSNORM,
+                   quant=quant)

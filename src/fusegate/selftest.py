@@ -146,7 +146,7 @@ def rank_main(rank: int, world_size: int, cases: list[Case], repeats: int, devic
     from fusegate import Communicator
     from fusegate.strategies import admission, strategy_names
     from fusegate.spec import Op, Problem
-    from fusegate.tune.cli_common import progress_bar
+    from fusegate.spawned import progress_bar
 
     probe_comm = Communicator(device=device)
     info, caps = probe_comm.info, probe_comm.caps

@@ -39,7 +39,7 @@ def test_bench_e2e_cpu_json(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["--preset", "glm5", "--layers", "2", "--experts", "4"], "raise --experts"),
-    (["--preset", "tiny", "--tp", "4"], "does not split over 4"),
+    (["--preset", "tiny", "--world-size", "4"], "does not split over 4"),
     (["--preset", "nope"], "unknown model preset"),
     (["--preset", "tiny", "--prompt-len", "16", "--context", "16"], "raise --context"),
     (["--preset", "tiny", "--moe-runner", "fast"], "is not a runner"),

@@ -56,7 +56,7 @@ def test_bench_e2e_writes_nothing_unasked_and_its_tune_hint_is_accepted(empty_cw
 def test_tune_takes_the_tiny_preset_of_the_benchmarks():
     import argparse
 
-    from fusegate.tune.cli_common import hiddens
+    from fusegate.cli.args import hiddens
 
     assert hiddens(argparse.Namespace(preset=["tiny"], hidden=[], max_tokens=4), "tune") == (64,)
 

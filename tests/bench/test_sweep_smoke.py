@@ -1,4 +1,4 @@
-"""`benchmarks/sweep_allreduce_norm.py --cpu-smoke` for real: 2 gloo CPU ranks, tiny sizes.
+"""`benchmarks/sweep_allreduce_norm.py --device cpu` for real: 2 gloo CPU ranks, tiny sizes.
 
 The script runs in a subprocess, as a user runs it (its ranks are spawned from its __main__). A
 test-only strategy that is wrong on rank 1 (tests/tune/tune_test_strategies.py, registered through
@@ -30,7 +30,7 @@ def smoke(tmp_path_factory):
     env = dict(os.environ, FUSEGATE_STRATEGIES="wrong_on_rank_one=tune_test_strategies:WrongOnRankOne",
                PYTHONPATH=os.pathsep.join([str(ROOT / "tests" / "tune"), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--cpu-smoke", "--hidden", ",".join(map(str, HIDDENS)), "--max-tokens", "3",
+        [sys.executable, str(SCRIPT), "--device", "cpu", "--hidden", ",".join(map(str, HIDDENS)), "--max-tokens", "3",
          "--trials", "3", "--warmup", "1", "--peer-gbps", str(PEER_GBPS), "--out", str(out)],
         capture_output=True, text=True, timeout=120, env=env, cwd=ROOT,
     )

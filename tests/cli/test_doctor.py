@@ -14,7 +14,7 @@ import pytest
 import fusegate.strategies as strategies
 import fusegate.probe
 from fusegate.strategies.base import Strategy
-from fusegate.cli.doctor import representative_problem
+from fusegate.cli.doctor import problem_of
 from fusegate.cli.main import UsageError, main
 from fusegate.probe.capabilities import (
     Capabilities, CpuInfo, FabricMeasurements, GpuInfo, LinkInfo, PackageStatus, PeerMeasurement, Versions,
@@ -162,21 +162,22 @@ def fake_gpu_caps(*, atomics: bool = True) -> Capabilities:
 
 
 def args(**overrides):
-    base = dict(world_size=None, hidden=6144, tokens=8, dtype="bfloat16", op="all_reduce_residual_rmsnorm", shared_gpu=False)
+    base = dict(world_size=None, hidden=6144, num_tokens=8, dtype="bfloat16", op="all_reduce_residual_rmsnorm", shared_gpu=False,
+                device="auto")
     return argparse.Namespace(**{**base, **overrides})
 
 
 def test_gpu_group_is_nccl_over_all_gpus_with_their_peer_facts():
-    group = representative_problem(args(), fake_gpu_caps(), Op.ALL_REDUCE_RESIDUAL_RMSNORM).group
+    group = problem_of(args(), fake_gpu_caps(), Op.ALL_REDUCE_RESIDUAL_RMSNORM).group
     assert (group.world_size, group.backend, group.device_type) == (2, "nccl", "cuda")
     assert group.devices == ("uuid-0", "uuid-1") and group.peer_access and group.native_atomics
-    assert not representative_problem(args(), fake_gpu_caps(atomics=False), Op.ALL_REDUCE).group.native_atomics
+    assert not problem_of(args(), fake_gpu_caps(atomics=False), Op.ALL_REDUCE).group.native_atomics
 
 
 def test_world_size_above_gpu_count_needs_shared_gpu():
-    with pytest.raises(UsageError, match="--world-size 3 exceeds the 2 GPU"):
-        representative_problem(args(world_size=3), fake_gpu_caps(), Op.ALL_REDUCE)
-    group = representative_problem(args(world_size=4, shared_gpu=True), fake_gpu_caps(), Op.ALL_REDUCE).group
+    with pytest.raises(UsageError, match=r"3 ranks but 2 GPU\(s\); NCCL needs one GPU per rank. Pass --shared-gpu"):
+        problem_of(args(world_size=3), fake_gpu_caps(), Op.ALL_REDUCE)
+    group = problem_of(args(world_size=4, shared_gpu=True), fake_gpu_caps(), Op.ALL_REDUCE).group
     assert (group.world_size, group.backend, group.device_type, group.peer_access, group.shares_device) == (
         4, "gloo", "cuda", True, True)
     assert group.devices == ("uuid-0",) * 4

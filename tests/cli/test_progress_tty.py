@@ -1,6 +1,6 @@
 """Long commands show a progress bar when stderr is a terminal, and end with one summary line.
 
-(Without a terminal there is no bar: `fusegate.tune.cli_common.progress_bar` checks isatty; the
+(Without a terminal there is no bar: `fusegate.spawned.progress_bar` checks isatty; the
 in-process tests of each command run that way.)"""
 
 from __future__ import annotations

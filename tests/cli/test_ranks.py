@@ -1,7 +1,7 @@
 """How the CLI tells about its ranks: fusegate warnings as one line, a RankFailure as one line per error."""
 
 from fusegate.cli.ranks import _format_warning, describe_failure
-from fusegate.dispatch import DispatchWarning
+from fusegate.dispatch.choice import DispatchWarning
 from fusegate.launch import RankFailure
 
 TRACEBACK = 'Traceback (most recent call last):\n  File "x.py", line 1, in f\n    g()\nRuntimeError: {}\n'

@@ -38,8 +38,8 @@ def _tables(rank, root):
     from fusegate import Communicator
     from fusegate.group import agree_group_info
     from fusegate.probe import probe
-    from fusegate.tune import agree
-    from fusegate.tune.table import fingerprint, save, table_path, versions_of
+    from fusegate.dispatch import agree
+    from fusegate.dispatch.table import fingerprint, save, table_path, versions_of
 
     caps = probe()
     fp = fingerprint(agree_group_info(dist.group.WORLD, caps), caps)

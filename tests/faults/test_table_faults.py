@@ -8,7 +8,7 @@ import os
 import pytest
 from fusegate.probe import probe
 from fusegate.spec import GroupInfo
-from fusegate.tune.table import MAX_TABLE_BYTES, DispatchTable, Entry, canonical_digest, fingerprint, load, save, versions_of
+from fusegate.dispatch.table import MAX_TABLE_BYTES, DispatchTable, Entry, canonical_digest, fingerprint, load, save, versions_of
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import pytest
 
 from fusegate.cli.main import main
 from fusegate.launch import FAILURE_GRACE_S
-from fusegate.tune.table import CacheDirError, check_writable, save
+from fusegate.dispatch.table import CacheDirError, check_writable, save
 
 from test_table_faults import _table
 
@@ -96,7 +96,7 @@ def test_a_killed_tune_takes_every_rank_with_it_and_writes_no_table(tmp_path, ta
 def _read_only_mount(tmp_path, monkeypatch):
     def erofs(*args, **kwargs):
         raise OSError(errno.EROFS, os.strerror(errno.EROFS))
-    monkeypatch.setattr("fusegate.tune.table.tempfile.mkstemp", erofs)  # what a read-only mount answers
+    monkeypatch.setattr("fusegate.dispatch.table.tempfile.mkstemp", erofs)  # what a read-only mount answers
     return tmp_path, os.strerror(errno.EROFS)
 
 

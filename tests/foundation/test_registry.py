@@ -6,7 +6,7 @@ import pytest
 
 from fusegate.strategies import admission, get_strategy, register, strategy_names
 from fusegate.strategies.base import check_needs
-from fusegate.dispatch import default_choice
+from fusegate.dispatch.choice import default_choice
 from fusegate.probe.capabilities import Capabilities, CpuInfo, GpuInfo, PackageStatus, Versions
 from fusegate.spec import GroupInfo, Needs, Op, Problem, Verdict
 

@@ -9,7 +9,7 @@ import pytest
 from fusegate.bench.results import read_rows
 from fusegate.cli.main import main
 from fusegate.probe import probe
-from fusegate.tune.table import load, versions_of
+from fusegate.dispatch.table import load, versions_of
 
 from tune_test_strategies import PLUGINS
 
@@ -93,7 +93,7 @@ def test_usage_errors_exit_2_and_say_the_fix(argv, message, capsys):
 def test_presets_give_the_hidden_sizes():
     import argparse
 
-    from fusegate.tune.cli_common import hiddens
+    from fusegate.cli.args import hiddens
 
     args = argparse.Namespace(preset=["glm5", "qwen3-235b", "glm5"], hidden=[4096, 512], max_tokens=8)
     assert hiddens(args, "tune") == (6144, 4096, 512)

@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from fusegate.dispatch import choose, guarded
+from fusegate.dispatch.choice import choose, guarded
 from fusegate.spec import GroupInfo, Op, Problem, Verdict
-from fusegate.tune.table import DispatchTable, Entry
+from fusegate.dispatch.table import DispatchTable, Entry
 from fusegate.tune.tuner import decide
 from fusegate.tune.verify import judge
 

@@ -6,7 +6,7 @@ import pytest
 
 from fusegate.probe import probe
 from fusegate.spec import GroupInfo
-from fusegate.tune.table import (
+from fusegate.dispatch.table import (
     SCHEMA_VERSION,
     DispatchTable,
     Entry,

@@ -26,9 +26,9 @@ def _weight():
 
 def _table_life_rank(rank, world_size, cache_root):
     from fusegate import Communicator
-    from fusegate.dispatch import DispatchWarning
+    from fusegate.dispatch.choice import DispatchWarning
     from fusegate.spec import Op
-    from fusegate.tune.table import save, table_path
+    from fusegate.dispatch.table import save, table_path
     from fusegate.tune.tuner import TuneSpec, tune_in_group
 
     # One cache directory per rank, as on separate hosts, so ranks can hold different files.
@@ -82,7 +82,7 @@ def _table_life_rank(rank, world_size, cache_root):
 
 
 def test_tune_builds_one_table_that_every_rank_uses_or_every_rank_ignores(tmp_path):
-    from fusegate.tune.table import parse
+    from fusegate.dispatch.table import parse
 
     results = run_ranks(_table_life_rank, 2, args=(str(tmp_path),), env=ENV, timeout_s=240)
     tables = [parse(r["table"]) for r in results]

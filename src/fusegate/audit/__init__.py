@@ -3,5 +3,5 @@
 Never imports or executes the audited code and never imports torch. Entry points: `engine.audit`
 (find and evaluate gates), `plan.Planner` + `patch.build_changes` (minimal edits at ast positions, re-audited),
 `manifest.apply` / `manifest.revert` (atomic writes, byte-exact revert); the CLI is
-`fusegate.cli.audit`.
+`fusegate audit` (cli/audit.py).
 """

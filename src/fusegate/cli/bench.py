@@ -11,7 +11,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+from fusegate.cli.args import add_rank_args, deprecated_alias
 from fusegate.cli.main import EXIT_NEGATIVE, EXIT_OK, UsageError, dumps_json
+
+DEFAULT_WORLD_SIZE = 1  # the model on one GPU (or one CPU process) unless asked for tensor parallelism
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -31,8 +34,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--experts", type=int, help="routed experts (top-k and expert width kept)")
     p.add_argument("--dense-layers", type=int, help="how many of the first layers are dense (default: the preset's ratio)")
     p.add_argument("--vocab", type=int, help="vocabulary size (default: the preset's)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (one GPU each; gloo processes on CPU)")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: cuda when available")
+    add_rank_args(p, default_world_size=DEFAULT_WORLD_SIZE)
+    p.add_argument("--tp", dest="world_size", type=int, help=argparse.SUPPRESS, action=deprecated_alias("--world-size"))
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), help="default bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--strategy", default="auto", help="Communicator strategy (default auto)")
     p.add_argument("--moe-runner", help="force one MoE runner (loop, dense, grouped_mm); default: measured choice")
@@ -73,17 +76,23 @@ def _no_subcommand(p) -> int:
 
 
 def make_spec(args, **extra):
+    """The E2ESpec the flags ask for, after the checks that need no torch (the world size is checked
+    again by `check_model`, and resolved with the device by `resolve_spec_ranks`)."""
     from fusegate.bench.e2e import E2ESpec
     from fusegate.cli.preflight import check_positive, check_world_size
 
-    check_world_size(args.tp, flag="--tp")
+    check_world_size(args.world_size)
+    if args.shared_gpu:  # the one rank flag these commands refuse
+        raise UsageError("--shared-gpu: the reference model is timed with one GPU per rank over NCCL, and ranks "
+                         "sharing a GPU would time the sharing; drop --shared-gpu (`fusegate selftest --shared-gpu` "
+                         "checks the GPU code paths on one GPU)")
     check_positive(layers=args.layers, experts=args.experts, vocab=args.vocab, prompt_len=args.prompt_len,
                    context=args.context, steps=extra.get("steps"))
-
+    num_ranks = args.world_size if args.world_size is not None else DEFAULT_WORLD_SIZE
     try:
         return E2ESpec(
             preset=args.preset, layers=args.layers, experts=args.experts, dense_layers=args.dense_layers,
-            vocab=args.vocab, tp=args.tp, device=args.device, dtype=args.dtype, strategy=args.strategy,
+            vocab=args.vocab, tp=num_ranks, device=args.device, dtype=args.dtype, strategy=args.strategy,
             moe_runner=args.moe_runner, prompt_len=args.prompt_len, context=args.context, seed=args.seed, **extra,
         )
     except ValueError as exc:
@@ -91,10 +100,10 @@ def make_spec(args, **extra):
 
 
 def check_model(spec) -> None:
-    """Usage errors for a bad preset, cut or --tp, before any process starts or torch is imported."""
+    """Usage errors for a bad preset, cut or --world-size, before any process starts or torch is imported."""
     from fusegate.cli.preflight import check_world_size, require_runtime
 
-    check_world_size(spec.tp, flag="--tp")
+    check_world_size(spec.tp)
     require_runtime()
     try:
         spec.config().check_world_size(spec.tp)
@@ -105,6 +114,16 @@ def check_model(spec) -> None:
 
         if spec.moe_runner not in RUNNERS:
             raise UsageError(f"--moe-runner {spec.moe_runner!r} is not a runner; use one of: {', '.join(RUNNERS)}")
+
+
+def resolve_spec_ranks(spec, args):
+    """(`spec` with its device resolved, Ranks) by `fusegate.cli.ranks.resolve_ranks`; imports torch."""
+    import dataclasses
+
+    from fusegate.cli.ranks import resolve_ranks
+
+    ranks = resolve_ranks(spec.tp, args.device, default_world_size=DEFAULT_WORLD_SIZE)
+    return dataclasses.replace(spec, device=ranks.device), ranks
 
 
 def run(args) -> int:
@@ -123,6 +142,7 @@ def run(args) -> int:
     from fusegate.cli.ranks import describe_failure, spawn
     from fusegate.launch import RankFailure
 
+    spec, _ = resolve_spec_ranks(spec, args)
     started = time.perf_counter()
     try:
         result = run_e2e(spec, launch=spawn)

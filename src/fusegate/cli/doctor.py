@@ -34,11 +34,14 @@ def add_parser(subparsers) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument("--world-size", type=int, default=None, help="ranks of the problem (default: the number of GPUs, or 2 on CPU)")
     p.add_argument("--hidden", type=int, default=DEFAULT_HIDDEN, help=f"hidden size (default {DEFAULT_HIDDEN}, GLM-5)")
-    p.add_argument("--tokens", type=int, default=DEFAULT_TOKENS, help=f"tokens per call (default {DEFAULT_TOKENS})")
+    p.add_argument("--tokens", dest="num_tokens", metavar="TOKENS", type=int, default=DEFAULT_TOKENS,
+                   help=f"tokens per call (default {DEFAULT_TOKENS})")
     p.add_argument("--dtype", default=DEFAULT_DTYPE, help=f"activation dtype (default {DEFAULT_DTYPE})")
     p.add_argument("--op", default=DEFAULT_OP, help=f"collective op (default {DEFAULT_OP})")
     p.add_argument("--quant", default=None, help="quantized output format of the problem: fp8_static, fp8_per_token, "
                    "fp8_per_group or nvfp4 (admission then says which conversion each strategy uses)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="where the problem's ranks hold their tensors (auto: cuda when the probe finds a GPU)")
     p.add_argument("--shared-gpu", action="store_true",
                    help="model ranks that share one GPU (gloo with CUDA tensors); allows --world-size above the GPU count")
     p.add_argument("--measure", action="store_true", help="also measure peer read/write bandwidth and latency between GPUs")
@@ -58,36 +61,25 @@ def _check_args(args) -> "object":
         raise UsageError(f"--quant {args.quant!r} needs --op {DEFAULT_OP} and one of: {', '.join(KINDS)}")
     if args.dtype not in DTYPE_BYTES:
         raise UsageError(f"--dtype {args.dtype!r} is not supported; use one of: {', '.join(DTYPE_BYTES)}")
-    for flag, value in (("--hidden", args.hidden), ("--tokens", args.tokens), ("--world-size", args.world_size)):
+    for flag, value in (("--hidden", args.hidden), ("--tokens", args.num_tokens), ("--world-size", args.world_size)):
         if value is not None and value < 1:
             raise UsageError(f"{flag} {value} must be at least 1; pass a positive integer")
     return Op(args.op)
 
 
-def representative_problem(args, caps, op):
-    """The Problem admission is asked about, with the GroupInfo such a group would agree on here
-    (the same rules as fusegate.group.agree_group_info, computed from the probe instead of ranks)."""
-    from fusegate.spec import Op, Problem
-
-    from fusegate.cli.preflight import expected_group
+def problem_of(args, caps, op):
+    """The Problem admission is asked about: the flags' ranks (`fusegate.cli.ranks.resolve_ranks`,
+    planned for the GPUs the probe found) and `fusegate.group.representative_problem`."""
+    from fusegate.cli.ranks import resolve_ranks
+    from fusegate.group import representative_problem
 
     num_gpus = len(caps.gpus)
-    if not caps.has_gpu:
-        if args.shared_gpu:
-            raise UsageError("--shared-gpu needs a CUDA GPU and the probe found none; drop --shared-gpu")
-        group = expected_group(caps, args.world_size or CPU_DEFAULT_WORLD_SIZE, backend="gloo", device="cpu")
-    elif args.shared_gpu:
-        group = expected_group(caps, args.world_size or num_gpus, backend="gloo", device="cuda")
-    else:
-        world = args.world_size or num_gpus
-        if world > num_gpus:
-            raise UsageError(
-                f"--world-size {world} exceeds the {num_gpus} GPU(s) found; use --world-size {num_gpus} or less, "
-                "or --shared-gpu to model ranks sharing one GPU"
-            )
-        group = expected_group(caps, world, backend="nccl", device="cuda")
-    return Problem(op, args.tokens, args.hidden, args.dtype, group, has_residual=op is Op.ALL_REDUCE_RESIDUAL_RMSNORM,
-                   quant=getattr(args, "quant", None))
+    # Default: every GPU (even one), or the smallest CPU group.
+    default = num_gpus if num_gpus and args.device != "cpu" else CPU_DEFAULT_WORLD_SIZE
+    ranks = resolve_ranks(args.world_size, args.device, shared_gpu=args.shared_gpu, default_world_size=default,
+                          num_gpus=num_gpus)
+    return representative_problem(op, args.num_tokens, args.hidden, args.dtype, caps, world_size=ranks.world_size,
+                                  backend=ranks.backend, device_type=ranks.device, quant=getattr(args, "quant", None))
 
 
 def moe_runner_section(caps) -> dict:
@@ -152,7 +144,7 @@ def build_report(args):
 
     op = _check_args(args)
     caps = probe()
-    problem = representative_problem(args, caps, op)
+    problem = problem_of(args, caps, op)
     verdicts = admission(problem, caps, strategy_names())
     fabric = None
     if args.measure:

@@ -90,41 +90,22 @@ def check_positive(**flags: int | None) -> None:
             raise UsageError(f"{flag} must be >= 1, got {value}; pass a positive integer")
 
 
-def expected_group(caps, world_size: int, *, backend: str, device: str):
-    """The GroupInfo `world_size` local ranks launched this way would agree on here (the rules of
-    fusegate.group.agree_group_info, computed from the probe instead of from ranks)."""
-    from fusegate.spec import GroupInfo
-
-    if device == "cpu":
-        return GroupInfo(world_size=world_size, backend="gloo", device_type="cpu", devices=("cpu",) * world_size)
-    if backend == "gloo":  # ranks sharing GPU 0
-        gpu = caps.gpus[0]
-        return GroupInfo(world_size=world_size, backend="gloo", device_type="cuda",
-                         devices=(gpu.uuid or "cuda0",) * world_size, peer_access=True, native_atomics=True,
-                         shares_device=world_size > 1)
-    gpus = caps.gpus[:world_size]
-    pairs = [caps.link(a.index, b.index) for a in gpus for b in gpus if a.index != b.index]
-    peer = all(link is not None and link.peer_access for link in pairs)
-    atomics = peer and all(link.native_atomics for link in pairs)
-    return GroupInfo(world_size=world_size, backend="nccl", device_type="cuda",
-                     devices=tuple(g.uuid or f"cuda{g.index}" for g in gpus), peer_access=peer, native_atomics=atomics)
-
-
 def admission_here(names: Iterable[str], problems: Iterable[tuple], *, world_size: int, backend: str,
                    device: str) -> dict[str, dict]:
-    """{strategy: {problem tuple: Verdict}} for `problems` given as (op, tokens, hidden, dtype, has_residual)."""
-    from fusegate.strategies import admission
+    """{strategy: {problem tuple: Verdict}} for `problems` given as (op, num_tokens, hidden, dtype, has_residual)."""
+    from fusegate.group import expected_group_info
     from fusegate.probe import probe
+    from fusegate.strategies import admission
     from fusegate.spec import Op, Problem
 
     caps = probe()
-    group = expected_group(caps, world_size, backend=backend, device=device)
+    group = expected_group_info(caps, world_size, backend=backend, device_type=device)
     names = list(names)
     out: dict[str, dict] = {name: {} for name in names}
-    for op, tokens, hidden, dtype, has_residual in problems:
-        verdicts = admission(Problem(Op(op), tokens, hidden, dtype, group, has_residual), caps, names)
+    for op, num_tokens, hidden, dtype, has_residual in problems:
+        verdicts = admission(Problem(Op(op), num_tokens, hidden, dtype, group, has_residual), caps, names)
         for name in names:
-            out[name][(op, tokens, hidden, dtype, has_residual)] = verdicts[name]
+            out[name][(op, num_tokens, hidden, dtype, has_residual)] = verdicts[name]
     return out
 
 

@@ -30,7 +30,7 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
-    from fusegate.cli.bench import check_model, fusion_modes, make_spec
+    from fusegate.cli.bench import check_model, fusion_modes, make_spec, resolve_spec_ranks
 
     from fusegate.cli.preflight import check_positive
 
@@ -51,15 +51,14 @@ def run(args) -> int:
             check_writable(path, flag=flag)
     from rich.console import Console
 
-    from fusegate.bench.e2e import resolve_device
     from fusegate.bench.profile import profile_rank
     from fusegate.cli.ranks import describe_failure, spawn
     from fusegate.launch import RankFailure
 
+    spec, ranks = resolve_spec_ranks(spec, args)
     try:
-        device = resolve_device(spec)
         with Console(stderr=True).status(f"profile: {args.steps} decode steps per fusion mode ...", spinner="dots"):
-            result = spawn(profile_rank, spec.tp, backend="nccl" if device == "cuda" else "gloo",
+            result = spawn(profile_rank, ranks.world_size, backend=ranks.backend,
                            args=(spec, args.batch, args.steps, args.trace), timeout_s=1800)[0]
     except RankFailure as exc:
         print(f"fusegate profile: {spec.tp} rank(s) failed: {describe_failure(exc)}", file=sys.stderr)

@@ -1,4 +1,13 @@
-"""Spawning ranks for a command: the CLI's warning format in every rank, and rank failures in one line each.
+"""Spawning ranks for a command: where they run, the CLI's warning format in every rank, and rank
+failures in one line each.
+
+`resolve_ranks` is the one rule every command that spawns ranks (selftest, tune, verify, bench e2e,
+profile) and `doctor` apply to `--world-size`, `--device` and `--shared-gpu` (`fusegate.cli.args`
+adds the flags):
+- `--device cpu` (auto without a GPU): gloo, CPU tensors;
+- `--device cuda` (auto with a GPU): NCCL, one GPU per rank, so at most as many ranks as GPUs;
+- `--shared-gpu`: gloo with CUDA tensors, all ranks on the current GPU; a functional check of the
+  GPU code paths on one GPU, timings not representative.
 
 `spawn(fn, N, ...)` is `fusegate.launch.run_ranks` with `fn` run through `rank_entry`, which makes
 the rank print fusegate's warnings as one plain line (the library's `warnings.warn` would show the
@@ -11,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from dataclasses import dataclass
 from typing import Any, Callable
 
 log = logging.getLogger("fusegate.cli")
@@ -22,6 +32,55 @@ def _format_warning(message, category, filename, lineno, line=None) -> str:
     if category.__module__.startswith("fusegate"):
         return f"fusegate: warning: {message}\n"
     return _default_formatwarning(message, category, filename, lineno, line)
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """Where a command's local ranks run: how many, their process-group backend, their tensors' device."""
+
+    world_size: int
+    backend: str  # "gloo" or "nccl"
+    device: str  # "cpu" or "cuda"
+
+    @property
+    def shared_gpu(self) -> bool:
+        return self.backend == "gloo" and self.device == "cuda"
+
+
+def visible_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def resolve_ranks(world_size: int | None, device: str = "auto", *, shared_gpu: bool = False,
+                  default_world_size: int | None = None, num_gpus: int | None = None) -> Ranks:
+    """The ranks asked for by the rank flags (module doc), or UsageError naming the fix.
+
+    `world_size` None takes `default_world_size`, or when that is None too the GPU count if 2 or
+    more, else 2. `num_gpus`: the GPUs to plan for (default: what torch sees here)."""
+    from fusegate.cli.main import UsageError
+
+    if device not in ("auto", "cpu", "cuda"):
+        raise UsageError(f"--device {device!r} is not a device; use auto, cpu or cuda")
+    num_gpus = visible_gpus() if num_gpus is None else num_gpus
+    resolved = device if device != "auto" else ("cuda" if num_gpus else "cpu")
+    if resolved == "cuda" and not num_gpus:
+        raise UsageError("--device cuda but torch sees no CUDA GPU; use --device cpu")
+    if shared_gpu and resolved == "cpu":
+        raise UsageError("--shared-gpu needs --device cuda (or auto on a GPU machine)" if device == "cpu" else
+                         "--shared-gpu needs a CUDA GPU and torch sees none; drop --shared-gpu to run on CPU")
+    if world_size is None:
+        world_size = default_world_size if default_world_size is not None else (num_gpus if num_gpus >= 2 else 2)
+    if resolved == "cpu":
+        return Ranks(world_size, "gloo", "cpu")
+    if shared_gpu:
+        return Ranks(world_size, "gloo", "cuda")
+    if world_size > num_gpus:
+        raise UsageError(f"{world_size} ranks but {num_gpus} GPU(s); NCCL needs one GPU per rank. Pass --shared-gpu "
+                         f"for a functional check with ranks sharing a GPU, --world-size {num_gpus} or less, or "
+                         "--device cpu")
+    return Ranks(world_size, "nccl", "cuda")
 
 
 def install_warning_format() -> None:

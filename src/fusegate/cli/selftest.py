@@ -10,61 +10,44 @@ import argparse
 import sys
 import time
 
+from fusegate.cli.args import add_rank_args, check_rank_args, deprecated_alias, ranks_of
 from fusegate.cli.main import EXIT_NEGATIVE, EXIT_OK, UsageError, dumps_json
+
+DEFAULT_WORLD_SIZE = 2  # the smallest group with a real collective
+# The former --backend flag, as the --device it meant.
+_BACKEND_AS_DEVICE = {"auto": "auto", "gloo": "cpu", "nccl": "cuda"}
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "selftest",
         help="run every admitted strategy on N local ranks and check it against the reference",
-        description="Spawns N local ranks (gloo on CPU; NCCL when there are N GPUs), runs every admitted "
+        description="Spawns N local ranks (gloo on CPU; NCCL, one GPU per rank, on GPUs), runs every admitted "
         "strategy on small-integer inputs (bit-exact against the reference) and on random inputs at "
         "model hidden sizes (relative error against a float64 reference), and prints a table.",
     )
-    p.add_argument("--world-size", type=int, default=2,
-                   help="number of local ranks (default 2; at most 4 per usable CPU core, one per GPU with NCCL)")
-    p.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
-                   help="auto: nccl when torch sees >= N GPUs, else gloo")
-    p.add_argument("--shared-gpu", action="store_true",
-                   help="gloo ranks that all hold CUDA tensors on GPU 0 (tests peer-memory strategies on one GPU)")
+    add_rank_args(p, default_world_size=DEFAULT_WORLD_SIZE, default_timeout_s=300.0)
+    p.add_argument("--backend", dest="device", choices=tuple(_BACKEND_AS_DEVICE), help=argparse.SUPPRESS,
+                   action=deprecated_alias("--device", _BACKEND_AS_DEVICE.get))
     p.add_argument("--strategy", action="append", help="only this strategy (repeatable)")
-    p.add_argument("--tokens", type=int, default=4, help="tokens of the random model-shape cases (default 4)")
+    p.add_argument("--tokens", dest="num_tokens", metavar="TOKENS", type=int, default=4,
+                   help="tokens of the random model-shape cases (default 4)")
     p.add_argument("--repeats", type=int, default=10, help="timed calls per case (default 10)")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds before hung ranks are killed")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.set_defaults(run=run)
-
-
-def _backend(args: argparse.Namespace) -> tuple[str, str | None]:
-    import torch
-
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if args.shared_gpu:
-        if gpus < 1:
-            raise UsageError("--shared-gpu needs a CUDA GPU; torch sees none (drop --shared-gpu to run on CPU)")
-        return "gloo", "cuda"
-    if args.backend == "nccl" and gpus < args.world_size:
-        raise UsageError(f"--backend nccl needs {args.world_size} GPUs (one per rank), torch sees {gpus}; "
-                         "use --backend gloo or --shared-gpu")
-    if args.backend == "nccl" or (args.backend == "auto" and gpus >= args.world_size):
-        return "nccl", None
-    return "gloo", None
 
 
 def _check_args(args: argparse.Namespace) -> None:
     """Every check that needs no torch, before anything heavy is imported."""
     from fusegate.strategies import canonical_name, strategy_names
-    from fusegate.cli.preflight import check_positive, check_world_size, require_runtime
+    from fusegate.cli.preflight import check_positive
 
-    check_world_size(args.world_size)
-    check_positive(tokens=args.tokens, repeats=args.repeats)
-    if not args.timeout > 0:
-        raise UsageError(f"--timeout must be > 0 seconds, got {args.timeout}; pass e.g. --timeout 300")
+    check_rank_args(args)
+    check_positive(tokens=args.num_tokens, repeats=args.repeats)
     args.strategy = [canonical_name(n) for n in args.strategy] if args.strategy else args.strategy
     for name in args.strategy or []:
         if name not in strategy_names():
             raise UsageError(f"unknown strategy {name!r}; registered: {', '.join(strategy_names())}")
-    require_runtime()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -73,33 +56,34 @@ def run(args: argparse.Namespace) -> int:
     from fusegate.cli.ranks import describe_failure, spawn
     from fusegate.selftest import default_cases, merge_ranks, rank_main
 
-    backend, device = _backend(args)
-    cases = default_cases(num_tokens=args.tokens)
+    ranks = ranks_of(args, default_world_size=DEFAULT_WORLD_SIZE)
+    cases = default_cases(num_tokens=args.num_tokens)
     if args.strategy:
         problems = [(c.op, c.num_tokens, c.hidden, c.dtype, c.has_residual) for c in cases]
-        reject_not_admitted(args.strategy, problems, world_size=args.world_size, backend=backend,
-                            device=device or ("cuda" if backend == "nccl" else "cpu"))
+        reject_not_admitted(args.strategy, problems, world_size=ranks.world_size, backend=ranks.backend,
+                            device=ranks.device)
     from fusegate.launch import RankFailure
 
     started = time.perf_counter()
-    env = {"TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES": "1"} if args.shared_gpu else {}
+    env = {"TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES": "1"} if ranks.shared_gpu else {}
     try:
-        per_rank = spawn(rank_main, args.world_size, backend=backend, timeout_s=args.timeout,
-                         args=(cases, args.repeats, device, args.strategy, not args.json), env=env)
+        per_rank = spawn(rank_main, ranks.world_size, backend=ranks.backend, timeout_s=args.timeout,
+                         args=(cases, args.repeats, ranks.device, args.strategy, not args.json), env=env)
     except RankFailure as exc:
-        print(f"fusegate selftest: {args.world_size} {backend} rank(s) failed: {describe_failure(exc)}", file=sys.stderr)
+        print(f"fusegate selftest: {ranks.world_size} {ranks.backend} rank(s) failed: {describe_failure(exc)}",
+              file=sys.stderr)
         return EXIT_NEGATIVE
     skipped, rows = merge_ranks(per_rank)
     elapsed = time.perf_counter() - started
     ok = bool(rows) and all(r.passed for r in rows)
     if args.json:
         print(dumps_json({
-            "world_size": args.world_size, "backend": backend, "device": device or ("cuda" if backend == "nccl" else "cpu"),
+            "world_size": ranks.world_size, "backend": ranks.backend, "device": ranks.device,
             "passed": ok, "seconds": round(elapsed, 2), "not_admitted": skipped,
             "results": [r.to_dict() for r in rows],
         }, indent=2))
     else:
-        _print_table(rows, skipped, args, backend, elapsed, ok)
+        _print_table(rows, skipped, ranks, elapsed, ok)
     return EXIT_OK if ok else EXIT_NEGATIVE
 
 
@@ -109,11 +93,11 @@ _OP_LABEL = {"all_reduce": "allreduce", "all_reduce_residual_rmsnorm": "ar+add+n
 _DTYPE_LABEL = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}
 
 
-def _print_table(rows, skipped, args, backend, elapsed, ok) -> None:
+def _print_table(rows, skipped, ranks, elapsed, ok) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"fusegate selftest: world size {args.world_size}, {backend}")
+    table = Table(title=f"fusegate selftest: world size {ranks.world_size}, {ranks.backend}")
     for col in ("strategy", "op", "check", "shape", "dtype", "error", "tol", "median us", "verdict"):
         table.add_column(col, justify="right" if col in ("error", "tol", "median us") else "left", no_wrap=col != "verdict")
     for r in rows:
@@ -130,4 +114,4 @@ def _print_table(rows, skipped, args, backend, elapsed, ok) -> None:
     strategies = ", ".join(dict.fromkeys(r.strategy for r in rows)) or "none admitted"
     verdict = "[green]PASSED[/]" if ok else "[red]FAILED[/]"
     console.print(f"selftest {verdict}: {len(rows) - failed} passed, {failed} failed ({strategies}) on "
-                  f"{args.world_size} {backend} rank(s) in {elapsed:.1f} s", soft_wrap=True, highlight=False)
+                  f"{ranks.world_size} {ranks.backend} rank(s) in {elapsed:.1f} s", soft_wrap=True, highlight=False)

@@ -18,8 +18,9 @@ import dataclasses
 import json
 import os
 
+from fusegate.cli.args import add_output_args, add_rank_args, add_shape_args, check_rank_args, hiddens, ranks_of
 from fusegate.cli.preflight import check_positive, check_writable
-from fusegate.tune.cli_common import add_launch_args, check_launch_args, add_shape_args, hiddens, launch, progress_bar, share_cpu_threads
+from fusegate.spawned import progress_bar, share_cpu_threads
 
 
 def add_parser(subparsers) -> None:
@@ -35,7 +36,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--cache-dir", default=None, help="where to write the table (default: FUSEGATE_CACHE_DIR or XDG cache)")
     p.add_argument("--fresh", action="store_true", help="replace the existing table instead of merging into it")
     p.add_argument("--no-save", action="store_true", help="measure and print, write nothing")
-    add_launch_args(p)
+    add_rank_args(p, default_timeout_s=1800.0)
+    add_output_args(p)
     p.set_defaults(run=run)
 
 
@@ -45,18 +47,15 @@ def _tune_rank(rank, world_size, spec, device, fresh, show_progress):
     parent saves once every rank has finished, so an aborted run never does."""
     import torch.distributed as dist
 
+    from fusegate.dispatch.table import merged_with_saved, table_path, versions_of
     from fusegate.probe import probe
-    from fusegate.tune.table import load, table_path, versions_of
     from fusegate.tune.tuner import tune_in_group
 
     share_cpu_threads(world_size, device)
     with progress_bar(spec.num_steps, "tune", show_progress and rank == 0) as advance:
         measured = tune_in_group(spec, device=device, progress=advance)
     path = table_path(measured.fingerprint)
-    table = measured
-    if not fresh:
-        old, _ = load(path, measured.fingerprint, versions_of(probe()))
-        table = old.merged(measured) if old is not None else measured
+    table = merged_with_saved(measured, path, versions_of(probe()), fresh=fresh)
     dist.barrier()
     return (measured.to_json(), table.to_json(), str(path)) if rank == 0 else None
 
@@ -66,7 +65,7 @@ def _check_args(args) -> tuple[tuple[int, ...], tuple[str, ...], tuple[str, ...]
     from fusegate.cli.main import UsageError
 
     sizes = hiddens(args, "tune")
-    check_launch_args(args)
+    check_rank_args(args)
     if not 0 <= args.margin < 1:
         raise UsageError(f"--margin is a fraction in [0, 1), e.g. 0.03; got {args.margin}")
     check_positive(rounds=args.rounds, confirm_rounds=args.confirm_rounds)
@@ -76,8 +75,8 @@ def _check_args(args) -> tuple[tuple[int, ...], tuple[str, ...], tuple[str, ...]
         check_writable(str(results_file(args.results, "tune.jsonl")), flag="--results")
     if not args.no_save:  # before measuring (and before torch): a read-only cache fails now, not after the run
         from fusegate.env import cache_dir
-        from fusegate.tune.table import CacheDirError
-        from fusegate.tune.table import check_writable as table_writable
+        from fusegate.dispatch.table import CacheDirError
+        from fusegate.dispatch.table import check_writable as table_writable
 
         try:
             table_writable(os.path.abspath(args.cache_dir) if args.cache_dir else cache_dir())
@@ -103,8 +102,8 @@ def _reject_unservable(strategies, problems, world_size, backend, device) -> Non
     for problem in problems:
         if not any(verdicts[name][problem].ok for name in strategies):
             reasons = "; ".join(f"{name}: {verdicts[name][problem].reason}" for name in strategies)
-            op, tokens, hidden, dtype, _ = problem
-            raise UsageError(f"--strategies {','.join(strategies)}: none is admitted for {op} {tokens}x{hidden} {dtype} "
+            op, num_tokens, hidden, dtype, _ = problem
+            raise UsageError(f"--strategies {','.join(strategies)}: none is admitted for {op} {num_tokens}x{hidden} {dtype} "
                              f"on {world_size} {backend} rank(s) on {device} ({reasons}); add an admitted strategy "
                              "(`fusegate doctor` lists them) or drop --strategies")
 
@@ -114,11 +113,12 @@ def run(args) -> int:
 
     from fusegate.cli.main import UsageError, dumps_json
     from fusegate.cli.ranks import describe_failure, spawn
-    from fusegate.tune.table import CacheDirError, parse, save, token_buckets
+    from fusegate.dispatch.table import CacheDirError, parse, save, token_buckets
 
     sizes, ops, strategies = _check_args(args)
     buckets = tuple(token_buckets(args.max_tokens))
-    world_size, backend, device = launch(args)
+    ranks = ranks_of(args)
+    world_size, backend, device = ranks.world_size, ranks.backend, ranks.device
     if strategies:
         _reject_unservable(strategies, [(op, t, h, args.dtype, op == "all_reduce_residual_rmsnorm")
                                         for op in ops for h in sizes for t in buckets], world_size, backend, device)
@@ -179,8 +179,7 @@ def _print_summary(table, path, world_size, backend, device, *, kept: int, secon
                     e.choice, *cells)
     console = Console()
     console.print(out)
-    guarded = [e for e in entries if "fused" in e.reason and "no fused candidate" not in e.reason]
-    for e in guarded:
+    for e in (e for e in entries if e.guarded):
         console.print(f"{e.op} {e.tokens}x{e.hidden}: {e.reason}", soft_wrap=True)
     rejected = {n: r for e in entries for n, r in e.rejected.items()}
     for name, reason in rejected.items():

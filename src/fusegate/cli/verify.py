@@ -12,7 +12,8 @@ environment errors, among them a --strategy or --baseline admitted for none of t
 
 from __future__ import annotations
 
-from fusegate.tune.cli_common import add_launch_args, check_launch_args, add_shape_args, hiddens, launch, progress_bar, share_cpu_threads
+from fusegate.cli.args import add_output_args, add_rank_args, add_shape_args, check_rank_args, hiddens, ranks_of
+from fusegate.spawned import progress_bar, share_cpu_threads
 
 
 def add_parser(subparsers) -> None:
@@ -27,7 +28,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--rounds", type=int, default=30, help="interleaved A/B/B rounds per bucket")
     p.add_argument("--max-rounds", type=int, default=None,
                    help="rounds a bucket may grow to while the samples do not decide (default 4 x --rounds)")
-    add_launch_args(p)
+    add_rank_args(p, default_timeout_s=1800.0)
+    add_output_args(p)
     p.set_defaults(run=run)
 
 
@@ -49,10 +51,10 @@ def run(args) -> int:
     from fusegate.cli.main import EXIT_NEGATIVE, EXIT_OK, UsageError, dumps_json
     from fusegate.cli.preflight import reject_not_admitted
     from fusegate.cli.ranks import describe_failure, spawn
-    from fusegate.tune.table import token_buckets
+    from fusegate.dispatch.table import token_buckets
 
     sizes = hiddens(args, "verify")
-    check_launch_args(args)
+    check_rank_args(args)
     known = strategy_names()
     args.strategy, args.baseline = (canonical_name(n) if n else n for n in (args.strategy, args.baseline))
     for name in (args.strategy, args.baseline):
@@ -70,7 +72,8 @@ def run(args) -> int:
 
         check_writable(str(results_file(args.results, "verify.jsonl")), flag="--results")
     buckets = tuple(token_buckets(args.max_tokens))
-    world_size, backend, device = launch(args)
+    ranks = ranks_of(args)
+    world_size, backend, device = ranks.world_size, ranks.backend, ranks.device
     problems = [(args.op, t, h, args.dtype, args.op == "all_reduce_residual_rmsnorm") for h in sizes for t in buckets]
     reject_not_admitted([args.strategy], problems, world_size=world_size, backend=backend, device=device)
     if args.baseline is not None:

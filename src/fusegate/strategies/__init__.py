@@ -29,7 +29,7 @@ _REGISTRY: dict[str, str] = {
 
 # Former names -> current names, append-only. A name here still selects its strategy
 # (`strategy=`, FUSEGATE_STRATEGY, `--strategy`) and dispatch tables written under it still load
-# (`fusegate.tune.table.parse` renames it). `nccl_fused` was the unfused baseline's name: NCCL,
+# (`fusegate.dispatch.table.parse` renames it). `nccl_fused` was the unfused baseline's name: NCCL,
 # then the fused epilogue, which the name made sound fused.
 RENAMED: dict[str, str] = {"nccl_fused": "nccl_epilogue"}
 

@@ -1,13 +1,14 @@
-"""Selection by measurement: tune (measure and choose per bucket), the dispatch table, verify (A/B).
+"""Measuring: tune (measure and choose per bucket into a dispatch table) and verify (A/B).
 
 Heavy imports (torch) happen in the submodules, not here:
 - `measure`: the shared timing protocol (interleaved rounds, barriers, max over ranks);
 - `correctness`: verify-before-time against `fusegate.reference`, verdict reduced across ranks;
 - `candidates`: admitted strategies, their instances and timed calls;
 - `tuner`: `tune_in_group(TuneSpec(...))`, collective, inside an existing process group;
-- `table`: the persisted `DispatchTable` (schema, fingerprint, digest, load/save/lookup);
-- `agree`: all ranks use the same table or none (digest agreement);
 - `verify`: `verify_in_group(...)`, KEEP / REVERT per bucket and overall.
+
+The table these write, and what a Communicator does with it at run time, is `fusegate.dispatch`;
+`DispatchTable`, `table_path`, `save` and `load` are re-exported here for tuning in place.
 """
 
 _LAZY = {
@@ -15,10 +16,10 @@ _LAZY = {
     "tune_in_group": "fusegate.tune.tuner",
     "verify_in_group": "fusegate.tune.verify",
     "VerifyReport": "fusegate.tune.verify",
-    "DispatchTable": "fusegate.tune.table",
-    "table_path": "fusegate.tune.table",
-    "save": "fusegate.tune.table",
-    "load": "fusegate.tune.table",
+    "DispatchTable": "fusegate.dispatch.table",
+    "table_path": "fusegate.dispatch.table",
+    "save": "fusegate.dispatch.table",
+    "load": "fusegate.dispatch.table",
 }
 
 __all__ = list(_LAZY)

@@ -18,14 +18,6 @@ from fusegate.reference import random_inputs
 from fusegate.spec import Op, Problem, Verdict
 
 
-def is_fused(name: str) -> bool:
-    """True when the strategy runs collective and epilogue in one kernel (the guard's subject)."""
-    try:
-        return bool(get_strategy(name).fused)
-    except (ImportError, ValueError):
-        return False
-
-
 def admitted(problem: Problem, caps, names: list[str] | None = None) -> tuple[list[str], dict[str, Verdict]]:
     """(admitted names in registry order, every verdict) for `problem`."""
     verdicts = admission(problem, caps, names)
@@ -55,12 +47,12 @@ class CandidatePool:
         self._instances.clear()
 
 
-def timed_call(instance: Strategy, op: Op, *, rank: int, tokens: int, hidden: int, dtype: torch.dtype,
+def timed_call(instance: Strategy, op: Op, *, rank: int, num_tokens: int, hidden: int, dtype: torch.dtype,
                device: torch.device) -> Callable[[], object]:
     """A no-argument call of `op` on fixed random inputs (never zeros) of this rank."""
-    x = random_inputs(rank, tokens, hidden, dtype, seed=21, device=device)
+    x = random_inputs(rank, num_tokens, hidden, dtype, seed=21, device=device)
     if op == Op.ALL_REDUCE:
         return lambda: instance.all_reduce(x)
-    residual = random_inputs(10_000, tokens, hidden, dtype, seed=22, device=device)
+    residual = random_inputs(10_000, num_tokens, hidden, dtype, seed=22, device=device)
     weight = (1 + 0.1 * torch.randn(hidden, generator=torch.Generator().manual_seed(23))).to(dtype).to(device)
     return lambda: instance.all_reduce_residual_rmsnorm(x, residual, weight, 1e-6)

@@ -26,12 +26,13 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from fusegate.dispatch.choice import is_fused
+from fusegate.dispatch.table import DEFAULT_MARGIN, DispatchTable, Entry, fingerprint, now_iso, parse, versions_of
 from fusegate.group import agree_group_info, device_type_of
 from fusegate.spec import Op, Problem
-from fusegate.tune.candidates import CandidatePool, admitted, is_fused, timed_call
+from fusegate.tune.candidates import CandidatePool, admitted, timed_call
 from fusegate.tune.correctness import check_candidate
 from fusegate.tune.measure import summary, time_interleaved
-from fusegate.tune.table import DEFAULT_MARGIN, DispatchTable, Entry, fingerprint, now_iso, parse, versions_of
 
 ALL_OPS = (Op.ALL_REDUCE_RESIDUAL_RMSNORM.value, Op.ALL_REDUCE.value)
 
@@ -159,7 +160,7 @@ def _tune_bucket(spec, pool, op, hidden, tokens, dtype, max_tokens, info, caps, 
 
     def calls(selected):
         return {n: timed_call(pool.get(n, hidden=hidden, dtype=dtype, max_tokens=max_tokens), op, rank=rank,
-                              tokens=tokens, hidden=hidden, dtype=dtype, device=dev) for n in selected}
+                              num_tokens=tokens, hidden=hidden, dtype=dtype, device=dev) for n in selected}
 
     first = time_interleaved(calls(passing), group=group, device=dev, rounds=spec.rounds, warmup=spec.warmup)
     times = {n: summary(s) for n, s in first.items()}
@@ -171,4 +172,5 @@ def _tune_bucket(spec, pool, op, hidden, tokens, dtype, max_tokens, info, caps, 
             confirmed = {n: summary(s) for n, s in again.items()}
     deciding = {n: t["median"] for n, t in (confirmed or times).items()}
     choice, best_unfused, reason = decide(deciding, spec.margin, is_fused)
-    return Entry(op.value, spec.dtype, hidden, tokens, choice, reason, best_unfused, times, confirmed, rejected)
+    return Entry(op.value, spec.dtype, hidden, tokens, choice, reason, best_unfused, times, confirmed, rejected,
+                 guarded=any(is_fused(n) for n in deciding))

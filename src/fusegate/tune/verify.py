@@ -37,12 +37,13 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from fusegate.dispatch.choice import is_fused
+from fusegate.dispatch.table import DEFAULT_MARGIN
 from fusegate.group import agree_group_info, device_type_of
 from fusegate.spec import Op, Problem
-from fusegate.tune.candidates import CandidatePool, admitted, is_fused, timed_call
+from fusegate.tune.candidates import CandidatePool, admitted, timed_call
 from fusegate.tune.correctness import check_candidate
 from fusegate.tune.measure import summary, time_interleaved
-from fusegate.tune.table import DEFAULT_MARGIN
 
 # 1.58 * IQR / sqrt(n): half-width of the notch around a median (McGill, Tukey, Larsen 1978),
 # a rank-based ~95% interval that needs no normality assumption.
@@ -135,7 +136,7 @@ def verify_in_group(strategy: str, *, hiddens: tuple[int, ...], buckets: tuple[i
 
     def call(name, hidden, tokens):
         instance = pool.get(name, hidden=hidden, dtype=torch_dtype, max_tokens=max_tokens)
-        return timed_call(instance, the_op, rank=rank, tokens=tokens, hidden=hidden, dtype=torch_dtype, device=dev)
+        return timed_call(instance, the_op, rank=rank, num_tokens=tokens, hidden=hidden, dtype=torch_dtype, device=dev)
 
     try:
         if baseline is None:

@@ -24,9 +24,20 @@ from typing import TYPE_CHECKING, Callable
 from fusegate.spec import Problem, Verdict
 
 if TYPE_CHECKING:
-    from fusegate.tune.table import DispatchTable, Entry
+    from fusegate.dispatch.table import DispatchTable, Entry
 
 CONSERVATIVE_DEFAULT = ("nccl_epilogue", "reference")
+
+
+def is_fused(name: str) -> bool:
+    """True when the strategy runs collective and epilogue in one kernel (the guard's subject);
+    False for an unregistered name or one whose module cannot be imported here."""
+    from fusegate.strategies import get_strategy
+
+    try:
+        return bool(get_strategy(name).fused)
+    except (ImportError, ValueError):
+        return False
 
 
 @dataclass(frozen=True)
@@ -148,7 +159,7 @@ def _caller_outside_package() -> int:
     import os
     import sys
 
-    package_dir = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    package_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # src/fusegate/
     frame, level = sys._getframe(1), 1
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package_dir):
         frame, level = frame.f_back, level + 1

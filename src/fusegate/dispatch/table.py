@@ -1,9 +1,9 @@
 """The dispatch table: what `fusegate tune` measured and chose, persisted as JSON.
 
-File format (schema 1; `SCHEMA_VERSION` changes whenever a reader of the old format would
+File format (schema 2; `SCHEMA_VERSION` changes whenever a reader of the old format would
 misread the new one):
 
-    {"kind": "fusegate-dispatch-table", "schema": 1, "created": ISO-8601 UTC,
+    {"kind": "fusegate-dispatch-table", "schema": 2, "created": ISO-8601 UTC,
      "versions": {"fusegate", "torch", "driver", "cuda"},
      "fingerprint": {world size, backend, device type, hosts, shared device, peer access,
                      GPUs (name, compute capability, SMs, memory), GPU pairs (kind, peer access),
@@ -12,17 +12,24 @@ misread the new one):
      "settings": {"margin", "rounds", "confirm_rounds"},
      "entries": [{"op", "dtype", "hidden", "tokens", "choice", "reason", "best_unfused",
                   "times_us": {strategy: {"median", "p20", "p80", "n"}},
-                  "confirmed_us": {strategy: {...}}, "rejected": {strategy: reason}}],
+                  "confirmed_us": {strategy: {...}}, "rejected": {strategy: reason}, "guarded"}],
      "digest": sha256 of the canonical JSON of everything above}
+
+Schema notes. 2 added the entry field `guarded` (true when a fused candidate reached the bucket's
+decision, so the do-no-harm guard weighed it; readers used to find these entries by matching
+words in `reason`). Schema 1 files still load: the digest is checked over the file as written,
+then `guarded` is derived once from the reason, by the rule that matching used, and the table is
+held as schema 2 (a merge-and-save writes it as schema 2).
 
 One file per fingerprint, `<cache dir>/dispatch-<fingerprint digest[:16]>.json`, cache dir from
 `fusegate.env.cache_dir()` (FUSEGATE_CACHE_DIR, else the XDG cache). `load` never raises on a bad
 file: it returns (None, why) for a missing, unreadable (not a regular file, over `MAX_TABLE_BYTES`),
-corrupt (not UTF-8, not JSON, a field of the wrong type or range per `fusegate.tune.schema`,
-digest mismatch), stale (other schema or other fusegate/torch/driver versions) or foreign (other
+corrupt (not UTF-8, not JSON, a field of the wrong type or range per `fusegate.dispatch.schema`,
+digest mismatch), stale (unreadable schema or other fusegate/torch/driver versions) or foreign (other
 fingerprint) table, so that the Communicator can warn and fall back. Writing: `check_writable`
-before measuring, `save` atomically (temp file, fsync, rename; it also removes the temp files of
-saves killed mid-write); both raise `CacheDirError` with the fix. Plain data: importing this imports no torch.
+before measuring, `merged_with_saved` (a run's buckets into the table already saved), `save`
+atomically (temp file, fsync, rename; it also removes the temp files of saves killed mid-write);
+the writers raise `CacheDirError` with the fix. Plain data: importing this imports no torch.
 """
 
 from __future__ import annotations
@@ -39,9 +46,11 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from fusegate import env
-from fusegate.tune.schema import check_table
+from fusegate.dispatch.schema import check_table
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+# Schemas `parse` reads: the current one, and 1 (no `guarded`; derived at load).
+READABLE_SCHEMAS = (1, 2)
 KIND = "fusegate-dispatch-table"
 # Default do-no-harm margin: a fused strategy must beat the best unfused one by 3% (a chosen
 # default; larger than the run-to-run spread of the interleaved medians seen in CPU tests).
@@ -63,10 +72,10 @@ def token_buckets(max_tokens: int) -> list[int]:
     """1, 2, 4, ... below `max_tokens`, then `max_tokens` itself."""
     if max_tokens < 1:
         raise ValueError(f"token_buckets: max_tokens must be >= 1, got {max_tokens}")
-    buckets, tokens = [], 1
-    while tokens < max_tokens:
-        buckets.append(tokens)
-        tokens *= 2
+    buckets, num_tokens = [], 1
+    while num_tokens < max_tokens:
+        buckets.append(num_tokens)
+        num_tokens *= 2
     buckets.append(max_tokens)
     return buckets
 
@@ -112,6 +121,9 @@ class Entry:
     times_us: dict = field(default_factory=dict)
     confirmed_us: dict = field(default_factory=dict)
     rejected: dict = field(default_factory=dict)
+    # A fused candidate reached the decision, so the do-no-harm guard weighed it: the fused one won
+    # by the margin, the guard kept the best unfused one, or no unfused one passed to compare.
+    guarded: bool = False
 
     def median(self, name: str) -> float | None:
         """The deciding time of `name`: confirmed if re-timed, else first pass; None if not timed."""
@@ -174,6 +186,16 @@ class DispatchTable:
         keys = {(e.op, e.dtype, e.hidden, e.tokens) for e in other.entries}
         kept = tuple(e for e in self.entries if (e.op, e.dtype, e.hidden, e.tokens) not in keys)
         return DispatchTable(other.versions, other.fingerprint, kept + other.entries, other.settings, other.created, other.schema)
+
+
+def merged_with_saved(measured: DispatchTable, path: str | Path, versions: dict, *, fresh: bool = False) -> DispatchTable:
+    """The table to save at `path` after a tuning run: `measured` merged into the current table
+    already there (its buckets replace same-key ones, the others are kept), or `measured` alone when
+    `fresh` or when `path` holds no current table for this fingerprint and these versions."""
+    if fresh:
+        return measured
+    old, _ = load(path, measured.fingerprint, versions)
+    return old.merged(measured) if old is not None else measured
 
 
 def now_iso() -> str:
@@ -273,22 +295,36 @@ def parse(text: str | bytes) -> DispatchTable:
     if not isinstance(raw, dict) or raw.get("kind") != KIND:
         raise ValueError(f"not a fusegate dispatch table (kind is not {KIND!r})")
     schema = raw.get("schema")
-    if isinstance(schema, int) and not isinstance(schema, bool) and schema != SCHEMA_VERSION:
-        raise StaleTableError(f"stale: schema {schema}, this fusegate reads schema {SCHEMA_VERSION}")
+    if isinstance(schema, int) and not isinstance(schema, bool) and schema not in READABLE_SCHEMAS:
+        raise StaleTableError(f"stale: schema {schema}, this fusegate reads schema "
+                              f"{' and '.join(map(str, READABLE_SCHEMAS))}")
     try:
         check_table(raw)
     except ValueError as exc:
         raise ValueError(f"malformed field: {exc}") from None
-    entries = tuple(Entry(**e) for e in raw["entries"])
-    table = DispatchTable(raw["versions"], raw["fingerprint"], entries, raw["settings"], raw["created"], raw["schema"])
-    if table.digest != raw["digest"]:
+    # The digest covers the file as written (for schema 1, entries without `guarded`).
+    written = {k: v for k, v in raw.items() if k != "digest"}
+    if canonical_digest(written) != raw["digest"] or raw["fingerprint_digest"] != canonical_digest(raw["fingerprint"]):
         raise ValueError("digest mismatch (the file was edited or truncated after it was written)")
+    entries = tuple(Entry(**_as_schema_2(e, raw["schema"])) for e in raw["entries"])
+    table = DispatchTable(raw["versions"], raw["fingerprint"], entries, raw["settings"], raw["created"], SCHEMA_VERSION)
     return _current_names(table)
+
+
+def _as_schema_2(entry: dict, schema: int) -> dict:
+    """A schema-1 entry with `guarded` derived from its reason, as readers of schema 1 found guarded
+    entries: the tuner's reasons name "fused" exactly when a fused candidate was weighed ("fused X
+    beats unfused Y", "kept unfused Y: fused X ...", "no unfused strategy passed"), except "no fused
+    candidate"."""
+    if schema != 1:
+        return entry
+    reason = entry["reason"]
+    return {**entry, "guarded": "fused" in reason and "no fused candidate" not in reason}
 
 
 def _current_names(table: DispatchTable) -> DispatchTable:
     """`table` with every former strategy name (`fusegate.strategies.RENAMED`) replaced by its
-    current one, after the digest was checked over the names as written. Schema 1 is unchanged
+    current one, after the digest was checked over the names as written. The schema is unchanged
     by a rename: the names are data, and a reader maps the old ones."""
     from fusegate.strategies import canonical_name
 
@@ -303,7 +339,7 @@ def _current_names(table: DispatchTable) -> DispatchTable:
 
 def check_current(table: DispatchTable, fingerprint_dict: dict, versions: dict) -> str:
     """"" when `table` applies here, else why not (stale or foreign)."""
-    if table.schema != SCHEMA_VERSION:
+    if table.schema != SCHEMA_VERSION:  # `parse` holds every table it reads as the current schema
         return f"stale: schema {table.schema}, this fusegate reads schema {SCHEMA_VERSION}"
     for key in ("fusegate", "torch", "driver"):
         if table.versions.get(key) != versions.get(key):

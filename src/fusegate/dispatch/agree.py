@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from fusegate.tune.table import DispatchTable, fingerprint, load, table_path, versions_of
+from fusegate.dispatch.table import DispatchTable, fingerprint, load, table_path, versions_of
 
 
 def agreed_table(group, info, caps, *, path: str | Path | None = None) -> tuple[DispatchTable | None, str]:
