@@ -18,7 +18,7 @@ Method, per (hidden, tokens): (1) correctness first, on rank-tagged small-intege
 strategies must equal `reference.all_reduce_residual_rmsnorm_ref` bit for bit, other providers
 too or else stay within `reference.TOLERANCE` of the float64 reference (the row's `check` says
 which); a provider failing on any rank is timed on none. (2) each passing call is captured in a
-CUDA graph, replayed `--reps` times per sample. (3) `fusegate.tune.measure.time_interleaved`:
+CUDA graph, replayed `--reps` times per sample. (3) `fusegate.timing.time_interleaved`:
 providers visited in an order rotated every round, device sync and a barrier before each sample,
 CUDA events around it, each sample the maximum over ranks (a collective ends when its slowest rank
 does); median, p20, p80 in us per call. `--cpu-smoke` times eager calls with perf_counter,
@@ -224,7 +224,7 @@ def sweep_bucket(spec, ctx, hidden: int, tokens: int, factories: dict, not_timed
 
     from fusegate.reference import random_inputs, small_integer_inputs
     from fusegate.tune.correctness import poison_allocator
-    from fusegate.tune.measure import time_interleaved
+    from fusegate.timing import time_interleaved
 
     group, rank, world_size, device = ctx
     dtype = getattr(torch, spec.dtype)

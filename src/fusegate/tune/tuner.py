@@ -7,7 +7,7 @@ Per (op, hidden, token bucket):
 1. admission (`fusegate.strategies.admission`) on the group's agreed facts;
 2. verify before timing (`correctness.check_candidate`): a candidate that fails on any rank is
    rejected on every rank and never timed;
-3. first pass: every passing candidate, `rounds` interleaved samples (`measure.time_interleaved`,
+3. first pass: every passing candidate, `rounds` interleaved samples (`timing.time_interleaved`,
    max over ranks), medians;
 4. confirmation: the leaders (the fastest overall, the fastest unfused and the fastest fused) are
    re-timed together for `confirm_rounds` more samples, and only those medians decide, so a lucky
@@ -30,7 +30,7 @@ from fusegate.group import agree_group_info, device_type_of
 from fusegate.spec import Op, Problem
 from fusegate.tune.candidates import CandidatePool, admitted, is_fused, timed_call
 from fusegate.tune.correctness import check_candidate
-from fusegate.tune.measure import summary, time_interleaved
+from fusegate.timing import summary, time_interleaved
 from fusegate.tune.table import DEFAULT_MARGIN, DispatchTable, Entry, fingerprint, now_iso, parse, versions_of
 
 ALL_OPS = (Op.ALL_REDUCE_RESIDUAL_RMSNORM.value, Op.ALL_REDUCE.value)

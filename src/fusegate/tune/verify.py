@@ -41,7 +41,7 @@ from fusegate.group import agree_group_info, device_type_of
 from fusegate.spec import Op, Problem
 from fusegate.tune.candidates import CandidatePool, admitted, is_fused, timed_call
 from fusegate.tune.correctness import check_candidate
-from fusegate.tune.measure import summary, time_interleaved
+from fusegate.timing import summary, time_interleaved
 from fusegate.tune.table import DEFAULT_MARGIN
 
 # 1.58 * IQR / sqrt(n): half-width of the notch around a median (McGill, Tukey, Larsen 1978),
