@@ -6,7 +6,7 @@ fusegate's own quantizer as a second Triton kernel, FlashInfer's fp4_quantize wh
 
 Formats: fp8_static, fp8_per_token, fp8_per_group (128, DeepGEMM's column-major scales), nvfp4
 (128x4-swizzled scales). Shapes: tokens 1 .. 16384, hidden 6144 (GLM-5) and 7168 (DeepSeek-V3).
-Method (bench_epilogue.py's): each provider's call is captured in a CUDA graph over input sets
+Method (bench_epilogue.py's, `fusegate.timing.graph_timer`): each provider's call is captured in a CUDA graph over input sets
 rotated so one replay touches more than twice the L2, replayed `--reps` times between CUDA events,
 `--trials` measurements interleaved across providers, medians reported. Bytes counted: read x,
 residual and weight; write the new residual, the quantized output and its scales. The device copy
@@ -28,9 +28,10 @@ import sys
 
 import torch
 
-from bench_epilogue import L2_BYTES, copy_bandwidth, timed_graph  # same directory
+from bench_epilogue import L2_BYTES, copy_rows  # same directory
 from fusegate import quant as Q
 from fusegate.bench.results import append_rows, make_row
+from fusegate.timing import graph_timer, sample_rounds
 
 TOKENS = (1, 8, 64, 256, 1024, 4096, 16384)
 HIDDENS = (6144, 7168)
@@ -143,10 +144,7 @@ def main(argv=None) -> int:
     import torch._dynamo as dynamo
 
     dynamo.config.cache_size_limit = 256  # one graph per (format, shape): bench_epilogue hit the default limit
-    rows = []
-    for name, samples in copy_bandwidth(args.reps, args.trials).items():
-        rows.append(make_row("device_copy", name, {"bytes": 1 << 30}, "bfloat16", 1, samples, "us"))
-        rows[-1].extra["gbps"] = 2 * (1 << 30) / (rows[-1].median * 1e-6) / 1e9
+    rows = copy_rows(args.reps, args.trials)
     copy_gbps = max(row.extra["gbps"] for row in rows)
     summary, all_notes = [], {}
     for kind in args.formats:
@@ -162,13 +160,10 @@ def main(argv=None) -> int:
                 timers, failed = {}, {}
                 for name, factory in table.items():
                     try:
-                        timers[name] = timed_graph([factory(x, r, w) for x, r in data], reps=args.reps)
+                        timers[name] = graph_timer([factory(x, r, w) for x, r in data], reps=args.reps)
                     except Exception as exc:  # report and keep measuring the others
                         failed[name] = f"{type(exc).__name__}: {str(exc)[:200]}"
-                samples = {name: [] for name in timers}
-                for _ in range(args.trials):
-                    for name, measure in timers.items():
-                        samples[name].append(measure())
+                samples = sample_rounds(timers, args.trials)  # providers interleaved
                 medians = {}
                 for name, s in samples.items():
                     row = make_row(f"residual_rmsnorm_quant:{kind}", name, {"tokens": tokens, "hidden": hidden},

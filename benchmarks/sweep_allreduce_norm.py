@@ -201,20 +201,11 @@ def check_provider(call, xs, residual, weight, *, exact_only: bool) -> str:
 
 
 def graph_replays(call, reps: int):
-    """A no-argument function replaying a CUDA graph of `call` `reps` times (captured after a warm-up)."""
-    import torch
+    """A no-argument function replaying a CUDA graph of `call` `reps` times (`fusegate.timing.capture`,
+    after two calls outside capture: JIT, NCCL and workspace set-up)."""
+    from fusegate.timing import capture
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # first calls outside capture: JIT, NCCL and workspace set-up
-        for _ in range(2):
-            call()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
-    torch.cuda.synchronize()
+    graph = capture([call], warmup=2)
     return lambda: [graph.replay() for _ in range(reps)]
 
 

@@ -19,12 +19,14 @@ variant once):
 - the time of a call is the maximum over ranks (one all_reduce MAX over all samples at the end),
   because a collective is as slow as its slowest rank.
 
-`time_calls` (MoE runner choice, the fabric probe, the decode benchmark) times one callable in
-this process: untimed warm-up, then one sample per call, CUDA events on a CUDA device (on that
-device's current stream) and `perf_counter` otherwise. `graph_timer` (the one-GPU benchmarks)
-captures calls in one CUDA graph and returns a sampler of the device time per call over `reps`
-replays. `copy` is the one copy kernel (int32 words between raw addresses, so one kernel serves
-local, peer-read and peer-write copies); `copy_bandwidth` times it against torch's copy_.
+Primitives of one process: `sample_rounds` (the rotated rounds on their own, for the one-GPU
+benchmarks); `time_calls` (MoE runner choice, the fabric probe, the decode benchmark), one
+callable after an untimed warm-up, CUDA events on a CUDA device (that device's current stream),
+`perf_counter` otherwise; `capture`, a CUDA graph of calls after warm-up on a side stream (the
+protocol, the sweep); `graph_timer`, a sampler of the device time per call over `reps` replays of
+such a graph (the one-GPU benchmarks); `copy`, the one copy kernel (int32 words between raw
+addresses, so one kernel serves local, peer-read and peer-write copies), and `copy_bandwidth`,
+which times it against torch's copy_.
 
 Times are in microseconds. `summary` gives the statistics every report uses: median, p20, p80.
 Importing this module imports no Triton; CUDA is touched only when a CUDA device is given.
@@ -51,6 +53,18 @@ def summary(samples: list[float]) -> dict[str, float]:
         return {"median": samples[0], "p20": samples[0], "p80": samples[0], "n": 1}
     q = statistics.quantiles(samples, n=10, method="inclusive")
     return {"median": statistics.median(samples), "p20": q[1], "p80": q[7], "n": len(samples)}
+
+
+def sample_rounds(samplers: dict[str, Callable[[], float]], rounds: int) -> dict[str, list[float]]:
+    """`rounds` rounds of one sample from every sampler, the order rotated by one per round (so
+    slow drift of the machine lands on every variant alike): {name: samples}."""
+    names = list(samplers)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for i in range(rounds):
+        k = i % len(names) if names else 0
+        for name in names[k:] + names[:k]:
+            samples[name].append(samplers[name]())
+    return samples
 
 
 # ---- one callable in this process -------------------------------------------------------------
@@ -93,22 +107,32 @@ def _event_us(fn: Callable[[], object]) -> float:
     return start.elapsed_time(end) * 1e3  # ms -> us
 
 
+def capture(calls: list[Callable[[], object]], *, device: torch.device | None = None, repeat: int = 1,
+            warmup: int = 0):
+    """A CUDA graph of `repeat` passes over `calls`, captured on a side stream after `warmup` eager
+    passes there (JIT, workspaces, lazy inits: capture needs them done). Raises where capture fails."""
+    current = torch.cuda.current_stream(device)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            for call in calls:
+                call()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        for _ in range(repeat):
+            for call in calls:
+                call()
+    current.wait_stream(side)
+    torch.cuda.synchronize(device)
+    return graph
+
+
 def graph_timer(calls: list[Callable[[], object]], *, reps: int) -> Callable[[], float]:
     """A sampler: replays one CUDA graph of `calls` `reps` times between events, returns us per call.
 
-    The calls run once on a side stream before capture (JIT, workspaces, as capture requires), and
-    the graph is replayed once untimed."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for call in calls:
-            call()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
+    The calls run once before capture, and the graph is replayed once untimed."""
+    graph = capture(calls, warmup=1)
     graph.replay()
     torch.cuda.synchronize()
 
@@ -146,19 +170,11 @@ def max_over_ranks(values: list[list[float]], group, device: torch.device) -> li
 
 def _capture(fn: Callable[[], object], device: torch.device):
     """A CUDA graph of GRAPH_CALLS calls of `fn`, or None when `fn` cannot be captured."""
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    graph = torch.cuda.CUDAGraph()
     try:
-        with torch.cuda.graph(graph, stream=side):
-            for _ in range(GRAPH_CALLS):
-                fn()
+        return capture([fn], device=device, repeat=GRAPH_CALLS)
     except Exception:  # any capture failure means: not capturable here, time it eagerly
         torch.cuda.synchronize(device)
         return None
-    torch.cuda.current_stream(device).wait_stream(side)
-    torch.cuda.synchronize(device)
-    return graph
 
 
 def _time_replay(graph, group, device: torch.device) -> float:
@@ -211,11 +227,7 @@ def time_interleaved(
             timers = {name: (lambda g=g: _time_replay(g, group, device)) for name, g in graphs.items()}
     if info is not None:
         info["method"] = method
-    samples: dict[str, list[float]] = {name: [] for name in names}
-    for i in range(rounds):
-        k = i % len(names)
-        for name in names[k:] + names[:k]:
-            samples[name].append(timers[name]())
+    samples = sample_rounds(timers, rounds)
     reduced = max_over_ranks([samples[name] for name in names], group, device)
     return dict(zip(names, reduced))
 
@@ -277,9 +289,4 @@ def copy_bandwidth(reps: int, trials: int, *, nbytes: int = 1 << 30) -> dict[str
         "torch_copy": lambda: dst.copy_(src),
         "triton_copy": lambda: copy(src, dst, num_warps=8),
     }
-    timers = {name: graph_timer([call], reps=reps) for name, call in methods.items()}
-    samples: dict[str, list[float]] = {name: [] for name in methods}
-    for _ in range(trials):
-        for name, sample in timers.items():
-            samples[name].append(sample())
-    return samples
+    return sample_rounds({name: graph_timer([call], reps=reps) for name, call in methods.items()}, trials)

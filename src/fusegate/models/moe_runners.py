@@ -22,7 +22,6 @@ Weights: w13 (E, 2I, H) = [gate; up] per expert, w2 (E, H, I), like nn.Linear we
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -31,6 +30,7 @@ import torch.nn.functional as F
 
 from fusegate.reference import accumulation_dtype
 from fusegate.spec import Verdict
+from fusegate.timing import time_calls
 
 if TYPE_CHECKING:
     from fusegate.probe.capabilities import Capabilities
@@ -246,28 +246,20 @@ def admission(problem: RunnerProblem, caps=None, *, device=None) -> dict[str, Ve
 
 
 def time_runner(runner: MoERunner, args: tuple, *, reps: int = 5, give_up_us: float | None = None) -> float:
-    """Median microseconds of `reps` calls after one timed warm-up (CUDA events on GPU, perf_counter on CPU).
+    """Median microseconds of `reps` calls after one timed warm-up (`fusegate.timing.time_calls`:
+    CUDA events on GPU, perf_counter on CPU).
 
     With `give_up_us`, a runner whose warm-up call already takes longer returns that time at once:
     it has lost, and timing it further (say the dense runner at prefill sizes) only costs time."""
-    on_cuda = args[0].device.type == "cuda"
+    device = args[0].device
 
-    def once() -> float:
-        if on_cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            runner(*args)
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) * 1e3
-        t0 = time.perf_counter()
-        runner(*args)
-        return (time.perf_counter() - t0) * 1e6
+    def call():
+        return runner(*args)
 
-    first = once()
+    (first,) = time_calls(call, reps=1, warmup=0, device=device)
     if give_up_us is not None and first > give_up_us:
         return first
-    return statistics.median(once() for _ in range(reps))
+    return statistics.median(time_calls(call, reps=reps, warmup=0, device=device))
 
 
 def choose(verdicts: dict[str, Verdict], timings_us: dict[str, float]) -> RunnerChoice:
