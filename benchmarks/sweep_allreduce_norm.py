@@ -14,10 +14,11 @@ epilogue kernel) and `flashinfer_trtllm` (trtllm_allreduce_fusion), where they s
 otherwise the reason is recorded. Never multicast: every rank runs with NCCL_NVLS_ENABLE=0,
 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and NVSHMEM_DISABLE_NVLS=1.
 
-Method, per (hidden, tokens): (1) correctness first, on rank-tagged small-integer inputs: fusegate
-strategies must equal `reference.all_reduce_residual_rmsnorm_ref` bit for bit, other providers
-too or else stay within `reference.TOLERANCE` of the float64 reference (the row's `check` says
-which); a provider failing on any rank is timed on none. (2) each passing call is captured in a
+Method, per (hidden, tokens): (1) correctness first (`fusegate.verification`'s exact case:
+rank-tagged small-integer inputs, outputs poisoned with NaN): fusegate strategies must equal
+`reference.all_reduce_residual_rmsnorm_ref` bit for bit, other providers too or else stay within
+`reference.TOLERANCE` of the float64 reference (the row's `check` says which); a provider failing
+on any rank is timed on none. (2) each passing call is captured in a
 CUDA graph, replayed `--reps` times per sample. (3) `fusegate.timing.time_interleaved`:
 providers visited in an order rotated every round, device sync and a barrier before each sample,
 CUDA events around it, each sample the maximum over ranks (a collective ends when its slowest rank
@@ -179,25 +180,17 @@ def third_party(spec: SweepSpec, group, rank: int, world_size: int, hidden: int,
     return factories, notes, [made[1]]
 
 
-def check_provider(call, xs, residual, weight, *, exact_only: bool) -> str:
-    """The check note of one provider's outputs on small-integer inputs; CheckFailed when wrong."""
-    import torch
+def check_provider(factory, case, ctx, *, exact_only: bool) -> str:
+    """The check note of one provider (`fusegate.verification.run_case` on poisoned outputs);
+    CheckFailed when wrong."""
+    from fusegate.verification import run_case
 
-    from fusegate.reference import TOLERANCE, all_reduce_residual_rmsnorm_ref, relative_error
-
-    outs = call()
-    refs = all_reduce_residual_rmsnorm_ref(xs, residual, weight, EPS)
-    if all(torch.equal(o, r) for o, r in zip(outs, refs)):
-        return "bit-exact vs all_reduce_residual_rmsnorm_ref (small integers)"
-    if exact_only:  # NaN != NaN, so poisoned (unwritten) elements count
-        bad = [f"{n} differs in {int((o != r).sum())} of {r.numel()}" for n, o, r in zip(("normed", "new_residual"), outs, refs)]
-        raise CheckFailed("not bit-exact on small integers: " + ", ".join(bad))
-    refs64 = all_reduce_residual_rmsnorm_ref([x.double() for x in xs], residual.double(), weight.double(), EPS,
-                                             acc_dtype=torch.float64)
-    tol, err = TOLERANCE[xs[0].dtype], max(relative_error(o, r) for o, r in zip(outs, refs64))
-    if not err <= tol:
-        raise CheckFailed(f"relative error {err:.3g} exceeds {tol:.3g} against the float64 reference")
-    return f"within tolerance {tol:.3g} of the float64 reference (small integers; rel err {err:.3g}), not bit-exact"
+    group, rank, world_size, device = ctx
+    check = run_case(lambda x, residual, weight: factory(x, residual, weight)(), case, rank=rank,
+                     world_size=world_size, device=device, tolerance_fallback=not exact_only)
+    if not check.passed:
+        raise CheckFailed(check.reason)
+    return check.reason
 
 
 def graph_replays(call, reps: int):
@@ -213,21 +206,16 @@ def sweep_bucket(spec, ctx, hidden: int, tokens: int, factories: dict, not_timed
     """Collective: check then time every provider at (hidden, tokens); this rank's view of the result."""
     import torch
 
-    from fusegate.reference import random_inputs, small_integer_inputs
-    from fusegate.tune.correctness import poison_allocator
+    from fusegate.reference import random_inputs
     from fusegate.timing import time_interleaved
+    from fusegate.verification import Case
 
     group, rank, world_size, device = ctx
     dtype = getattr(torch, spec.dtype)
-    xs = [small_integer_inputs(r, tokens, hidden, dtype, seed=11, device=device) for r in range(world_size)]
-    residual = small_integer_inputs(world_size + 1000, tokens, hidden, dtype, seed=12, device=device)
-    weight = torch.randint(1, 4, (hidden,), generator=torch.Generator().manual_seed(13)).to(dtype).to(device)
+    case = Case("exact", OP, tokens, hidden, spec.dtype)
     not_timed, checks, calls = dict(not_timed), {}, {}
     for name, factory in factories.items():
-        def run_check():
-            poison_allocator((tokens, hidden), dtype, device)  # an unwritten output element reads NaN
-            return check_provider(factory(xs[rank], residual, weight), xs, residual, weight,
-                                  exact_only=name.startswith("fusegate/"))
+        run_check = lambda: check_provider(factory, case, ctx, exact_only=name.startswith("fusegate/"))  # noqa: E731
         checks[name], why = attempt(run_check, group, world_size, "failed the correctness check")
         if why:
             not_timed[name] = why

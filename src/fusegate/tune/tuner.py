@@ -5,7 +5,7 @@ process group, so an engine can tune in place; `fusegate tune` spawns local rank
 
 Per (op, hidden, token bucket):
 1. admission (`fusegate.strategies.admission`) on the group's agreed facts;
-2. verify before timing (`correctness.check_candidate`): a candidate that fails on any rank is
+2. verify before timing (`verification.check_candidate`): a candidate that fails on any rank is
    rejected on every rank and never timed;
 3. first pass: every passing candidate, `rounds` interleaved samples (`timing.time_interleaved`,
    max over ranks), medians;
@@ -29,7 +29,7 @@ import torch.distributed as dist
 from fusegate.group import agree_group_info, device_type_of
 from fusegate.spec import Op, Problem
 from fusegate.tune.candidates import CandidatePool, admitted, is_fused, timed_call
-from fusegate.tune.correctness import check_candidate
+from fusegate.verification import check_candidate
 from fusegate.timing import summary, time_interleaved
 from fusegate.tune.table import DEFAULT_MARGIN, DispatchTable, Entry, fingerprint, now_iso, parse, versions_of
 

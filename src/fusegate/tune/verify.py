@@ -2,7 +2,7 @@
 
 Collective: every rank of `group` calls it with the same arguments.
 
-Per (hidden, token bucket): correctness first (`correctness.check_candidate`, for the candidate
+Per (hidden, token bucket): correctness first (`verification.check_candidate`, for the candidate
 and the baseline); a candidate that fails anywhere is REVERT for that bucket. Then `rounds`
 interleaved rounds of three timed calls, order rotated per round: the candidate A, the baseline B
 and the baseline again B' (same instance). B' against B measures the noise of the machine itself.
@@ -40,7 +40,7 @@ import torch.distributed as dist
 from fusegate.group import agree_group_info, device_type_of
 from fusegate.spec import Op, Problem
 from fusegate.tune.candidates import CandidatePool, admitted, is_fused, timed_call
-from fusegate.tune.correctness import check_candidate
+from fusegate.verification import check_candidate
 from fusegate.timing import summary, time_interleaved
 from fusegate.tune.table import DEFAULT_MARGIN
 
