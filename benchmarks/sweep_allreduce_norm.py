@@ -7,25 +7,28 @@ unfused and third-party baselines, per hidden size and token bucket, in one run.
     python benchmarks/sweep_allreduce_norm.py --shared-gpu --out /tmp/sweep.jsonl # 2 ranks on GPU 0
 
 Providers: `fusegate/<strategy>` for every strategy the registry admits for the problem (one not
-admitted is listed with its admission reason); `fusegate/nccl_epilogue` is the nccl+epilogue baseline.
-Baselines: `nccl+eager` (torch.distributed.all_reduce, then add + RMSNorm in plain eager torch),
-`symm_mem_{oneshot,twoshot}+epilogue` (PyTorch symmetric-memory all_reduce, then fusegate's
-epilogue kernel) and `flashinfer_trtllm` (trtllm_allreduce_fusion), where they set up and run;
-otherwise the reason is recorded. Never multicast: every rank runs with NCCL_NVLS_ENABLE=0,
+admitted is listed with its admission reason). The unfused baselines are the package's own
+strategies under their names: `fusegate/nccl_eager` (NCCL all_reduce, then add + RMSNorm in eager
+torch), `fusegate/nccl_epilogue` (NCCL, then the epilogue kernel) and `fusegate/reference`.
+Third-party baselines: `symm_mem_{oneshot,twoshot}+epilogue` (PyTorch symmetric-memory
+all_reduce, then fusegate's epilogue kernel) and `flashinfer_trtllm` (trtllm_allreduce_fusion),
+where they set up and run; otherwise the reason is recorded. Never multicast: every rank runs with NCCL_NVLS_ENABLE=0,
 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and NVSHMEM_DISABLE_NVLS=1.
 
 Method, per (hidden, tokens): (1) correctness first (`fusegate.verification`'s exact case:
 rank-tagged small-integer inputs, outputs poisoned with NaN): fusegate strategies must equal
 `reference.all_reduce_residual_rmsnorm_ref` bit for bit, other providers too or else stay within
 `reference.TOLERANCE` of the float64 reference (the row's `check` says which); a provider failing
-on any rank is timed on none. (2) each passing call is captured in a
-CUDA graph, replayed `--reps` times per sample. (3) `fusegate.timing.time_interleaved`:
-providers visited in an order rotated every round, device sync and a barrier before each sample,
-CUDA events around it, each sample the maximum over ranks (a collective ends when its slowest rank
-does); median, p20, p80 in us per call. `--cpu-smoke` times eager calls with perf_counter,
-`--shared-gpu` eager calls with CUDA events (gloo cannot be captured), rows marked functional only.
-Ratios are median / nccl+eager median (below 1 is faster). `--peer-gbps B` (`fusegate doctor
---measure`) adds the floor 2.5 us + 2(W-1)/W x T x H x itemsize / B and each provider's ratio to it.
+on any rank is timed on none. (2) each passing call is captured in a CUDA graph
+(`fusegate.timing.capture`), replayed `--reps` times per sample. (3)
+`fusegate.timing.time_interleaved`: providers visited in an order rotated every round, device
+sync and a barrier before each sample, CUDA events around it, each sample the maximum over ranks
+(a collective ends when its slowest rank does); median, p20, p80 in us per call. `--cpu-smoke`
+times eager calls with perf_counter, `--shared-gpu` eager calls with CUDA events (gloo cannot be
+captured), rows marked functional only. Ratios are median / the ratio baseline's median (below 1
+is faster): `fusegate/nccl_eager`, or `fusegate/reference` where nccl_eager is not timed (gloo
+runs); the row's `ratio_baseline` names it. `--peer-gbps B` (`fusegate doctor --measure`) adds
+the floor 2.5 us + 2(W-1)/W x T x H x itemsize / B and each provider's ratio to it.
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ import sys
 import warnings
 
 OP = "all_reduce_residual_rmsnorm"
-EAGER = "nccl+eager"
+# The unfused path ratios are taken against: the first of these timed in a bucket.
+RATIO_BASELINES = ("fusegate/nccl_eager", "fusegate/reference")
 RANK_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 FLOOR_LATENCY_US = 2.5  # one peer round trip plus a kernel launch: the floor's fixed term, as specified
 EPS = 1e-6
@@ -65,22 +69,6 @@ def fusegate_factory(comm):
     """A factory of calls through the public API, on the Communicator bound to one strategy."""
     def factory(x, residual, weight):
         return lambda: comm.all_reduce_residual_rmsnorm(x, residual, weight, EPS)
-    return factory
-
-
-def eager_factory(group, eps: float):
-    """nccl+eager: all_reduce in the input dtype, then add + RMSNorm as unfused code writes it."""
-    import torch
-    import torch.distributed as dist
-
-    def factory(x, residual, weight):
-        def call():
-            s = x.clone()
-            dist.all_reduce(s, group=group)
-            h = s + residual
-            var = h.float().pow(2).mean(-1, keepdim=True)
-            return weight * (h.float() * torch.rsqrt(var + eps)).to(h.dtype), h
-        return call
     return factory
 
 
@@ -285,7 +273,6 @@ def rank_main(rank: int, world_size: int, spec: SweepSpec):
                         not_timed[provider] = ready[name][1]
                     else:
                         factories[provider] = fusegate_factory(ready[name][0])
-                factories[EAGER] = eager_factory(group, EPS)
                 factories.update(extra)
                 results.append(sweep_bucket(spec, ctx, hidden, tokens, factories, not_timed))
                 for comm in comms.values():
@@ -310,12 +297,13 @@ def build_rows(results: list[dict], spec: SweepSpec, world_size: int, peer_gbps:
     for b in results:
         shape = {"tokens": b["tokens"], "hidden": b["hidden"]}
         made = {name: make_row(OP, name, shape, spec.dtype, world_size, s, "us") for name, s in b["samples"].items()}
-        eager = made[EAGER].median if EAGER in made else None
+        baseline = next((n for n in RATIO_BASELINES if n in made), None)
+        base_us = made[baseline].median if baseline else None
         floor = floor_us(b["tokens"], b["hidden"], DTYPE_BYTES[spec.dtype], world_size, peer_gbps) if peer_gbps else None
         for name, row in made.items():
             row.extra.update(mode=spec.mode, functional_only=spec.mode != "nccl", timing=timing, max_over_ranks=True,
-                             check=b["checks"][name], ratio_vs_nccl_eager=row.median / eager if eager else None,
-                             not_timed=b["not_timed"], **({"baseline": "nccl+epilogue"} if name.endswith("nccl_epilogue") else {}))
+                             check=b["checks"][name], ratio_baseline=baseline,
+                             ratio_vs_baseline=row.median / base_us if base_us else None, not_timed=b["not_timed"])
             if floor is not None:
                 row.extra.update(floor_us=floor, peer_gbps=peer_gbps, ratio_vs_floor=row.median / floor)
             rows.append(row)
@@ -323,7 +311,7 @@ def build_rows(results: list[dict], spec: SweepSpec, world_size: int, peer_gbps:
 
 
 def print_table(rows: list, results: list[dict]) -> None:
-    """Per (hidden, tokens): each provider's median us and its ratio to nccl+eager (and the floor)."""
+    """Per (hidden, tokens): each provider's median us and its ratio to the ratio baseline (and the floor)."""
     providers = list(dict.fromkeys(r.strategy for r in rows))
     has_floor = any("floor_us" in r.extra for r in rows)
     width = max([14] + [len(p) for p in providers])
@@ -337,11 +325,12 @@ def print_table(rows: list, results: list[dict]) -> None:
         for p in providers:
             r, cell = cells.get(key + (p,)), "-"
             if r:
-                ratio = r.extra["ratio_vs_nccl_eager"]
+                ratio = r.extra["ratio_vs_baseline"]
                 cell = f"{r.median:.1f}" + (f" x{ratio:.2f}" if ratio else "") + (f" f{r.extra['ratio_vs_floor']:.1f}" if has_floor else "")
             line += f" | {cell:>{width}}"
         print(line)
-    print("cells: median us per call, x = ratio to nccl+eager" + (", f = ratio to the floor" if has_floor else ""))
+    baselines = ", ".join(dict.fromkeys(r.extra["ratio_baseline"] for r in rows if r.extra["ratio_baseline"])) or "none timed"
+    print(f"cells: median us per call, x = ratio to {baselines}" + (", f = ratio to the floor" if has_floor else ""))
     notes: dict = {}  # (provider, reason) -> buckets, so a reason shared by every bucket prints once
     for b in results:
         for name, why in b["not_timed"].items():
