@@ -251,7 +251,7 @@ def _e2e_rank(rank: int, world_size: int, spec: E2ESpec) -> dict:
                     "energy_note": meter.reason or f"NVML total energy, summed over {world_size} GPU(s)",
                     "allreduces_per_step": step.allreduces, "expected_allreduces_per_step": 2 * cfg.num_layers,
                     "strategy": choice.name, "strategy_source": choice.source,
-                    "moe_runner": runner.name if runner else None, "moe_runner_why": runner.why if runner else None,
+                    "moe_runner": runner.name if runner else None, "moe_runner_why": runner.reason if runner else None,
                     "prefill_ms": prefill_ms, "cuda_graphs": graphs,
                 })
                 del step, cache
