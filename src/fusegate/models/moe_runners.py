@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from fusegate.reference import accumulation_dtype
 from fusegate.spec import Verdict
-from fusegate.timing import time_calls
+from fusegate.timing import capture, time_calls
 
 if TYPE_CHECKING:
     from fusegate.probe.capabilities import Capabilities
@@ -225,14 +225,9 @@ def _captured_call(runner: MoERunner, args: list) -> torch.Tensor:
 
     Capturability is a property of the op on this torch, device and dtype (torch._grouped_mm, for
     one, falls back to a host-synchronising path for some dtypes), so it is tried, not assumed."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        runner(*args, 0)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = runner(*args, 0)
+    outs = []
+    graph = capture([lambda: outs.append(runner(*args, 0))], warmup=1)
+    out = outs[-1]  # the captured call's output (the warm-up's comes first)
     out.fill_(float("nan"))  # poisoned: the replay must write every element again
     graph.replay()
     return out
