@@ -77,6 +77,22 @@ def providers(eps: float):
     return table, notes
 
 
+def time_providers(table: dict, tokens: int, hidden: int, nbytes: int, *, reps: int, trials: int):
+    """(samples by provider, failures by provider, input sets) at one bf16 shape: each provider's
+    calls over input sets rotated so one replay touches more than twice the L2 (`nbytes` per set),
+    as one graph (`fusegate.timing.graph_timer`), providers interleaved (`sample_rounds`)."""
+    sets = max(1, min(32, math.ceil(2 * L2_BYTES / nbytes)))
+    data = [tuple(torch.randn(tokens, hidden, device="cuda").to(torch.bfloat16) for _ in range(2)) for _ in range(sets)]
+    w = (1 + 0.1 * torch.randn(hidden, device="cuda")).to(torch.bfloat16)
+    timers, failed = {}, {}
+    for name, factory in table.items():
+        try:
+            timers[name] = graph_timer([factory(x, r, w) for x, r in data], reps=reps)
+        except Exception as exc:  # report and keep measuring the others
+            failed[name] = f"{type(exc).__name__}: {str(exc)[:200]}"
+    return sample_rounds(timers, trials), failed, sets
+
+
 def copy_rows(reps: int, trials: int) -> list:
     """Rows of the device copy bandwidth (`fusegate.timing.copy_bandwidth`), each with its GB/s."""
     rows = []
@@ -98,7 +114,6 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench_epilogue: needs a CUDA GPU; torch sees none", file=sys.stderr)
         return 2
-    dtype = torch.bfloat16
     rows = copy_rows(args.reps, args.trials)
     copy_gbps = max(row.extra["gbps"] for row in rows)
     table, notes = providers(args.eps)
@@ -106,16 +121,7 @@ def main(argv=None) -> int:
     for hidden in args.hidden:
         for tokens in args.tokens:
             nbytes = 4 * tokens * hidden * 2
-            sets = max(1, min(32, math.ceil(2 * L2_BYTES / nbytes)))
-            data = [tuple(torch.randn(tokens, hidden, device="cuda").to(dtype) for _ in range(2)) for _ in range(sets)]
-            w = (1 + 0.1 * torch.randn(hidden, device="cuda")).to(dtype)
-            timers, failed = {}, {}
-            for name, factory in table.items():
-                try:
-                    timers[name] = graph_timer([factory(x, r, w) for x, r in data], reps=args.reps)
-                except Exception as exc:
-                    failed[name] = f"{type(exc).__name__}: {str(exc)[:200]}"
-            samples = sample_rounds(timers, args.trials)  # providers interleaved
+            samples, failed, sets = time_providers(table, tokens, hidden, nbytes, reps=args.reps, trials=args.trials)
             shape = {"tokens": tokens, "hidden": hidden}
             medians = {}
             for name, s in samples.items():
@@ -125,7 +131,6 @@ def main(argv=None) -> int:
                 rows.append(row)
                 medians[name] = row.median
             summary.append((tokens, hidden, medians, nbytes, failed))
-            del data
     for name, why in notes.items():
         rows.append(make_row("residual_rmsnorm", name, {}, "bfloat16", 1, [float("nan")], "us", unavailable=why))
     append_rows(args.out, rows)

@@ -33,14 +33,8 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from fusegate.reference import (
-    TOLERANCE,
-    all_reduce_ref,
-    all_reduce_residual_rmsnorm_ref,
-    random_inputs,
-    relative_error,
-    small_integer_inputs,
-)
+from fusegate.reference import TOLERANCE, all_reduce_ref, all_reduce_residual_rmsnorm_ref, relative_error
+from fusegate.reference import random_inputs, small_integer_inputs
 from fusegate.spec import Op, Verdict
 
 # How many output-sized blocks to poison before a call: outputs of the fused op are two tensors,
