@@ -26,7 +26,6 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from fusegate.group import agree_group_info, device_type_of
 from fusegate.spec import Op, Problem
 from fusegate.tune.candidates import CandidatePool, admitted, is_fused, timed_call
 from fusegate.verification import check_candidate
@@ -99,17 +98,10 @@ def tune_in_group(spec: TuneSpec, *, group=None, device=None, progress: Callable
     `device`: where tensors live (default: CUDA for NCCL groups, else CPU; "cuda" over gloo for
     ranks sharing a GPU). `progress(description)` is called once per finished bucket.
     """
-    from fusegate.probe import probe
-
-    group = group if group is not None else dist.group.WORLD
-    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-    device_type = torch.device(device).type if device is not None else device_type_of(group)
-    dev = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
-    caps = probe()
-    info = agree_group_info(group, caps, device_type=device_type)
+    pool = CandidatePool.for_group(group, device=device, options=options)
+    group, rank, world_size, info, caps, dev = pool.group, pool.rank, pool.world_size, pool.info, pool.caps, pool.device
     dtype = getattr(torch, spec.dtype)
     max_tokens = max(spec.buckets)
-    pool = CandidatePool(group=group, rank=rank, world_size=world_size, info=info, caps=caps, device=dev, options=options)
     entries = []
     try:
         for op_name in spec.ops:
