@@ -3,13 +3,14 @@ and FlashInfer's fused_add_rmsnorm (when importable), at decode and prefill shap
 
     python benchmarks/bench_epilogue.py --out benchmarks/results/epilogue.jsonl
 
-Method: every provider's call is captured in a CUDA graph over several input sets (rotated so
-that one replay touches more than twice the L2 cache at small shapes), the graph is warmed up and
-replayed `--reps` times between CUDA events; `--trials` such measurements are taken, interleaving
-the providers, and the median per call is reported. Bytes counted: read x and residual, write
+Method (`fusegate.timing.graph_timer`, `sample_rounds`): every provider's call is captured in a
+CUDA graph over several input sets (rotated so that one replay touches more than twice the L2
+cache at small shapes), the graph is warmed up and replayed `--reps` times between CUDA events;
+`--trials` such measurements are taken, interleaving the providers, and the median per call is
+reported. Bytes counted: read x and residual, write
 new_residual and normed (4 x tokens x hidden x itemsize), as in the recorded baselines. The device
-copy bandwidth (read + write of a 1 GiB tensor, same method; the faster of torch's copy_ and a
-Triton copy kernel) is measured in the same run, and every row carries GB/s and its fraction of
+copy bandwidth (read + write of a 1 GiB tensor, same method; the faster of torch's copy_ and
+`fusegate.timing`'s copy kernel) is measured in the same run, and every row carries GB/s and its fraction of
 that copy bandwidth. FlashInfer's op works in place (normed into x, new residual into residual),
 which keeps its writes in lines it has just read; `fusegate_inplace` (out=(x, residual)) is the
 like-for-like comparison, `fusegate` the out-of-place API. fusegate is also timed with other
@@ -25,37 +26,11 @@ import sys
 import torch
 
 from fusegate.bench.results import append_rows, make_row
+from fusegate.timing import copy_bandwidth, graph_timer, sample_rounds
 
 TOKENS = (1, 8, 64, 512, 4096, 16384)
 HIDDENS = (4096, 6144, 7168, 8192)
 L2_BYTES = 60 * 1024 * 1024  # H200 L2 (KINDS.md: PyTorch reported 60 MB)
-
-
-def timed_graph(calls, *, reps: int):
-    """A function that replays a CUDA graph of `calls` `reps` times and returns us per call."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for call in calls:
-            call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-
-    def measure() -> float:
-        start.record()
-        for _ in range(reps):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) * 1000.0 / (reps * len(calls))
-
-    return measure
 
 
 def providers(eps: float):
@@ -102,30 +77,29 @@ def providers(eps: float):
     return table, notes
 
 
-def copy_bandwidth(reps: int, trials: int) -> dict[str, list[float]]:
-    """us per copy of 1 GiB (bf16) by method: torch's copy_ (a memcpy node inside a graph) and a
-    vectorised Triton copy kernel; the faster one is the device copy bandwidth."""
-    import triton
-    import triton.language as tl
+def time_providers(table: dict, tokens: int, hidden: int, nbytes: int, *, reps: int, trials: int):
+    """(samples by provider, failures by provider, input sets) at one bf16 shape: each provider's
+    calls over input sets rotated so one replay touches more than twice the L2 (`nbytes` per set),
+    as one graph (`fusegate.timing.graph_timer`), providers interleaved (`sample_rounds`)."""
+    sets = max(1, min(32, math.ceil(2 * L2_BYTES / nbytes)))
+    data = [tuple(torch.randn(tokens, hidden, device="cuda").to(torch.bfloat16) for _ in range(2)) for _ in range(sets)]
+    w = (1 + 0.1 * torch.randn(hidden, device="cuda")).to(torch.bfloat16)
+    timers, failed = {}, {}
+    for name, factory in table.items():
+        try:
+            timers[name] = graph_timer([factory(x, r, w) for x, r in data], reps=reps)
+        except Exception as exc:  # report and keep measuring the others
+            failed[name] = f"{type(exc).__name__}: {str(exc)[:200]}"
+    return sample_rounds(timers, trials), failed, sets
 
-    @triton.jit
-    def copy_kernel(src, dst, n, BLOCK: tl.constexpr):
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        tl.store(dst + offs, tl.load(src + offs, mask=offs < n), mask=offs < n)
 
-    n = 1 << 29
-    src = torch.randn(n, device="cuda").to(torch.bfloat16)
-    dst = torch.empty_like(src)
-    methods = {
-        "torch_copy": lambda: dst.copy_(src),
-        "triton_copy": lambda: copy_kernel[(triton.cdiv(n, 8192),)](src, dst, n, BLOCK=8192, num_warps=8),
-    }
-    timers = {name: timed_graph([call], reps=reps) for name, call in methods.items()}
-    samples = {name: [] for name in methods}
-    for _ in range(trials):
-        for name, measure in timers.items():
-            samples[name].append(measure())
-    return samples
+def copy_rows(reps: int, trials: int) -> list:
+    """Rows of the device copy bandwidth (`fusegate.timing.copy_bandwidth`), each with its GB/s."""
+    rows = []
+    for name, samples in copy_bandwidth(reps, trials).items():
+        rows.append(make_row("device_copy", name, {"bytes": 1 << 30}, "bfloat16", 1, samples, "us"))
+        rows[-1].extra["gbps"] = 2 * (1 << 30) / (rows[-1].median * 1e-6) / 1e9  # read + write
+    return rows
 
 
 def main(argv=None) -> int:
@@ -140,30 +114,14 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench_epilogue: needs a CUDA GPU; torch sees none", file=sys.stderr)
         return 2
-    dtype = torch.bfloat16
-    rows = []
-    for name, samples in copy_bandwidth(args.reps, args.trials).items():
-        rows.append(make_row("device_copy", name, {"bytes": 1 << 30}, "bfloat16", 1, samples, "us"))
-        rows[-1].extra["gbps"] = 2 * (1 << 30) / (rows[-1].median * 1e-6) / 1e9  # read + write
+    rows = copy_rows(args.reps, args.trials)
     copy_gbps = max(row.extra["gbps"] for row in rows)
     table, notes = providers(args.eps)
     summary = []
     for hidden in args.hidden:
         for tokens in args.tokens:
             nbytes = 4 * tokens * hidden * 2
-            sets = max(1, min(32, math.ceil(2 * L2_BYTES / nbytes)))
-            data = [tuple(torch.randn(tokens, hidden, device="cuda").to(dtype) for _ in range(2)) for _ in range(sets)]
-            w = (1 + 0.1 * torch.randn(hidden, device="cuda")).to(dtype)
-            timers, failed = {}, {}
-            for name, factory in table.items():
-                try:
-                    timers[name] = timed_graph([factory(x, r, w) for x, r in data], reps=args.reps)
-                except Exception as exc:
-                    failed[name] = f"{type(exc).__name__}: {str(exc)[:200]}"
-            samples = {name: [] for name in timers}
-            for _ in range(args.trials):  # interleave providers
-                for name, measure in timers.items():
-                    samples[name].append(measure())
+            samples, failed, sets = time_providers(table, tokens, hidden, nbytes, reps=args.reps, trials=args.trials)
             shape = {"tokens": tokens, "hidden": hidden}
             medians = {}
             for name, s in samples.items():
@@ -173,7 +131,6 @@ def main(argv=None) -> int:
                 rows.append(row)
                 medians[name] = row.median
             summary.append((tokens, hidden, medians, nbytes, failed))
-            del data
     for name, why in notes.items():
         rows.append(make_row("residual_rmsnorm", name, {}, "bfloat16", 1, [float("nan")], "us", unavailable=why))
     append_rows(args.out, rows)

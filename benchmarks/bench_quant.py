@@ -6,9 +6,9 @@ fusegate's own quantizer as a second Triton kernel, FlashInfer's fp4_quantize wh
 
 Formats: fp8_static, fp8_per_token, fp8_per_group (128, DeepGEMM's column-major scales), nvfp4
 (128x4-swizzled scales). Shapes: tokens 1 .. 16384, hidden 6144 (GLM-5) and 7168 (DeepSeek-V3).
-Method (bench_epilogue.py's): each provider's call is captured in a CUDA graph over input sets
-rotated so one replay touches more than twice the L2, replayed `--reps` times between CUDA events,
-`--trials` measurements interleaved across providers, medians reported. Bytes counted: read x,
+Method (bench_epilogue.py's `time_providers`): each provider's call is captured in a CUDA graph
+over input sets rotated so one replay touches more than twice the L2, replayed `--reps` times
+between CUDA events, `--trials` measurements interleaved across providers, medians reported. Bytes counted: read x,
 residual and weight; write the new residual, the quantized output and its scales. The device copy
 bandwidth is measured in the same run. The unfused providers quantize the epilogue's bf16 normed
 output (what an engine has between two kernels), so their codes may differ from the fused ones in
@@ -23,12 +23,11 @@ faster than epilogue + separate quantization. The table printed last shows each.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 
 import torch
 
-from bench_epilogue import L2_BYTES, copy_bandwidth, timed_graph  # same directory
+from bench_epilogue import copy_rows, time_providers  # same directory
 from fusegate import quant as Q
 from fusegate.bench.results import append_rows, make_row
 
@@ -143,10 +142,7 @@ def main(argv=None) -> int:
     import torch._dynamo as dynamo
 
     dynamo.config.cache_size_limit = 256  # one graph per (format, shape): bench_epilogue hit the default limit
-    rows = []
-    for name, samples in copy_bandwidth(args.reps, args.trials).items():
-        rows.append(make_row("device_copy", name, {"bytes": 1 << 30}, "bfloat16", 1, samples, "us"))
-        rows[-1].extra["gbps"] = 2 * (1 << 30) / (rows[-1].median * 1e-6) / 1e9
+    rows = copy_rows(args.reps, args.trials)
     copy_gbps = max(row.extra["gbps"] for row in rows)
     summary, all_notes = [], {}
     for kind in args.formats:
@@ -156,19 +152,7 @@ def main(argv=None) -> int:
         for hidden in args.hidden:
             for tokens in args.tokens:
                 nbytes = 3 * tokens * hidden * 2 + hidden * 2 + out_bytes(kind, tokens, hidden)
-                sets = max(1, min(32, math.ceil(2 * L2_BYTES / nbytes)))
-                data = [tuple(torch.randn(tokens, hidden, device="cuda").to(torch.bfloat16) for _ in range(2)) for _ in range(sets)]
-                w = (1 + 0.1 * torch.randn(hidden, device="cuda")).to(torch.bfloat16)
-                timers, failed = {}, {}
-                for name, factory in table.items():
-                    try:
-                        timers[name] = timed_graph([factory(x, r, w) for x, r in data], reps=args.reps)
-                    except Exception as exc:  # report and keep measuring the others
-                        failed[name] = f"{type(exc).__name__}: {str(exc)[:200]}"
-                samples = {name: [] for name in timers}
-                for _ in range(args.trials):
-                    for name, measure in timers.items():
-                        samples[name].append(measure())
+                samples, failed, sets = time_providers(table, tokens, hidden, nbytes, reps=args.reps, trials=args.trials)
                 medians = {}
                 for name, s in samples.items():
                     row = make_row(f"residual_rmsnorm_quant:{kind}", name, {"tokens": tokens, "hidden": hidden},
@@ -182,7 +166,6 @@ def main(argv=None) -> int:
                     rows.append(make_row(f"residual_rmsnorm_quant:{kind}", name, {"tokens": tokens, "hidden": hidden},
                                          "bfloat16", 1, [float("nan")], "us", failed=why))
                 summary.append((kind, tokens, hidden, medians, nbytes))
-                del data
     for name, why in all_notes.items():
         rows.append(make_row("residual_rmsnorm_quant", name, {}, "bfloat16", 1, [float("nan")], "us", unavailable=why))
     append_rows(args.out, rows)

@@ -7,27 +7,31 @@ unfused and third-party baselines, per hidden size and token bucket, in one run.
     python benchmarks/sweep_allreduce_norm.py --shared-gpu --out /tmp/sweep.jsonl # 2 ranks on GPU 0
 
 The rank flags (`--world-size`, `--device`, `--shared-gpu`) are those of `fusegate tune`, resolved
-by the same rule (`fusegate.cli.ranks.resolve_ranks`); `--cpu-smoke` is the former `--device cpu`.
+by the same rule (`fusegate.cli.ranks.resolve_ranks`); `--device cpu` replaces the former `--cpu-smoke`.
 
 Providers: `fusegate/<strategy>` for every strategy the registry admits for the problem (one not
-admitted is listed with its admission reason); `fusegate/nccl_epilogue` is the nccl+epilogue baseline.
-Baselines: `nccl+eager` (torch.distributed.all_reduce, then add + RMSNorm in plain eager torch),
-`symm_mem_{oneshot,twoshot}+epilogue` (PyTorch symmetric-memory all_reduce, then fusegate's
-epilogue kernel) and `flashinfer_trtllm` (trtllm_allreduce_fusion), where they set up and run;
-otherwise the reason is recorded. Never multicast: every rank runs with NCCL_NVLS_ENABLE=0,
+admitted is listed with its admission reason). The unfused baselines are the package's own
+strategies under their names: `fusegate/nccl_eager` (NCCL all_reduce, then add + RMSNorm in eager
+torch), `fusegate/nccl_epilogue` (NCCL, then the epilogue kernel) and `fusegate/reference`.
+Third-party baselines: `symm_mem_{oneshot,twoshot}+epilogue` (PyTorch symmetric-memory
+all_reduce, then fusegate's epilogue kernel) and `flashinfer_trtllm` (trtllm_allreduce_fusion),
+where they set up and run; otherwise the reason is recorded. Never multicast: every rank runs with NCCL_NVLS_ENABLE=0,
 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and NVSHMEM_DISABLE_NVLS=1.
 
-Method, per (hidden, tokens): (1) correctness first, on rank-tagged small-integer inputs: fusegate
-strategies must equal `reference.all_reduce_residual_rmsnorm_ref` bit for bit, other providers
-too or else stay within `reference.TOLERANCE` of the float64 reference (the row's `check` says
-which); a provider failing on any rank is timed on none. (2) each passing call is captured in a
-CUDA graph, replayed `--reps` times per sample. (3) `fusegate.tune.measure.time_interleaved`:
-providers visited in an order rotated every round, device sync and a barrier before each sample,
-CUDA events around it, each sample the maximum over ranks (a collective ends when its slowest rank
-does); median, p20, p80 in us per call. `--device cpu` times eager calls with perf_counter,
-`--shared-gpu` eager calls with CUDA events (gloo cannot be captured), rows marked functional only.
-Ratios are median / nccl+eager median (below 1 is faster). `--peer-gbps B` (`fusegate doctor
---measure`) adds the floor 2.5 us + 2(W-1)/W x T x H x itemsize / B and each provider's ratio to it.
+Method, per (hidden, tokens): (1) correctness first (`fusegate.verification`'s exact case:
+rank-tagged small-integer inputs, outputs poisoned with NaN): fusegate strategies must equal
+`reference.all_reduce_residual_rmsnorm_ref` bit for bit, other providers too or else stay within
+`reference.TOLERANCE` of the float64 reference (the row's `check` says which); a provider failing
+on any rank is timed on none. (2) each passing call is captured in a CUDA graph
+(`fusegate.timing.capture`), replayed `--reps` times per sample. (3)
+`fusegate.timing.time_interleaved`: providers visited in an order rotated every round, device
+sync and a barrier before each sample, CUDA events around it, each sample the maximum over ranks
+(a collective ends when its slowest rank does); median, p20, p80 in us per call. `--device cpu`
+times eager calls with perf_counter, `--shared-gpu` eager calls with CUDA events (gloo cannot be
+captured), rows marked functional only. Ratios are median / the ratio baseline's median (below 1
+is faster): `fusegate/nccl_eager`, or `fusegate/reference` where nccl_eager is not timed (gloo
+runs); the row's `ratio_baseline` names it. `--peer-gbps B` (`fusegate doctor --measure`) adds
+the floor 2.5 us + 2(W-1)/W x T x H x itemsize / B and each provider's ratio to it.
 """
 
 from __future__ import annotations
@@ -38,7 +42,8 @@ import sys
 import warnings
 
 OP = "all_reduce_residual_rmsnorm"
-EAGER = "nccl+eager"
+# The unfused path ratios are taken against: the first of these timed in a bucket.
+RATIO_BASELINES = ("fusegate/nccl_eager", "fusegate/reference")
 RANK_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 FLOOR_LATENCY_US = 2.5  # one peer round trip plus a kernel launch: the floor's fixed term, as specified
 EPS = 1e-6
@@ -67,22 +72,6 @@ def fusegate_factory(comm):
     """A factory of calls through the public API, on the Communicator bound to one strategy."""
     def factory(x, residual, weight):
         return lambda: comm.all_reduce_residual_rmsnorm(x, residual, weight, EPS)
-    return factory
-
-
-def eager_factory(group, eps: float):
-    """nccl+eager: all_reduce in the input dtype, then add + RMSNorm as unfused code writes it."""
-    import torch
-    import torch.distributed as dist
-
-    def factory(x, residual, weight):
-        def call():
-            s = x.clone()
-            dist.all_reduce(s, group=group)
-            h = s + residual
-            var = h.float().pow(2).mean(-1, keepdim=True)
-            return weight * (h.float() * torch.rsqrt(var + eps)).to(h.dtype), h
-        return call
     return factory
 
 
@@ -182,42 +171,25 @@ def third_party(spec: SweepSpec, group, rank: int, world_size: int, hidden: int,
     return factories, notes, [made[1]]
 
 
-def check_provider(call, xs, residual, weight, *, exact_only: bool) -> str:
-    """The check note of one provider's outputs on small-integer inputs; CheckFailed when wrong."""
-    import torch
+def check_provider(factory, case, ctx, *, exact_only: bool) -> str:
+    """The check note of one provider (`fusegate.verification.run_case` on poisoned outputs);
+    CheckFailed when wrong."""
+    from fusegate.verification import run_case
 
-    from fusegate.reference import TOLERANCE, all_reduce_residual_rmsnorm_ref, relative_error
-
-    outs = call()
-    refs = all_reduce_residual_rmsnorm_ref(xs, residual, weight, EPS)
-    if all(torch.equal(o, r) for o, r in zip(outs, refs)):
-        return "bit-exact vs all_reduce_residual_rmsnorm_ref (small integers)"
-    if exact_only:  # NaN != NaN, so poisoned (unwritten) elements count
-        bad = [f"{n} differs in {int((o != r).sum())} of {r.numel()}" for n, o, r in zip(("normed", "new_residual"), outs, refs)]
-        raise CheckFailed("not bit-exact on small integers: " + ", ".join(bad))
-    refs64 = all_reduce_residual_rmsnorm_ref([x.double() for x in xs], residual.double(), weight.double(), EPS,
-                                             acc_dtype=torch.float64)
-    tol, err = TOLERANCE[xs[0].dtype], max(relative_error(o, r) for o, r in zip(outs, refs64))
-    if not err <= tol:
-        raise CheckFailed(f"relative error {err:.3g} exceeds {tol:.3g} against the float64 reference")
-    return f"within tolerance {tol:.3g} of the float64 reference (small integers; rel err {err:.3g}), not bit-exact"
+    group, rank, world_size, device = ctx
+    check = run_case(lambda x, residual, weight: factory(x, residual, weight)(), case, rank=rank,
+                     world_size=world_size, device=device, tolerance_fallback=not exact_only)
+    if not check.passed:
+        raise CheckFailed(check.reason)
+    return check.reason
 
 
 def graph_replays(call, reps: int):
-    """A no-argument function replaying a CUDA graph of `call` `reps` times (captured after a warm-up)."""
-    import torch
+    """A no-argument function replaying a CUDA graph of `call` `reps` times (`fusegate.timing.capture`,
+    after two calls outside capture: JIT, NCCL and workspace set-up)."""
+    from fusegate.timing import capture
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # first calls outside capture: JIT, NCCL and workspace set-up
-        for _ in range(2):
-            call()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
-    torch.cuda.synchronize()
+    graph = capture([call], warmup=2)
     return lambda: [graph.replay() for _ in range(reps)]
 
 
@@ -225,21 +197,16 @@ def sweep_bucket(spec, ctx, hidden: int, tokens: int, factories: dict, not_timed
     """Collective: check then time every provider at (hidden, tokens); this rank's view of the result."""
     import torch
 
-    from fusegate.reference import random_inputs, small_integer_inputs
-    from fusegate.tune.correctness import poison_allocator
-    from fusegate.tune.measure import time_interleaved
+    from fusegate.reference import random_inputs
+    from fusegate.timing import time_interleaved
+    from fusegate.verification import Case
 
     group, rank, world_size, device = ctx
     dtype = getattr(torch, spec.dtype)
-    xs = [small_integer_inputs(r, tokens, hidden, dtype, seed=11, device=device) for r in range(world_size)]
-    residual = small_integer_inputs(world_size + 1000, tokens, hidden, dtype, seed=12, device=device)
-    weight = torch.randint(1, 4, (hidden,), generator=torch.Generator().manual_seed(13)).to(dtype).to(device)
+    case = Case("exact", OP, tokens, hidden, spec.dtype)
     not_timed, checks, calls = dict(not_timed), {}, {}
     for name, factory in factories.items():
-        def run_check():
-            poison_allocator((tokens, hidden), dtype, device)  # an unwritten output element reads NaN
-            return check_provider(factory(xs[rank], residual, weight), xs, residual, weight,
-                                  exact_only=name.startswith("fusegate/"))
+        run_check = lambda: check_provider(factory, case, ctx, exact_only=name.startswith("fusegate/"))  # noqa: E731
         checks[name], why = attempt(run_check, group, world_size, "failed the correctness check")
         if why:
             not_timed[name] = why
@@ -309,7 +276,6 @@ def rank_main(rank: int, world_size: int, spec: SweepSpec):
                         not_timed[provider] = ready[name][1]
                     else:
                         factories[provider] = fusegate_factory(ready[name][0])
-                factories[EAGER] = eager_factory(group, EPS)
                 factories.update(extra)
                 results.append(sweep_bucket(spec, ctx, hidden, tokens, factories, not_timed))
                 for comm in comms.values():
@@ -334,12 +300,13 @@ def build_rows(results: list[dict], spec: SweepSpec, world_size: int, peer_gbps:
     for b in results:
         shape = {"tokens": b["tokens"], "hidden": b["hidden"]}
         made = {name: make_row(OP, name, shape, spec.dtype, world_size, s, "us") for name, s in b["samples"].items()}
-        eager = made[EAGER].median if EAGER in made else None
+        baseline = next((n for n in RATIO_BASELINES if n in made), None)
+        base_us = made[baseline].median if baseline else None
         floor = floor_us(b["tokens"], b["hidden"], DTYPE_BYTES[spec.dtype], world_size, peer_gbps) if peer_gbps else None
         for name, row in made.items():
             row.extra.update(mode=spec.mode, functional_only=spec.mode != "nccl", timing=timing, max_over_ranks=True,
-                             check=b["checks"][name], ratio_vs_nccl_eager=row.median / eager if eager else None,
-                             not_timed=b["not_timed"], **({"baseline": "nccl+epilogue"} if name.endswith("nccl_epilogue") else {}))
+                             check=b["checks"][name], ratio_baseline=baseline,
+                             ratio_vs_baseline=row.median / base_us if base_us else None, not_timed=b["not_timed"])
             if floor is not None:
                 row.extra.update(floor_us=floor, peer_gbps=peer_gbps, ratio_vs_floor=row.median / floor)
             rows.append(row)
@@ -347,7 +314,7 @@ def build_rows(results: list[dict], spec: SweepSpec, world_size: int, peer_gbps:
 
 
 def print_table(rows: list, results: list[dict]) -> None:
-    """Per (hidden, tokens): each provider's median us and its ratio to nccl+eager (and the floor)."""
+    """Per (hidden, tokens): each provider's median us and its ratio to the ratio baseline (and the floor)."""
     providers = list(dict.fromkeys(r.strategy for r in rows))
     has_floor = any("floor_us" in r.extra for r in rows)
     width = max([14] + [len(p) for p in providers])
@@ -361,11 +328,12 @@ def print_table(rows: list, results: list[dict]) -> None:
         for p in providers:
             r, cell = cells.get(key + (p,)), "-"
             if r:
-                ratio = r.extra["ratio_vs_nccl_eager"]
+                ratio = r.extra["ratio_vs_baseline"]
                 cell = f"{r.median:.1f}" + (f" x{ratio:.2f}" if ratio else "") + (f" f{r.extra['ratio_vs_floor']:.1f}" if has_floor else "")
             line += f" | {cell:>{width}}"
         print(line)
-    print("cells: median us per call, x = ratio to nccl+eager" + (", f = ratio to the floor" if has_floor else ""))
+    baselines = ", ".join(dict.fromkeys(r.extra["ratio_baseline"] for r in rows if r.extra["ratio_baseline"])) or "none timed"
+    print(f"cells: median us per call, x = ratio to {baselines}" + (", f = ratio to the floor" if has_floor else ""))
     notes: dict = {}  # (provider, reason) -> buckets, so a reason shared by every bucket prints once
     for b in results:
         for name, why in b["not_timed"].items():

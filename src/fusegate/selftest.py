@@ -1,34 +1,25 @@
 """`fusegate selftest`: every admitted strategy, on N local ranks, against the reference.
 
-Two kinds of case, per strategy, op and dtype:
-- exact: rank-tagged small-integer inputs (`reference.small_integer_inputs`), whose fp32 sums are
-  exact; outputs must equal the reference bit for bit (all_reduce output, new_residual, normed);
-- random: standard-normal inputs at model hidden sizes; the norm-wise relative error against the
-  float64 reference must stay under `reference.TOLERANCE[dtype]`.
-Every case also checks that all ranks returned identical bits (a digest per output, compared in
-the parent), and times the op (median over `repeats` calls, the maximum over ranks).
+The cases and their checks are `fusegate.verification`'s, per strategy, op and dtype:
+- exact: rank-tagged small-integer inputs, outputs bit for bit equal to the reference
+  (all_reduce output, new_residual, normed), with and without a residual;
+- random: standard-normal inputs at model hidden sizes, norm-wise relative error against the
+  float64 reference within `reference.TOLERANCE[dtype]`;
+outputs poisoned with NaN before the checked call. Every case also checks that all ranks
+returned identical bits (the outputs' digest, compared in the parent), and times the op
+(`fusegate.timing.time_interleaved`: median over `repeats` samples, each the maximum over ranks).
 """
 
 from __future__ import annotations
 
-import hashlib
 import statistics
-import time
 from dataclasses import asdict, dataclass
+
+from fusegate.verification import Case
 
 # Hidden sizes of the model presets (glm5, deepseek-v3, qwen3-235b, llama3-70b), for random cases.
 MODEL_HIDDEN = (6144, 7168, 4096, 8192)
 DTYPES = ("bfloat16", "float16", "float32")
-
-
-@dataclass(frozen=True)
-class Case:
-    kind: str  # "exact" | "random"
-    op: str  # "all_reduce" | "all_reduce_residual_rmsnorm"
-    num_tokens: int
-    hidden: int
-    dtype: str
-    has_residual: bool = True
 
 
 @dataclass(frozen=True)
@@ -59,84 +50,24 @@ def default_cases(*, num_tokens: int = 4) -> list[Case]:
     return cases
 
 
-def _digest(tensors) -> str:
-    import torch
-
-    h = hashlib.sha256()
-    for t in tensors:
-        h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()[:16]
-
-
-def _inputs(case: Case, rank: int, world_size: int, device):
-    import torch
-
-    from fusegate.reference import random_inputs, small_integer_inputs
-
-    dtype = getattr(torch, case.dtype)
-    make = small_integer_inputs if case.kind == "exact" else random_inputs
-    xs = [make(r, case.num_tokens, case.hidden, dtype, seed=1) for r in range(world_size)]
-    residual = make(1000, case.num_tokens, case.hidden, dtype, seed=2) if case.has_residual else None
-    # Weights: exact cases use small integers too (so normed is a product of exact factors
-    # and one correctly rounded 1/sqrt); random cases use values near 1, like trained RMSNorm weights.
-    gen = torch.Generator().manual_seed(3)
-    if case.kind == "exact":
-        weight = torch.randint(1, 4, (case.hidden,), generator=gen).to(dtype)
-    else:
-        weight = (1 + 0.1 * torch.randn(case.hidden, generator=gen)).to(dtype)
-    return xs, residual, weight
-
-
 def run_case(comm, strategy: str, case: Case, *, repeats: int) -> CaseResult:
-    """Run one case on this rank (a collective: every rank calls it with the same case)."""
-    import torch
-    import torch.distributed as dist
+    """Run one case on this rank (a collective: every rank calls it with the same case): the
+    check (`fusegate.verification.run_case`), then `repeats` timed calls (`fusegate.timing`)."""
+    from fusegate.timing import time_interleaved
+    from fusegate.verification import case_inputs, op_call
+    from fusegate.verification import run_case as check_case
 
-    from fusegate.reference import TOLERANCE, all_reduce_ref, all_reduce_residual_rmsnorm_ref, relative_error
-
-    device = comm.device
-    xs, residual, weight = _inputs(case, comm.rank, comm.world_size, device)
-    x = xs[comm.rank].to(device)
-    res = residual.to(device) if residual is not None else None
-    w = weight.to(device)
-
-    def call():
-        if case.op == "all_reduce":
-            return (comm.all_reduce(x),)
-        return comm.all_reduce_residual_rmsnorm(x, res, w)
-
-    outputs = tuple(t.cpu() for t in call())
-    if case.kind == "exact":
-        refs = (all_reduce_ref(xs),) if case.op == "all_reduce" else all_reduce_residual_rmsnorm_ref(xs, residual, weight)
-        error = max((o.double() - r.double()).abs().max().item() if o.numel() else 0.0 for o, r in zip(outputs, refs))
-        if any(not torch.isfinite(o).all() for o in outputs):
-            error = float("inf")
-        tolerance = 0.0
-        passed = all(torch.equal(o, r) for o, r in zip(outputs, refs))
-    else:
-        acc = torch.float64
-        xs64 = [t.double() for t in xs]
-        res64 = residual.double() if residual is not None else None
-        if case.op == "all_reduce":
-            refs = (all_reduce_ref(xs64, acc_dtype=acc),)
-        else:
-            refs = all_reduce_residual_rmsnorm_ref(xs64, res64, weight.double(), acc_dtype=acc)
-        error = max(relative_error(o, r) for o, r in zip(outputs, refs))
-        tolerance = TOLERANCE[getattr(torch, case.dtype)]
-        passed = error <= tolerance
-
-    times = []
-    for _ in range(repeats):
-        dist.barrier(group=comm.group)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        call()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) * 1e6)
-    median_us = statistics.median(times) if times else float("nan")
-    return CaseResult(strategy, case, error, tolerance, median_us, passed, digest=_digest(outputs))
+    fn = op_call(comm, case.op)
+    check = check_case(fn, case, rank=comm.rank, world_size=comm.world_size, device=comm.device)
+    median_us = float("nan")
+    if repeats > 0:
+        x, residual, weight = case_inputs(case, comm.world_size).for_rank(comm.rank, comm.device)
+        # No warm-up: the checked call just ran. Samples are maxima over ranks already.
+        samples = time_interleaved({strategy: lambda: fn(x, residual, weight)}, group=comm.group, device=comm.device,
+                                   rounds=repeats, warmup=0)[strategy]
+        median_us = statistics.median(samples)
+    return CaseResult(strategy, case, check.error, check.tolerance, median_us, check.passed,
+                      detail="" if check.passed else check.reason, digest=check.digest)
 
 
 def rank_main(rank: int, world_size: int, cases: list[Case], repeats: int, device: str | None, only: list[str] | None,

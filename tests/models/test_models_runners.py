@@ -68,7 +68,8 @@ def test_choose_picks_fastest_admitted_and_explains():
 
     verdicts = {"loop": Verdict.no("x"), "dense": Verdict.yes(), "grouped_mm": Verdict.yes()}
     choice = choose(verdicts, {"loop": 1.0, "dense": 30.0, "grouped_mm": 20.0})
-    assert choice.name == "grouped_mm" and "20 us" in choice.why and "dense 30 us" in choice.why
+    assert choice.name == "grouped_mm" and choice.source == "measured"
+    assert "20 us" in choice.reason and "dense 30 us" in choice.reason
     with pytest.raises(ValueError, match="loop: x"):
         choose({"loop": Verdict.no("x")}, {"loop": 1.0})
 

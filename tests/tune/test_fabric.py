@@ -4,6 +4,7 @@ and the full measurement on two or more GPUs."""
 import pytest
 import torch
 
+from fusegate import timing
 from fusegate.probe import fabric
 
 
@@ -16,21 +17,23 @@ def interpreted(monkeypatch):
     """The probe kernels built for the Triton interpreter (CPU tensors), rebuilt for real afterwards."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(fabric, "_KERNELS", None)
+    timing.reset_copy_kernel()
     yield fabric._kernels()
     fabric._KERNELS = None
+    timing.reset_copy_kernel()
 
 
 def test_copy_scatter_and_chase_kernels_compute_what_they_time(interpreted):
     copy_kernel, scatter_kernel, chase_kernel = interpreted
-    n = 3 * fabric._BLOCK - 5  # a ragged last program
+    n = 3 * timing.COPY_BLOCK - 5  # a ragged last program
     src = torch.randint(-2**30, 2**30, (n,), dtype=torch.int32)
     dst = torch.full((n,), -1, dtype=torch.int32)
-    copy_kernel[(3,)](src.data_ptr(), dst.data_ptr(), n, BLOCK=fabric._BLOCK)
+    copy_kernel[(3,)](src.data_ptr(), dst.data_ptr(), n, BLOCK=timing.COPY_BLOCK)
     assert torch.equal(dst, src)
 
     peers = [torch.full((n,), -1, dtype=torch.int32) for _ in range(3)]
     table = torch.tensor([p.data_ptr() for p in peers], dtype=torch.int64)
-    scatter_kernel[(3 * 3,)](src.data_ptr(), table, n, 3, BLOCK=fabric._BLOCK)
+    scatter_kernel[(3 * 3,)](src.data_ptr(), table, n, 3, BLOCK=timing.COPY_BLOCK)
     assert all(torch.equal(p, src) for p in peers)
 
     host, order = fabric._chain(97, seed=3)
@@ -54,7 +57,7 @@ def test_fewer_than_two_gpus_is_a_clear_error():
 def _torch_copy_gbps(n, device):
     src = torch.arange(n, dtype=torch.int32, device=device)
     dst = torch.empty_like(src)
-    us = fabric._event_time_us(lambda: dst.copy_(src), torch.device(device).index or 0, 10)
+    us = fabric._median_us(lambda: dst.copy_(src), torch.device(device).index or 0, 10)
     return n * 4 / (us * 1e-6) / 1e9
 
 

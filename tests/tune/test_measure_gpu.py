@@ -13,7 +13,7 @@ pytestmark = pytest.mark.gpu
 def _rank(rank, world_size):
     import torch.distributed as dist
 
-    from fusegate.tune.measure import time_interleaved
+    from fusegate.timing import time_interleaved
 
     torch.cuda.set_device(0)
     x = torch.randn(1024, device="cuda")

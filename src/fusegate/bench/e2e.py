@@ -179,33 +179,16 @@ class DecodeStep:
 
 
 def _time_steps(step: DecodeStep, device, spec: E2ESpec, meter: EnergyMeter) -> tuple[list[float], float | None, int]:
-    """(per-step microseconds, energy in joules or None, steps timed)."""
-    import torch
+    """(per-step microseconds, energy in joules or None, steps timed): `fusegate.timing.time_calls`
+    (CUDA events on GPU, perf_counter on CPU), the energy counter read around the timed steps only."""
+    from fusegate.timing import time_calls
 
-    for _ in range(spec.warmup):
-        step()
-    on_cuda = device.type == "cuda"
-    if on_cuda:
-        torch.cuda.synchronize()
-    samples, steps = [], 0
+    time_calls(step, reps=0, warmup=spec.warmup, device=device)  # warm-up only, then synchronized
     energy0 = meter.read_mj()
-    t_start = time.perf_counter()
-    while steps < spec.steps or time.perf_counter() - t_start < spec.min_seconds:
-        if on_cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end) * 1e3)
-        else:
-            t0 = time.perf_counter()
-            step()
-            samples.append((time.perf_counter() - t0) * 1e6)
-        steps += 1
+    samples = time_calls(step, reps=spec.steps, warmup=0, device=device, min_seconds=spec.min_seconds)
     energy1 = meter.read_mj()
     energy = None if energy0 is None or energy1 is None else (energy1 - energy0) / 1e3
-    return samples, energy, steps
+    return samples, energy, len(samples)
 
 
 def _progress(spec: E2ESpec, rank: int, total: int):
@@ -268,7 +251,7 @@ def _e2e_rank(rank: int, world_size: int, spec: E2ESpec) -> dict:
                     "energy_note": meter.reason or f"NVML total energy, summed over {world_size} GPU(s)",
                     "allreduces_per_step": step.allreduces, "expected_allreduces_per_step": 2 * cfg.num_layers,
                     "strategy": choice.name, "strategy_source": choice.source,
-                    "moe_runner": runner.name if runner else None, "moe_runner_why": runner.why if runner else None,
+                    "moe_runner": runner.name if runner else None, "moe_runner_why": runner.reason if runner else None,
                     "prefill_ms": prefill_ms, "cuda_graphs": graphs,
                 })
                 del step, cache

@@ -11,7 +11,6 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import platform
-import statistics
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -36,13 +35,13 @@ class ResultRow:
 
 
 def percentiles(samples: list[float]) -> tuple[float, float, float]:
-    """(median, p20, p80) of `samples` (inclusive quantiles; a single sample repeats)."""
+    """(median, p20, p80) of `samples`: `fusegate.timing.summary`, the statistics every report uses."""
     if not samples:
         raise ValueError("percentiles: no samples")
-    if len(samples) == 1:
-        return samples[0], samples[0], samples[0]
-    q = statistics.quantiles(samples, n=10, method="inclusive")
-    return statistics.median(samples), q[1], q[7]
+    from fusegate.timing import summary  # imports torch, which make_row's environment() reads anyway
+
+    stats = summary(samples)
+    return stats["median"], stats["p20"], stats["p80"]
 
 
 def environment() -> tuple[str, dict]:

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from fusegate.models import moe_runners
 from fusegate.models.config import ModelConfig
 from fusegate.reference import accumulation_dtype
+from fusegate.timing import max_over_ranks
 from fusegate.models.layers import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, random_tensor
 
 
@@ -72,17 +73,15 @@ class RunnerSelector:
             mine[n] = (moe_runners.time_runner(moe_runners.RUNNERS[n], args, give_up_us=4 * best)
                        if n in names else float("inf"))
             best = min(best, mine[n])
-        mine = [mine[n] for n in self.verdicts]
-        slowest = torch.tensor(mine, dtype=torch.float64)
+        slowest = [mine[n] for n in self.verdicts]
         if dist.get_world_size(self.group) > 1:
             # Every rank must pick the same runner: take each runner's slowest rank, then the minimum.
-            on_gpu = "nccl" in str(dist.get_backend(self.group)).lower()
-            slowest = slowest.to(self.device) if on_gpu else slowest
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=self.group)
-        timings = {n: float(t) for n, t in zip(self.verdicts, slowest.cpu().tolist()) if n in names}
+            (slowest,) = max_over_ranks([slowest], self.group, torch.device(self.device or "cpu"))
+        timings = {n: float(t) for n, t in zip(self.verdicts, slowest) if n in names}
         choice = moe_runners.choose({n: self.verdicts[n] for n in names}, timings)
         if self.only:
-            choice = moe_runners.RunnerChoice(choice.name, f"requested (--moe-runner); {choice.why}", choice.timings_us)
+            choice = moe_runners.RunnerChoice(choice.name, "requested", f"requested (--moe-runner); {choice.reason}",
+                                              choice.timings_us)
         self.choices[tokens] = choice
         return choice
 

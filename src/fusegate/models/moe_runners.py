@@ -1,8 +1,13 @@
 """MoE runners: who multiplies the routed tokens by this rank's experts.
 
-Chosen the way collectives are: admission by capability (can this runner run here, for this
-device, dtype and execution mode?), then choice by measurement (which admitted runner is fastest
-on the model's expert shapes at this token count?). Nothing is decided from an architecture name.
+Chosen the way collectives are, in the strategies' words: each runner declares its `needs`,
+`admits` a problem with a `Verdict` (and its reason), `admission` gives every runner's verdict, and
+`choose` picks by measurement (which admitted runner is fastest on the model's expert shapes at
+this token count?), returning the name, its source and a reason. Nothing is decided from an
+architecture name. The needs are `RunnerNeeds`, not `spec.Needs`, and the problem `RunnerProblem`,
+not `spec.Problem`, because a runner is a local GEMM schedule inside one rank: it needs facts about
+this device, dtype and capture mode (a torch op, no host sync, a probe call that matches the
+reference), none of the process-group facts (NCCL, peer access, hosts) a collective needs.
 
 Runners (all compute `moe_experts_ref` up to rounding; outputs are partial sums, accumulated in
 fusegate.reference.accumulation_dtype (fp32; float64 for float64 models), over the rank's local experts, weighted by the routing weights):
@@ -22,7 +27,6 @@ Weights: w13 (E, 2I, H) = [gate; up] per expert, w2 (E, H, I), like nn.Linear we
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -31,6 +35,7 @@ import torch.nn.functional as F
 
 from fusegate.reference import accumulation_dtype
 from fusegate.spec import Verdict
+from fusegate.timing import capture, time_calls
 
 if TYPE_CHECKING:
     from fusegate.probe.capabilities import Capabilities
@@ -63,8 +68,11 @@ class RunnerNeeds:
 
 @dataclass(frozen=True)
 class RunnerChoice:
+    """The chosen runner, like `dispatch.Choice`: `source` is "measured", "requested" or "default"."""
+
     name: str
-    why: str
+    source: str
+    reason: str
     timings_us: dict
 
 
@@ -151,6 +159,13 @@ class MoERunner:
     def __call__(self, x, ids, weights, w13, w2, first_expert):
         return self.fn(x, ids, weights, w13, w2, first_expert)
 
+    def admits(self, problem: RunnerProblem, caps: "Capabilities | None" = None, *, device=None) -> Verdict:
+        """May this runner run `problem` here? Its declared needs, then (if declared) a probe call."""
+        verdict = check_runner_needs(self.needs, problem, caps)
+        if verdict.ok and self.needs.probe_call:
+            return _probe_call(self, problem, device if device is not None else problem.device_type)
+        return verdict
+
 
 RUNNERS: dict[str, MoERunner] = {
     r.name: r
@@ -210,22 +225,16 @@ def _captured_call(runner: MoERunner, args: list) -> torch.Tensor:
 
     Capturability is a property of the op on this torch, device and dtype (torch._grouped_mm, for
     one, falls back to a host-synchronising path for some dtypes), so it is tried, not assumed."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        runner(*args, 0)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = runner(*args, 0)
+    outs = []
+    graph = capture([lambda: outs.append(runner(*args, 0))], warmup=1)
+    out = outs[-1]  # the captured call's output (the warm-up's comes first)
     out.fill_(float("nan"))  # poisoned: the replay must write every element again
     graph.replay()
     return out
 
 
-def admits(runner: MoERunner, problem: RunnerProblem, caps: "Capabilities | None" = None, *, device=None) -> Verdict:
-    """May `runner` run `problem` here? Checks declared needs, then (if declared) a probe call."""
-    needs = runner.needs
+def check_runner_needs(needs: RunnerNeeds, problem: RunnerProblem, caps: "Capabilities | None" = None) -> Verdict:
+    """Check declared needs against the problem and the probed capabilities (`check_needs` for runners)."""
     if problem.dtype not in needs.dtypes:
         return Verdict.no(f"dtype {problem.dtype} not supported (supports {', '.join(needs.dtypes)})")
     if needs.cuda and problem.device_type != "cuda":
@@ -236,38 +245,29 @@ def admits(runner: MoERunner, problem: RunnerProblem, caps: "Capabilities | None
         return Verdict.no("reads per-expert token counts on the host (a sync), so it cannot be captured in a CUDA graph")
     if needs.torch_op is not None and not hasattr(torch, needs.torch_op):
         return Verdict.no(f"torch {torch.__version__} has no torch.{needs.torch_op}")
-    if needs.probe_call:
-        return _probe_call(runner, problem, device if device is not None else problem.device_type)
     return Verdict.yes("all needs met")
 
 
 def admission(problem: RunnerProblem, caps=None, *, device=None) -> dict[str, Verdict]:
-    return {name: admits(r, problem, caps, device=device) for name, r in RUNNERS.items()}
+    """Verdict of every runner for `problem` (`strategies.admission` for runners)."""
+    return {name: r.admits(problem, caps, device=device) for name, r in RUNNERS.items()}
 
 
 def time_runner(runner: MoERunner, args: tuple, *, reps: int = 5, give_up_us: float | None = None) -> float:
-    """Median microseconds of `reps` calls after one timed warm-up (CUDA events on GPU, perf_counter on CPU).
+    """Median microseconds of `reps` calls after one timed warm-up (`fusegate.timing.time_calls`:
+    CUDA events on GPU, perf_counter on CPU).
 
     With `give_up_us`, a runner whose warm-up call already takes longer returns that time at once:
     it has lost, and timing it further (say the dense runner at prefill sizes) only costs time."""
-    on_cuda = args[0].device.type == "cuda"
+    device = args[0].device
 
-    def once() -> float:
-        if on_cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            runner(*args)
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) * 1e3
-        t0 = time.perf_counter()
-        runner(*args)
-        return (time.perf_counter() - t0) * 1e6
+    def call():
+        return runner(*args)
 
-    first = once()
+    (first,) = time_calls(call, reps=1, warmup=0, device=device)
     if give_up_us is not None and first > give_up_us:
         return first
-    return statistics.median(once() for _ in range(reps))
+    return statistics.median(time_calls(call, reps=reps, warmup=0, device=device))
 
 
 def choose(verdicts: dict[str, Verdict], timings_us: dict[str, float]) -> RunnerChoice:
@@ -278,8 +278,8 @@ def choose(verdicts: dict[str, Verdict], timings_us: dict[str, float]) -> Runner
         raise ValueError(f"choose: no MoE runner is admitted ({reasons}); run eagerly (no CUDA graphs) or use another dtype")
     best = min(admitted, key=lambda n: timings_us[n])
     others = ", ".join(f"{n} {timings_us[n]:.0f} us" for n in admitted if n != best)
-    why = f"measured fastest: {timings_us[best]:.0f} us" + (f" (vs {others})" if others else " (only admitted runner)")
-    return RunnerChoice(best, why, dict(timings_us))
+    reason = f"measured fastest: {timings_us[best]:.0f} us" + (f" (vs {others})" if others else " (only admitted runner)")
+    return RunnerChoice(best, "measured", reason, dict(timings_us))
 
 
 def runner_report(caps: "Capabilities", *, dtype: str = "bfloat16", device_type: str | None = None,
@@ -299,9 +299,9 @@ def runner_report(caps: "Capabilities", *, dtype: str = "bfloat16", device_type:
         choice = choose(verdicts, timings_us)
     else:
         first = next((n for n in DEFAULT_ORDER if verdicts[n].ok), None)
-        choice = RunnerChoice(first or "", "default order (not measured here; the model measures at prepare)", {})
+        choice = RunnerChoice(first or "", "default", "default order (not measured here; the model measures at prepare)", {})
     return [
         {"name": name, "admitted": v.ok, "reason": v.reason, "chosen": name == choice.name,
-         "why": choice.why if name == choice.name else ""}
+         "why": choice.reason if name == choice.name else ""}
         for name, v in verdicts.items()
     ]

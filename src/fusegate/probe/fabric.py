@@ -13,7 +13,8 @@ the right answer (verify before time):
 - latency_us: a single-warp kernel on GPU a follows a chain of dependent 4-byte loads through a
   random cyclic permutation that lives on GPU b (each hop a different 256-byte line, volatile
   loads); time per hop = remote-read round trip.
-Bandwidth and latency are medians of `reps` CUDA-event-timed calls after a warm-up.
+Bandwidth and latency are medians of `reps` CUDA-event-timed calls after a warm-up
+(`fusegate.timing.time_calls`); the copies are `fusegate.timing`'s copy kernel.
 
 all_to_all_score: every GPU writes `block` bytes to every peer at once (one kernel per GPU whose
 programs are split over the peers, all GPUs launched together, host-timed between device-wide
@@ -31,17 +32,14 @@ from __future__ import annotations
 
 import random
 import statistics
-import time
 from typing import Callable
 
 from fusegate.probe.capabilities import Capabilities, FabricMeasurements, PeerMeasurement
+from fusegate.timing import COPY_BLOCK, copy, copy_kernel, time_calls
 
 # Prefer pull only when reads beat writes by more than 5%: a preference must not flip on noise
 # (run-to-run spread of these medians is a few percent), and push is the safer PCIe default.
 PULL_MARGIN = 0.05
-# int32 elements per program of the copy kernels: 16 KiB per program, enough to keep loads in
-# flight over a high-latency peer link without needing a persistent grid.
-_BLOCK = 4096
 # Spacing of pointer-chase hops in int32 elements (256 B): one hop per cache line and sector group.
 _HOP = 64
 
@@ -49,7 +47,8 @@ _KERNELS = None
 
 
 def _kernels():
-    """Compile-once Triton kernels (imported lazily: importing this module imports no Triton)."""
+    """(copy, scatter, chase): compile-once Triton kernels (imported lazily: importing this module
+    imports no Triton). The copy kernel is `fusegate.timing.copy_kernel`."""
     global _KERNELS
     if _KERNELS is not None:
         return _KERNELS
@@ -57,19 +56,10 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def copy_kernel(src_addr, dst_addr, n, BLOCK: tl.constexpr):
-        # Addresses arrive as integers, so one kernel serves local, peer-read and peer-write copies.
-        # Widened to int64 first: Triton types an integer argument below 2^31 as int32.
-        src = src_addr.to(tl.int64).to(tl.pointer_type(tl.int32))
-        dst = dst_addr.to(tl.int64).to(tl.pointer_type(tl.int32))
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
-
-    @triton.jit
     def scatter_kernel(src_addr, dst_table, n, blocks_per_dst, BLOCK: tl.constexpr):
         # Programs are split over destinations: program p writes block p % blocks_per_dst of the
         # source into destination p // blocks_per_dst, so one launch writes to every peer at once.
+        # Addresses arrive as integers, widened to int64 (as in the copy kernel).
         pid = tl.program_id(0)
         d = pid // blocks_per_dst
         src = src_addr.to(tl.int64).to(tl.pointer_type(tl.int32))
@@ -88,7 +78,7 @@ def _kernels():
             idx = tl.load(buf + idx, volatile=True)
         tl.store(out_ptr, idx)
 
-    _KERNELS = (copy_kernel, scatter_kernel, chase_kernel)
+    _KERNELS = (copy_kernel(), scatter_kernel, chase_kernel)
     return _KERNELS
 
 
@@ -105,31 +95,18 @@ def _enable_peer_access(a: int, b: int) -> None:
     torch.cuda.synchronize(b)
 
 
-def _event_time_us(fn: Callable[[], None], device: int, reps: int) -> float:
+def _median_us(fn: Callable[[], None], device: int, reps: int) -> float:
+    """Median of `reps` CUDA-event-timed calls on GPU `device`, after one warm-up (and JIT) call."""
     import torch
 
-    with torch.cuda.device(device):
-        fn()  # warm-up (and JIT)
-        torch.cuda.synchronize(device)
-        times = []
-        for _ in range(reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
+    return statistics.median(time_calls(fn, reps=reps, warmup=1, device=torch.device("cuda", device)))
 
 
 def _copy(src, dst, device: int) -> None:
     import torch
-    import triton
 
-    copy_kernel, _, _ = _kernels()
-    n = src.numel()
     with torch.cuda.device(device):
-        copy_kernel[(triton.cdiv(n, _BLOCK),)](src.data_ptr(), dst.data_ptr(), n, BLOCK=_BLOCK)
+        copy(src, dst)
 
 
 def _checked_copy_gbps(src, dst, device: int, reps: int, what: str) -> float:
@@ -141,7 +118,7 @@ def _checked_copy_gbps(src, dst, device: int, reps: int, what: str) -> float:
     torch.cuda.synchronize(device)
     if not torch.equal(dst.cpu(), src.cpu()):
         raise RuntimeError(f"measure_fabric: {what} copied wrong data; peer mapping is broken on this pair")
-    us = _event_time_us(lambda: _copy(src, dst, device), device, reps)
+    us = _median_us(lambda: _copy(src, dst, device), device, reps)
     return src.numel() * 4 / (us * 1e-6) / 1e9
 
 
@@ -179,13 +156,13 @@ def _latency_us(a: int, b: int, steps: int, reps: int) -> float:
     if int(out.item()) != idx:
         raise RuntimeError(f"measure_fabric: pointer chase GPU {a} -> {b} ended at {int(out.item())}, expected {idx}")
     # Subtract a zero-hop launch so the per-hop figure excludes launch overhead.
-    full = _event_time_us(run, a, reps)
+    full = _median_us(run, a, reps)
 
     def empty():
         with torch.cuda.device(a):
             chase_kernel[(1,)](buf.data_ptr(), out, STEPS=0, num_warps=1)
 
-    base = _event_time_us(empty, a, reps)
+    base = _median_us(empty, a, reps)
     return max(full - base, 0.0) / steps
 
 
@@ -212,7 +189,7 @@ def _all_to_all_gbps_per_gpu(devices: list[int], nbytes: int, reps: int) -> floa
 
     _, scatter_kernel, _ = _kernels()
     n = nbytes // 4
-    blocks = triton.cdiv(n, _BLOCK)
+    blocks = triton.cdiv(n, COPY_BLOCK)
     src = {d: torch.arange(n, dtype=torch.int32, device=f"cuda:{d}") + d for d in devices}
     # recv[d][s]: the region on GPU d that GPU s writes into.
     recv = {d: {s: torch.full((n,), -1, dtype=torch.int32, device=f"cuda:{d}") for s in devices if s != d} for d in devices}
@@ -222,7 +199,7 @@ def _all_to_all_gbps_per_gpu(devices: list[int], nbytes: int, reps: int) -> floa
     def launch_all():
         for s in devices:
             with torch.cuda.device(s):
-                scatter_kernel[(blocks * (len(devices) - 1),)](src[s].data_ptr(), tables[s], n, blocks, BLOCK=_BLOCK)
+                scatter_kernel[(blocks * (len(devices) - 1),)](src[s].data_ptr(), tables[s], n, blocks, BLOCK=COPY_BLOCK)
 
     def sync_all():
         for d in devices:
@@ -234,15 +211,10 @@ def _all_to_all_gbps_per_gpu(devices: list[int], nbytes: int, reps: int) -> floa
         for s, region in recv[d].items():
             if not torch.equal(region.cpu(), src[s].cpu()):
                 raise RuntimeError(f"measure_fabric: all-to-all write GPU {s} -> {d} delivered wrong data")
-    times = []
-    for _ in range(reps):
-        sync_all()
-        t0 = time.perf_counter()
-        launch_all()
-        sync_all()
-        times.append(time.perf_counter() - t0)
+    # Host-timed (no device given): one sample is every GPU's launch up to every GPU's completion.
+    us = statistics.median(time_calls(lambda: (launch_all(), sync_all()), reps=reps, warmup=0))
     per_gpu_bytes = nbytes * (len(devices) - 1)
-    return per_gpu_bytes / statistics.median(times) / 1e9
+    return per_gpu_bytes / (us * 1e-6) / 1e9
 
 
 def measure_fabric(caps: Capabilities, *, progress: Callable[..., None] | None = None, nbytes: int = 64 << 20,
@@ -273,7 +245,7 @@ def measure_fabric(caps: Capabilities, *, progress: Callable[..., None] | None =
     full_mesh = all((a, b) in pairs for a in devices for b in devices if a != b)
     one_pair = statistics.median(m.write_gbps for m in measured)
     # Split the bytes over peers so the all-to-all moves about as much per GPU as one pair did.
-    score = (_all_to_all_gbps_per_gpu(devices, max(nbytes // max(len(devices) - 1, 1), _BLOCK * 4), reps) / one_pair
+    score = (_all_to_all_gbps_per_gpu(devices, max(nbytes // max(len(devices) - 1, 1), COPY_BLOCK * 4), reps) / one_pair
              if full_mesh and len(devices) >= 2 else float("nan"))
     if progress is not None:
         progress("done", total, total)

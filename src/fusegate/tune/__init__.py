@@ -1,8 +1,8 @@
 """Measuring: tune (measure and choose per bucket into a dispatch table) and verify (A/B).
 
-Heavy imports (torch) happen in the submodules, not here:
-- `measure`: the shared timing protocol (interleaved rounds, barriers, max over ranks);
-- `correctness`: verify-before-time against `fusegate.reference`, verdict reduced across ranks;
+Heavy imports (torch) happen in the submodules, not here. Timing is `fusegate.timing`'s protocol
+and verify-before-time is `fusegate.verification.check_candidate`, shared with selftest and the
+benchmarks.
 - `candidates`: admitted strategies, their instances and timed calls;
 - `tuner`: `tune_in_group(TuneSpec(...))`, collective, inside an existing process group;
 - `verify`: `verify_in_group(...)`, KEEP / REVERT per bucket and overall.

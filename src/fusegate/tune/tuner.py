@@ -5,9 +5,9 @@ process group, so an engine can tune in place; `fusegate tune` spawns local rank
 
 Per (op, hidden, token bucket):
 1. admission (`fusegate.strategies.admission`) on the group's agreed facts;
-2. verify before timing (`correctness.check_candidate`): a candidate that fails on any rank is
+2. verify before timing (`verification.check_candidate`): a candidate that fails on any rank is
    rejected on every rank and never timed;
-3. first pass: every passing candidate, `rounds` interleaved samples (`measure.time_interleaved`,
+3. first pass: every passing candidate, `rounds` interleaved samples (`timing.time_interleaved`,
    max over ranks), medians;
 4. confirmation: the leaders (the fastest overall, the fastest unfused and the fastest fused) are
    re-timed together for `confirm_rounds` more samples, and only those medians decide, so a lucky
@@ -28,11 +28,10 @@ import torch.distributed as dist
 
 from fusegate.dispatch.choice import is_fused
 from fusegate.dispatch.table import DEFAULT_MARGIN, DispatchTable, Entry, fingerprint, now_iso, parse, versions_of
-from fusegate.group import agree_group_info, device_type_of
 from fusegate.spec import Op, Problem
+from fusegate.timing import summary, time_interleaved
 from fusegate.tune.candidates import CandidatePool, admitted, timed_call
-from fusegate.tune.correctness import check_candidate
-from fusegate.tune.measure import summary, time_interleaved
+from fusegate.verification import check_candidate
 
 ALL_OPS = (Op.ALL_REDUCE_RESIDUAL_RMSNORM.value, Op.ALL_REDUCE.value)
 
@@ -100,17 +99,10 @@ def tune_in_group(spec: TuneSpec, *, group=None, device=None, progress: Callable
     `device`: where tensors live (default: CUDA for NCCL groups, else CPU; "cuda" over gloo for
     ranks sharing a GPU). `progress(description)` is called once per finished bucket.
     """
-    from fusegate.probe import probe
-
-    group = group if group is not None else dist.group.WORLD
-    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-    device_type = torch.device(device).type if device is not None else device_type_of(group)
-    dev = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
-    caps = probe()
-    info = agree_group_info(group, caps, device_type=device_type)
+    pool = CandidatePool.for_group(group, device=device, options=options)
+    group, rank, world_size, info, caps, dev = pool.group, pool.rank, pool.world_size, pool.info, pool.caps, pool.device
     dtype = getattr(torch, spec.dtype)
     max_tokens = max(spec.buckets)
-    pool = CandidatePool(group=group, rank=rank, world_size=world_size, info=info, caps=caps, device=dev, options=options)
     entries = []
     try:
         for op_name in spec.ops:

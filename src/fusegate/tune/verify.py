@@ -2,7 +2,7 @@
 
 Collective: every rank of `group` calls it with the same arguments.
 
-Per (hidden, token bucket): correctness first (`correctness.check_candidate`, for the candidate
+Per (hidden, token bucket): correctness first (`verification.check_candidate`, for the candidate
 and the baseline); a candidate that fails anywhere is REVERT for that bucket. Then `rounds`
 interleaved rounds of three timed calls, order rotated per round: the candidate A, the baseline B
 and the baseline again B' (same instance). B' against B measures the noise of the machine itself.
@@ -35,15 +35,13 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 
 from fusegate.dispatch.choice import is_fused
 from fusegate.dispatch.table import DEFAULT_MARGIN
-from fusegate.group import agree_group_info, device_type_of
 from fusegate.spec import Op, Problem
+from fusegate.timing import summary, time_interleaved
 from fusegate.tune.candidates import CandidatePool, admitted, timed_call
-from fusegate.tune.correctness import check_candidate
-from fusegate.tune.measure import summary, time_interleaved
+from fusegate.verification import check_candidate
 
 # 1.58 * IQR / sqrt(n): half-width of the notch around a median (McGill, Tukey, Larsen 1978),
 # a rank-based ~95% interval that needs no normality assumption.
@@ -118,21 +116,14 @@ def verify_in_group(strategy: str, *, hiddens: tuple[int, ...], buckets: tuple[i
 
     `rounds` per bucket first; a bucket the samples do not decide gets more rounds, up to
     `max_rounds` (default 4 x rounds)."""
-    from fusegate.probe import probe
-
     if rounds < 2:
         raise ValueError(f"verify: rounds must be >= 2 to measure noise, got {rounds}")
     max_rounds = max(rounds, max_rounds if max_rounds is not None else 4 * rounds)
-    group = group if group is not None else dist.group.WORLD
-    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-    device_type = torch.device(device).type if device is not None else device_type_of(group)
-    dev = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
-    caps = probe()
-    info = agree_group_info(group, caps, device_type=device_type)
+    pool = CandidatePool.for_group(group, device=device, options=options)
+    group, rank, world_size, info, caps, dev = pool.group, pool.rank, pool.world_size, pool.info, pool.caps, pool.device
     torch_dtype = getattr(torch, dtype)
     the_op = Op(op)
     max_tokens = max(buckets)
-    pool = CandidatePool(group=group, rank=rank, world_size=world_size, info=info, caps=caps, device=dev, options=options)
 
     def call(name, hidden, tokens):
         instance = pool.get(name, hidden=hidden, dtype=torch_dtype, max_tokens=max_tokens)
