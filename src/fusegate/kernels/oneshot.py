@@ -504,13 +504,13 @@ def oneshot_launch(x, residual, weight, eps, ws, *, timeout_s: float, max_progra
     `out=(out, new_residual)` writes into given buffers (new_residual ignored without norm; with
     `quant`, out is the unquantized normed output the spec asks for).
     """
-    return launch(oneshot_kernel, "oneshot", x, residual, weight, eps, ws, timeout_s=timeout_s,
-                  max_programs=max_programs, plan_programs=plan_programs, has_norm=has_norm, warmup=warmup, out=out,
-                  plan=plan, quant=quant, twoshot=False)
+    return launch_peer_kernel(oneshot_kernel, "oneshot", x, residual, weight, eps, ws, timeout_s=timeout_s,
+                              max_programs=max_programs, plan_programs=plan_programs, has_norm=has_norm,
+                              warmup=warmup, out=out, plan=plan, quant=quant, twoshot=False)
 
 
-def launch(kernel, where, x, residual, weight, eps, ws, *, timeout_s, max_programs, plan_programs, has_norm, warmup,
-           out, plan, quant, twoshot):
+def launch_peer_kernel(kernel, where, x, residual, weight, eps, ws, *, timeout_s, max_programs, plan_programs,
+                       has_norm, warmup, out, plan, quant, twoshot):
     """The launcher both peer kernels share (their arguments are the same)."""
     m, h = x.shape
     plan = plan or make_plan(m, h, x.element_size(), plan_programs)

@@ -27,7 +27,7 @@ import triton.language as tl
 from fusegate.kernels.epilogue import round_like
 from fusegate.kernels.oneshot import (
     KIND_FP8_TOKEN_C,
-    launch,
+    launch_peer_kernel,
     norm_partials_pass,
     residual_step,
     start_quantized,
@@ -156,6 +156,6 @@ def twoshot_kernel(
 def twoshot_launch(x, residual, weight, eps, ws, *, timeout_s: float, max_programs: int, plan_programs: int,
                    has_norm: bool = True, warmup: bool = False, out: tuple | None = None, plan=None, quant=None):
     """Run one call on the current stream; returns what `oneshot_launch` returns (same arguments)."""
-    return launch(twoshot_kernel, "twoshot", x, residual, weight, eps, ws, timeout_s=timeout_s,
-                  max_programs=max_programs, plan_programs=plan_programs, has_norm=has_norm, warmup=warmup, out=out,
-                  plan=plan, quant=quant, twoshot=True)
+    return launch_peer_kernel(twoshot_kernel, "twoshot", x, residual, weight, eps, ws, timeout_s=timeout_s,
+                              max_programs=max_programs, plan_programs=plan_programs, has_norm=has_norm,
+                              warmup=warmup, out=out, plan=plan, quant=quant, twoshot=True)
