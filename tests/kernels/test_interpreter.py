@@ -416,8 +416,7 @@ def test_chunks_that_cut_scale_blocks_are_refused_by_the_kernels():
     """A plan whose chunks do not hold whole scale blocks is not quantized in the peer kernel: the
     strategy quantizes after the allreduce instead (`quantizes_in_kernel`)."""
     from fusegate import quant as Q
-    from fusegate.kernels.oneshot import quantizes_in_kernel
-    from fusegate.kernels.protocol import Plan, make_plan
+    from fusegate.kernels.protocol import Plan, make_plan, quantizes_in_kernel
 
     plan = Plan(chunk=128, num_chunks=2, items=2, num_warps=1)
     assert quantizes_in_kernel(plan, Q.fp8_per_group(128)) and not quantizes_in_kernel(plan, Q.fp8_per_group(256))

@@ -130,3 +130,20 @@ def partials_len(region_elems: int, itemsize: int) -> int:
     partial), chunks being at least MIN_CHUNK_BYTES."""
     items = 2 * region_elems // (MIN_CHUNK_BYTES // itemsize) + MAX_CHUNK_BYTES // MIN_CHUNK_BYTES
     return 2 * items
+
+
+def partials_needed(plan, quant) -> int:
+    """Partials of a split row's call: norm partials, and absmax partials for per-token FP8."""
+    return plan.items * (2 if quant is not None and quant.kind == "fp8_per_token" else 1)
+
+
+def quantizes_in_kernel(plan, quant) -> bool:
+    """Whether the peer kernels can quantize this plan's chunks themselves (`quantize_chunk`): a
+    chunk must hold whole scale blocks (per-group FP8: GROUP columns; NVFP4: 64, so that the
+    row's last chunk also covers the padded scale columns). Plans' chunks are powers of two of at
+    least 128 elements, so every format of `fusegate.quant` at group <= 128 qualifies."""
+    if quant.kind == "fp8_per_group":
+        return plan.chunk % quant.group == 0
+    if quant.kind == "nvfp4":
+        return plan.chunk % 64 == 0
+    return True

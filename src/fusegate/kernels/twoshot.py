@@ -25,9 +25,9 @@ import triton
 import triton.language as tl
 
 from fusegate.kernels.epilogue import round_like
-from fusegate.kernels.oneshot import (
+from fusegate.kernels.peer_launch import launch_peer_kernel
+from fusegate.kernels.peer_stages import (
     KIND_FP8_TOKEN_C,
-    launch_peer_kernel,
     norm_partials_pass,
     residual_step,
     start_quantized,

@@ -35,13 +35,13 @@ import torch
 
 from fusegate import env
 from fusegate.strategies.base import Strategy
-from fusegate.kernels.oneshot import quantizes_in_kernel
 from fusegate.kernels.protocol import (
     MAX_HIDDEN,
     MAX_INPUT_BYTES,
     MAX_WORLD,
     make_plan,
     plan_programs,
+    quantizes_in_kernel,
     region_elems_for,
 )
 from fusegate.quant import KINDS, admission_reason
