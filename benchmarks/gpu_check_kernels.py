@@ -56,7 +56,7 @@ def _functional_rank(rank, world_size, name, shapes, calls):
 
 def functional_check(out_dir: Path) -> list[str]:
     from fusegate.bench.results import append_rows, make_row
-    from fusegate.launch import run_ranks
+    from fusegate.spawn import run_ranks
     from fusegate.reference import all_reduce_residual_rmsnorm_ref, small_integer_inputs
 
     shapes, calls, lines, rows = [(1, 6144), (64, 6144)], 20, [], []

@@ -160,7 +160,7 @@ def main(argv=None) -> int:
             for n, r in rejected.items():
                 note(f"  not considered: {n}: {r}")
 
-            from fusegate.launch import run_ranks
+            from fusegate.spawn import run_ranks
 
             t0 = time.perf_counter()
             hidden = get_preset(args.preset).hidden

@@ -391,7 +391,7 @@ def main(argv=None) -> int:
     from fusegate.cli.main import UsageError
     from fusegate.cli.ranks import resolve_ranks
     from fusegate.dispatch.table import token_buckets
-    from fusegate.launch import run_ranks
+    from fusegate.spawn import run_ranks
 
     try:
         ranks = resolve_ranks(args.world_size, args.device, shared_gpu=args.shared_gpu)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fusegate import timing
-from fusegate.launch import run_ranks
+from fusegate.spawn import run_ranks
 
 
 def test_summary_is_median_p20_p80_of_the_samples():

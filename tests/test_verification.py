@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fusegate import verification as V
-from fusegate.launch import run_ranks
+from fusegate.spawn import run_ranks
 from fusegate.reference import TOLERANCE, all_reduce_residual_rmsnorm_ref
 from fusegate.spec import Op
 

@@ -2,7 +2,7 @@
 
 `share_cpu_threads` gives a CPU rank its share of the cores; `progress_bar` is rank 0's bar on
 stderr. Used by the ranks of `fusegate selftest`, `tune` and `verify` and by the benchmarks;
-`fusegate.launch.run_ranks` starts the ranks.
+`fusegate.spawn.run_ranks` starts the ranks.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from collections import Counter
 import pytest
 
 from fusegate.bench.profile import STAGES, Record, attribute, classify, stage_bytes
-from fusegate.launch import run_ranks
+from fusegate.spawn import run_ranks
 
 STEPS = 2
 

@@ -2,7 +2,7 @@
 
 from fusegate.cli.ranks import _format_warning, describe_failure
 from fusegate.dispatch.choice import DispatchWarning
-from fusegate.launch import RankFailure
+from fusegate.spawn import RankFailure
 
 TRACEBACK = 'Traceback (most recent call last):\n  File "x.py", line 1, in f\n    g()\nRuntimeError: {}\n'
 

@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from fusegate.launch import run_ranks
+from fusegate.spawn import run_ranks
 from fusegate.reference import all_reduce_ref, small_integer_inputs
 
 from test_table_faults import _resigned, _set, _table

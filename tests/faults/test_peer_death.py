@@ -17,7 +17,7 @@ import time
 import pytest
 import torch
 
-from fusegate.launch import RankFailure, run_ranks
+from fusegate.spawn import RankFailure, run_ranks
 from fusegate.reference import all_reduce_ref, small_integer_inputs
 
 H = 16

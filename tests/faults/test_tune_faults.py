@@ -11,7 +11,7 @@ import time
 import pytest
 
 from fusegate.cli.main import main
-from fusegate.launch import FAILURE_GRACE_S
+from fusegate.spawn import FAILURE_GRACE_S
 from fusegate.dispatch.table import CacheDirError, check_writable, save
 
 from test_table_faults import _table

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from fusegate.launch import RankFailure, run_ranks
+from fusegate.spawn import RankFailure, run_ranks
 from fusegate.reference import (
     TOLERANCE,
     all_reduce_ref,

@@ -4,7 +4,7 @@ warnings that point at the user's own line."""
 
 import torch
 
-from fusegate.launch import run_ranks
+from fusegate.spawn import run_ranks
 from fusegate.reference import all_reduce_residual_rmsnorm_ref, small_integer_inputs
 
 H = 32

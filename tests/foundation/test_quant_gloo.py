@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from fusegate import quant as Q
-from fusegate.launch import run_ranks
+from fusegate.spawn import run_ranks
 from fusegate.reference import all_reduce_residual_rmsnorm_quant_ref, small_integer_inputs
 
 H = 64

@@ -110,7 +110,7 @@ def rank_main(rank: int, world_size: int) -> dict:
 
 
 if __name__ == "__main__":
-    from fusegate.launch import run_ranks
+    from fusegate.spawn import run_ranks
 
     results = run_ranks(rank_main, 2, timeout_s=300, env={"FUSEGATE_ENGINES": "sglang"})
     with open(sys.argv[1], "wb") as f:

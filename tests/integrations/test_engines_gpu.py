@@ -11,7 +11,7 @@ not imported here: on the GPU machines they need their compiled extensions, buil
 import pytest
 import torch
 
-from fusegate.launch import run_ranks
+from fusegate.spawn import run_ranks
 from fusegate.reference import all_reduce_residual_rmsnorm_ref, small_integer_inputs
 
 pytestmark = pytest.mark.gpu

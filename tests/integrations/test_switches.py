@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fusegate import env
-from fusegate.launch import run_ranks
+from fusegate.spawn import run_ranks
 from fusegate.reference import all_reduce_residual_rmsnorm_ref, small_integer_inputs
 
 

@@ -11,7 +11,7 @@ leaving NaN in the allocator's cache before an API call that allocates).
 import pytest
 import torch
 
-from fusegate.launch import run_ranks
+from fusegate.spawn import run_ranks
 from fusegate.reference import (
     TOLERANCE,
     all_reduce_ref,

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from fusegate.launch import run_ranks
+from fusegate.spawn import run_ranks
 from fusegate.reference import all_reduce_residual_rmsnorm_ref, small_integer_inputs
 
 pytestmark = pytest.mark.gpu

@@ -11,7 +11,7 @@ Shapes are tiny (H <= 96, M <= 9) because the interpreter runs every program in 
 import pytest
 import torch
 
-from fusegate.launch import run_ranks
+from fusegate.spawn import run_ranks
 from fusegate.reference import (
     TOLERANCE,
     all_reduce_ref,

@@ -138,7 +138,7 @@ def _host(result):
 
 
 def test_nccl_epilogue_on_one_rank():
-    from fusegate.launch import run_ranks
+    from fusegate.spawn import run_ranks
 
     (got,) = run_ranks(_nccl_rank, 1, backend="nccl", timeout_s=300)
     x = small_integer_inputs(0, 9, 6144, torch.bfloat16)
@@ -183,7 +183,7 @@ def _shared_gpu_rank(rank, world_size, strategy):
 def test_ranks_sharing_one_gpu_get_the_reference_bits(strategy):
     """CUDA tensors over gloo, two ranks on one GPU: the reference quantizer on the device, and the
     peer strategies quantizing inside their kernel (split rows exchange per-token absmax)."""
-    from fusegate.launch import run_ranks
+    from fusegate.spawn import run_ranks
     from fusegate.reference import all_reduce_residual_rmsnorm_quant_ref
 
     results = run_ranks(_shared_gpu_rank, 2, args=(strategy,), env=SHARED_ENV, timeout_s=300)
@@ -236,7 +236,7 @@ def _quant_graph_rank(rank, world_size, strategy):
 
 @pytest.mark.parametrize("strategy", ["oneshot", "twoshot"])
 def test_quantized_peer_calls_replay_in_a_cuda_graph(strategy):
-    from fusegate.launch import run_ranks
+    from fusegate.spawn import run_ranks
     from fusegate.reference import all_reduce_residual_rmsnorm_quant_ref
 
     m, h = 16, 6144

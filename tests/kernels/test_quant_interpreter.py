@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fusegate import quant as Q
-from fusegate.launch import run_ranks
+from fusegate.spawn import run_ranks
 from fusegate.reference import quantize_ref, random_inputs, residual_rmsnorm_quant_ref, small_integer_inputs
 
 pytestmark = pytest.mark.interpreter

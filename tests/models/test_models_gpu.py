@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fusegate.launch import run_ranks
+from fusegate.spawn import run_ranks
 from fusegate.reference import TOLERANCE
 
 pytestmark = pytest.mark.gpu

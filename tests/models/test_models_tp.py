@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fusegate.launch import run_ranks
+from fusegate.spawn import run_ranks
 
 PROMPT, DECODE_STEPS, BATCH, CONTEXT = 5, 4, 3, 16
 

@@ -5,7 +5,7 @@ import time
 import pytest
 import torch
 
-from fusegate.launch import run_ranks
+from fusegate.spawn import run_ranks
 
 pytestmark = pytest.mark.gpu
 

@@ -2,7 +2,7 @@
 
 import torch
 
-from fusegate.launch import run_ranks
+from fusegate.spawn import run_ranks
 from fusegate.reference import (
     TOLERANCE,
     all_reduce_ref,

@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 
-from fusegate.launch import run_ranks
+from fusegate.spawn import run_ranks
 from fusegate.reference import all_reduce_residual_rmsnorm_ref, random_inputs
 
 from tune_test_strategies import PLUGINS

@@ -275,8 +275,8 @@ def _e2e_rank(rank: int, world_size: int, spec: E2ESpec) -> dict:
 
 def run_e2e(spec: E2ESpec, *, timeout_s: float = 1800.0, launch=None) -> dict:
     """Run the benchmark on `spec.tp` spawned ranks; rank 0's result dict (see `_e2e_rank`).
-    `launch` replaces `fusegate.launch.run_ranks` (same signature; the CLI's adds its warning format)."""
-    from fusegate.launch import run_ranks
+    `launch` replaces `fusegate.spawn.run_ranks` (same signature; the CLI's adds its warning format)."""
+    from fusegate.spawn import run_ranks
 
     device = resolve_device(spec)
     spec.config().check_world_size(spec.tp)

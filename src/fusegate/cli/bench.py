@@ -140,7 +140,7 @@ def run(args) -> int:
     from fusegate.bench.e2e import e2e_rows, run_e2e
     from fusegate.bench.results import append_rows, results_file
     from fusegate.cli.ranks import describe_failure, spawn
-    from fusegate.launch import RankFailure
+    from fusegate.spawn import RankFailure
 
     spec, _ = resolve_spec_ranks(spec, args)
     started = time.perf_counter()

@@ -53,7 +53,7 @@ def run(args) -> int:
 
     from fusegate.bench.profile import profile_rank
     from fusegate.cli.ranks import describe_failure, spawn
-    from fusegate.launch import RankFailure
+    from fusegate.spawn import RankFailure
 
     spec, ranks = resolve_spec_ranks(spec, args)
     try:

@@ -9,7 +9,7 @@ adds the flags):
 - `--shared-gpu`: gloo with CUDA tensors, all ranks on the current GPU; a functional check of the
   GPU code paths on one GPU, timings not representative.
 
-`spawn(fn, N, ...)` is `fusegate.launch.run_ranks` with `fn` run through `rank_entry`, which makes
+`spawn(fn, N, ...)` is `fusegate.spawn.run_ranks` with `fn` run through `rank_entry`, which makes
 the rank print fusegate's warnings as one plain line (the library's `warnings.warn` would show the
 file, the line number and the caller's source line). `describe_failure` turns a `RankFailure`
 into one line per distinct error, naming the ranks; the full tracebacks go to the debug log
@@ -96,7 +96,7 @@ def rank_entry(rank: int, world_size: int, fn: Callable[..., Any], *args: Any) -
 
 def spawn(fn: Callable[..., Any], world_size: int, *, backend: str, args: tuple = (), timeout_s: float,
           env: dict[str, str] | None = None) -> list[Any]:
-    from fusegate.launch import run_ranks
+    from fusegate.spawn import run_ranks
 
     return run_ranks(rank_entry, world_size, backend=backend, args=(fn, *args), timeout_s=timeout_s, env=env)
 

@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
         problems = [(c.op, c.num_tokens, c.hidden, c.dtype, c.has_residual) for c in cases]
         reject_not_admitted(args.strategy, problems, world_size=ranks.world_size, backend=ranks.backend,
                             device=ranks.device)
-    from fusegate.launch import RankFailure
+    from fusegate.spawn import RankFailure
 
     started = time.perf_counter()
     env = {"TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES": "1"} if ranks.shared_gpu else {}

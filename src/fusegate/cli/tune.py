@@ -122,7 +122,7 @@ def run(args) -> int:
     if strategies:
         _reject_unservable(strategies, [(op, t, h, args.dtype, op == "all_reduce_residual_rmsnorm")
                                         for op in ops for h in sizes for t in buckets], world_size, backend, device)
-    from fusegate.launch import RankFailure
+    from fusegate.spawn import RankFailure
     from fusegate.tune.tuner import TuneSpec
 
     try:

@@ -79,7 +79,7 @@ def run(args) -> int:
     if args.baseline is not None:
         reject_not_admitted([args.baseline], problems, world_size=world_size, backend=backend, device=device,
                             flag="--baseline")
-    from fusegate.launch import RankFailure
+    from fusegate.spawn import RankFailure
 
     started = time.perf_counter()
     try:
