@@ -21,7 +21,7 @@ def test_selftest_two_ranks_passes_and_prints_the_table(capsys):
 
 
 def test_selftest_json_and_a_wrong_strategy_fails_with_exit_1(capsys, monkeypatch):
-    monkeypatch.setenv("FUSEGATE_STRATEGIES", "drops_last_rank=plugins.broken:DropsLastRankStrategy")
+    monkeypatch.setenv("FUSEGATE_STRATEGIES", "drops_last_rank=support.broken_strategy:DropsLastRankStrategy")
     monkeypatch.setenv("PYTHONPATH", TESTS_DIR + os.pathsep + os.environ.get("PYTHONPATH", ""))
     code = main(["selftest", "--world-size", "2", "--strategy", "drops_last_rank", "--strategy", "reference",
                  "--repeats", "1", "--json"])

@@ -11,7 +11,7 @@ from fusegate.cli.main import main
 from fusegate.probe import probe
 from fusegate.tune.table import load, versions_of
 
-from tune_test_strategies import PLUGINS
+from support.tune_test_strategies import PLUGINS
 
 TESTS_DIR = str(Path(__file__).resolve().parents[1])
 
@@ -57,7 +57,7 @@ def test_verify_exits_1_on_revert(monkeypatch, capsys, tmp_path):
 def test_verify_json_is_strict_when_nothing_was_measured(capsys, monkeypatch):
     # drops_last_rank is admitted but fails correctness: the bucket is REVERT with the reason and no
     # times, which --json prints as null (Python's json would otherwise write NaN, which is not JSON).
-    monkeypatch.setenv("FUSEGATE_STRATEGIES", "drops_last_rank=plugins.broken:DropsLastRankStrategy")
+    monkeypatch.setenv("FUSEGATE_STRATEGIES", "drops_last_rank=support.broken_strategy:DropsLastRankStrategy")
     monkeypatch.setenv("PYTHONPATH", TESTS_DIR + os.pathsep + os.environ.get("PYTHONPATH", ""))
     rc = main(["verify", "--strategy", "drops_last_rank", "--baseline", "reference", "--hidden", "64",
                "--max-tokens", "1", "--world-size", "2", "--device", "cpu", "--rounds", "2", "--json"])
