@@ -1,10 +1,10 @@
 """Allreduce + residual-add + RMSNorm over N ranks: every admitted fusegate strategy against the
 unfused and third-party baselines, per hidden size and token bucket, in one run.
 
-    python benchmarks/sweep_allreduce_norm.py                       # one NCCL rank per GPU (up to 8)
-    python benchmarks/sweep_allreduce_norm.py --peer-gbps 370 --plot sweep.png   # with the floor
-    python benchmarks/sweep_allreduce_norm.py --cpu-smoke --out /tmp/sweep.jsonl # 2 gloo CPU ranks
-    python benchmarks/sweep_allreduce_norm.py --shared-gpu --out /tmp/sweep.jsonl # 2 ranks on GPU 0
+    python benchmarks/bench_allreduce_norm.py                       # one NCCL rank per GPU (up to 8)
+    python benchmarks/bench_allreduce_norm.py --peer-gbps 370 --plot sweep.png   # with the floor
+    python benchmarks/bench_allreduce_norm.py --cpu-smoke --out /tmp/sweep.jsonl # 2 gloo CPU ranks
+    python benchmarks/bench_allreduce_norm.py --shared-gpu --out /tmp/sweep.jsonl # 2 ranks on GPU 0
 
 Providers: `fusegate/<strategy>` for every strategy the registry admits for the problem (one not
 admitted is listed with its admission reason); `fusegate/nccl_epilogue` is the nccl+epilogue baseline.

@@ -1,4 +1,4 @@
-"""`benchmarks/sweep_allreduce_norm.py --cpu-smoke` for real: 2 gloo CPU ranks, tiny sizes.
+"""`benchmarks/bench_allreduce_norm.py --cpu-smoke` for real: 2 gloo CPU ranks, tiny sizes.
 
 The script runs in a subprocess, as a user runs it (its ranks are spawned from its __main__). A
 test-only strategy that is wrong on rank 1 (tests/support/tune_test_strategies.py, registered through
@@ -17,7 +17,7 @@ import pytest
 from fusegate.bench.results import read_rows
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "sweep_allreduce_norm.py"
+SCRIPT = ROOT / "benchmarks" / "bench_allreduce_norm.py"
 HIDDENS, BUCKETS, PEER_GBPS = (32, 48), (1, 2, 3), 10.0
 TIMED = {"fusegate/reference", "fusegate/ring", "nccl+eager"}
 GPU_ONLY = {"fusegate/nccl_epilogue", "fusegate/nccl_eager", "fusegate/oneshot", "fusegate/twoshot"}
