@@ -16,6 +16,8 @@ import pytest
 
 from fusegate.bench.results import read_rows
 
+pytestmark = pytest.mark.gloo
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "bench_allreduce_norm.py"
 HIDDENS, BUCKETS, PEER_GBPS = (32, 48), (1, 2, 3), 10.0

@@ -17,6 +17,7 @@ TESTS_DIR = str(Path(__file__).resolve().parents[1])
 
 
 @pytest.mark.slow
+@pytest.mark.gloo
 def test_tune_writes_a_table_that_loads(tmp_path, capsys):
     rc = main(["tune", "--hidden", "64", "--max-tokens", "2", "--world-size", "2", "--op", "all_reduce_residual_rmsnorm",
                "--rounds", "5", "--confirm-rounds", "5", "--cache-dir", str(tmp_path), "--json",
@@ -41,6 +42,7 @@ def test_tune_writes_a_table_that_loads(tmp_path, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.gloo
 def test_verify_exits_1_on_revert(monkeypatch, capsys, tmp_path):
     monkeypatch.setenv("FUSEGATE_STRATEGIES", PLUGINS)
     rc = main(["verify", "--strategy", "slow_broadcast", "--baseline", "reference", "--hidden", "64",
@@ -54,6 +56,7 @@ def test_verify_exits_1_on_revert(monkeypatch, capsys, tmp_path):
         ("slow_broadcast", "candidate", "REVERT"), ("reference", "baseline", "REVERT")}
 
 
+@pytest.mark.gloo
 def test_verify_json_is_strict_when_nothing_was_measured(capsys, monkeypatch):
     # drops_last_rank is admitted but fails correctness: the bucket is REVERT with the reason and no
     # times, which --json prints as null (Python's json would otherwise write NaN, which is not JSON).

@@ -39,6 +39,7 @@ def _alive(pid: int) -> bool:
 @pytest.mark.parametrize("target,sig", [("parent", signal.SIGKILL), ("parent", signal.SIGTERM),
                                         ("parent", signal.SIGINT), ("rank", signal.SIGKILL)],
                          ids=["parent-SIGKILL", "parent-SIGTERM", "parent-SIGINT", "rank-SIGKILL"])
+@pytest.mark.gloo
 def test_a_killed_tune_takes_every_rank_with_it_and_writes_no_table(tmp_path, target, sig):
     cache, pids = tmp_path / "cache", tmp_path / "pids"
     pids.mkdir()

@@ -19,6 +19,8 @@ from fusegate.reference import all_reduce_ref, small_integer_inputs
 
 from .test_table_faults import _resigned, _set, _table
 
+pytestmark = pytest.mark.gloo
+
 H = 16
 WORLD_SIZE = 3
 

@@ -20,6 +20,7 @@ def interpreted(monkeypatch):
     fabric._KERNELS = None
 
 
+@pytest.mark.interpreter
 def test_copy_scatter_and_chase_kernels_compute_what_they_time(interpreted):
     copy_kernel, scatter_kernel, chase_kernel = interpreted
     n = 3 * fabric._BLOCK - 5  # a ragged last program

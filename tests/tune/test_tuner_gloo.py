@@ -15,6 +15,8 @@ from fusegate.reference import all_reduce_residual_rmsnorm_ref, random_inputs
 
 from support.tune_test_strategies import PLUGINS
 
+pytestmark = pytest.mark.gloo
+
 H = 64
 BUCKETS = (1, 2, 4, 8)
 ENV = {"FUSEGATE_STRATEGIES": PLUGINS, "PYTHONPATH": os.path.dirname(os.path.dirname(__file__))}
