@@ -22,7 +22,7 @@ step "quant benchmark" "${QUANT_LIMIT:-170}" bash -c "cd benchmarks && python3 b
   ${QUANT_ARGS:---tokens 1 64 4096 16384 --hidden 6144 7168} > $OUT/quant.log 2>&1"
 nvidia-cuda-mps-control -d && echo "MPS on"
 step "gpu tests" "${TEST_LIMIT:-240}" bash -c "python3 -m pytest -q -rs -p no:cacheprovider ${TESTS:-tests/kernels/test_gpu_faults.py \
-  tests/kernels/test_quant_gpu.py tests/tune/test_measure_gpu.py tests/kernels/test_gpu.py} > $OUT/gpu_tests.txt 2>&1"
+  tests/kernels/test_quant_gpu.py tests/test_timing_gpu.py tests/kernels/test_gpu.py} > $OUT/gpu_tests.txt 2>&1"
 echo quit | nvidia-cuda-mps-control
 tail -4 "$OUT/gpu_tests.txt"; grep -E "FAILED|Error" "$OUT/gpu_tests.txt" | head -20
 tail -45 "$OUT/quant.log"

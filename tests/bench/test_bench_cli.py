@@ -11,6 +11,7 @@ from fusegate.cli.main import main
 
 
 @pytest.mark.slow
+@pytest.mark.gloo
 def test_bench_e2e_cpu_json(tmp_path, capsys):
     code = main(["bench", "e2e", "--preset", "tiny", "--layers", "2", "--experts", "8", "--batch", "1,3",
                  "--steps", "2", "--min-seconds", "0", "--prompt-len", "4", "--context", "16",
@@ -56,6 +57,7 @@ def test_bench_e2e_bad_batch_list(capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.gloo
 def test_profile_cpu_json_plot_rows(tmp_path, capsys):
     png = tmp_path / "stages.png"
     code = main(["profile", "--preset", "tiny", "--batch", "2", "--steps", "2", "--prompt-len", "4", "--context", "16",

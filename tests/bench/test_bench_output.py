@@ -24,6 +24,7 @@ def empty_cwd(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.gloo
 def test_profile_writes_nothing_unasked_and_prints_clean_lines(empty_cwd, capfd):
     assert main(["profile", *TINY, "--batch", "2", "--steps", "2", "--fusion", "on"]) == 0
     out, err = capfd.readouterr()
@@ -39,6 +40,7 @@ def test_profile_writes_nothing_unasked_and_prints_clean_lines(empty_cwd, capfd)
 
 
 @pytest.mark.slow
+@pytest.mark.gloo
 def test_bench_e2e_writes_nothing_unasked_and_its_tune_hint_is_accepted(empty_cwd, capfd):
     assert main(["bench", "e2e", *TINY, "--batch", "1", "--fusion", "on", "--steps", "2", "--min-seconds", "0"]) == 0
     out, _ = capfd.readouterr()

@@ -4,11 +4,14 @@ import json
 import os
 from pathlib import Path
 
+import pytest
+
 from fusegate.cli.main import main
 
 TESTS_DIR = str(Path(__file__).resolve().parents[1])
 
 
+@pytest.mark.gloo
 def test_selftest_two_ranks_passes_and_prints_the_table(capsys):
     code = main(["selftest", "--world-size", "2", "--strategy", "reference", "--repeats", "2"])
     out = capsys.readouterr().out
@@ -20,8 +23,9 @@ def test_selftest_two_ranks_passes_and_prints_the_table(capsys):
     assert out.rstrip().splitlines()[-1].startswith("selftest PASSED: 21 passed, 0 failed (reference) on 2 gloo rank(s) in ")
 
 
+@pytest.mark.gloo
 def test_selftest_json_and_a_wrong_strategy_fails_with_exit_1(capsys, monkeypatch):
-    monkeypatch.setenv("FUSEGATE_STRATEGIES", "drops_last_rank=plugins.broken:DropsLastRankStrategy")
+    monkeypatch.setenv("FUSEGATE_STRATEGIES", "drops_last_rank=support.broken_strategy:DropsLastRankStrategy")
     monkeypatch.setenv("PYTHONPATH", TESTS_DIR + os.pathsep + os.environ.get("PYTHONPATH", ""))
     code = main(["selftest", "--world-size", "2", "--strategy", "drops_last_rank", "--strategy", "reference",
                  "--repeats", "1", "--json"])

@@ -4,8 +4,12 @@ run's buckets, never the cached rows of an earlier run stamped anew; the saved t
 import json
 import re
 
+import pytest
+
 from fusegate.bench.results import read_rows
 from fusegate.cli.main import main
+
+pytestmark = pytest.mark.gloo
 
 BASE = ["tune", "--hidden", "64", "--world-size", "2", "--device", "cpu", "--op", "all_reduce_residual_rmsnorm",
         "--strategies", "reference,ring", "--rounds", "2", "--confirm-rounds", "2"]

@@ -13,13 +13,14 @@ import pytest
 
 from fusegate.diagnose.sampler import Sampler, open_nvml, process_tree
 
-from . import fake_nvml
+from support import fake_nvml
+from support.fake_nvml import FakeNvml
 from .cli_helpers import run_cli, run_cli_json
 
 
 @pytest.fixture
 def nv(monkeypatch):
-    fake = fake_nvml.make(2)
+    fake = FakeNvml(2)
     monkeypatch.setitem(sys.modules, "pynvml", fake)
     return fake
 
@@ -27,8 +28,8 @@ def nv(monkeypatch):
 def check_readings(doc):
     for g in doc["gpus"]:
         i = g["gpu"]
-        assert g["power_mean_w"] == fake_nvml.power_w(i) and g["power_limit_w"] == fake_nvml.LIMIT_W
-        assert g["power_fraction_mean"] == pytest.approx(fake_nvml.power_w(i) / fake_nvml.LIMIT_W)
+        assert g["power_mean_w"] == fake_nvml.power_w(i) and g["power_limit_w"] == fake_nvml.limit_w(i)
+        assert g["power_fraction_mean"] == pytest.approx(fake_nvml.power_w(i) / fake_nvml.limit_w(i))
         assert g["util_mean_pct"] == fake_nvml.util_pct(i)
         assert (g["sm_clock_mean_mhz"], g["sm_clock_max_mhz"]) == (1500, 1980)
         assert g["mem_used_max_bytes"] == (3 + i) * fake_nvml.GIB and g["name"] == "Fake GPU"
@@ -43,13 +44,13 @@ def test_command_mode_reports_the_child_exit_code_and_its_gpu_memory(nv, monkeyp
     assert "child says hi" in err
     assert code == 1 and doc["exit_code"] == 3 and "status 3" in err
     assert doc["mode"] == "command" and doc["command"] == [sys.executable, "-c", child]
-    assert doc["source"] == "nvml" and doc["driver"] == "999.1" and doc["interrupted"] is False
+    assert doc["source"] == "nvml" and doc["driver"] == fake_nvml.DRIVER and doc["interrupted"] is False
     check_readings(doc)
     assert doc["gpus"][0]["target_mem_max_bytes"] == fake_nvml.PROC_MEM_BYTES
     assert doc["gpus"][1]["target_mem_max_bytes"] == 0
     per_gpu = [g["num_samples"] for g in doc["gpus"]]
     assert per_gpu[0] == per_gpu[1] and 10 <= per_gpu[0] <= 0.6 / 0.02 + 40  # slow start-up on 2 cores
-    assert nv.calls == {"init": 1, "shutdown": 1}
+    assert (nv.init_calls, nv.shutdown_calls) == (1, 1)
 
 
 def test_duration_mode_samples_on_schedule(nv, monkeypatch, capfd):
@@ -95,18 +96,18 @@ def test_duration_stops_a_longer_command(nv, monkeypatch, capfd):
 def test_table_and_live_status(nv, monkeypatch, capfd):
     code, out, _ = run_cli(monkeypatch, capfd, "--duration", "0.3", "--interval", "0.05")
     assert code == 0
-    assert "Fake GPU" in out and "200 / 200" in out and "300 / 300" in out
-    assert "uneven" not in out  # 29% vs 43% of the limit: a spread of 0.14, under 0.15
+    assert "Fake GPU" in out and "200 / 200" in out and "250 / 250" in out
+    assert "uneven" not in out  # 29% of 700 W vs 42% of 600.5 W: a spread of 0.13, under 0.15
 
 
 def test_unstartable_command_exits_2(nv, monkeypatch, capfd):
     code, _, err = run_cli(monkeypatch, capfd, "--", "/nonexistent/fusegate-test-binary")
     assert code == 2 and "cannot start '/nonexistent/fusegate-test-binary'" in err
-    assert nv.calls == {"init": 1, "shutdown": 1}
+    assert (nv.init_calls, nv.shutdown_calls) == (1, 1)
 
 
 def test_unsupported_reading_is_none_and_noted(monkeypatch, capfd):
-    monkeypatch.setitem(sys.modules, "pynvml", fake_nvml.make(1, power_supported=False))
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml(1, power_supported=False))
     code, doc, _ = run_cli_json(monkeypatch, capfd, "--duration", "0.2", "--interval", "0.05")
     assert code == 0
     assert doc["gpus"][0]["power_mean_w"] is None and doc["gpus"][0]["util_mean_pct"] == 90
@@ -114,7 +115,7 @@ def test_unsupported_reading_is_none_and_noted(monkeypatch, capfd):
 
 
 def test_no_gpu_exits_2(monkeypatch, capfd):
-    monkeypatch.setitem(sys.modules, "pynvml", fake_nvml.make(0))
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml(0))
     code, _, err = run_cli(monkeypatch, capfd, "--duration", "1")
     assert code == 2 and "NVML sees no NVIDIA GPU" in err
 

@@ -5,7 +5,7 @@ captured in a CUDA graph and replayed.
 The processes talk over gloo (NCCL refuses two ranks on one GPU) and handshake on a separate gloo
 CPU group, as engines pass theirs; CUDA IPC maps the peer buffers. The engines' own modules are
 not imported here: on the GPU machines they need their compiled extensions, built for a newer torch
-(the CPU tests run the engines' code). Start MPS first for speed (benchmarks/gpu_check_kernels.py).
+(the CPU tests run the engines' code). Start MPS first for speed (benchmarks/device/gpu_check_kernels.py).
 """
 
 import pytest

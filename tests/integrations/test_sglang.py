@@ -19,6 +19,8 @@ from fusegate.reference import all_reduce_residual_rmsnorm_ref, random_inputs, s
 
 import engine_env
 
+pytestmark = pytest.mark.gloo
+
 H, TOKENS, WORLD = 256, 5, 2
 
 

@@ -126,6 +126,7 @@ def _cpu_group_rank(rank, world_size):
     return {"handshakes_on_cpu": bool(handshakes) and all(g is cpu_group for g in handshakes), "out": got}
 
 
+@pytest.mark.gloo
 def test_communicator_handshakes_on_cpu_group():
     results = run_ranks(_cpu_group_rank, 2, timeout_s=120)
     xs = [small_integer_inputs(r, 3, H, torch.bfloat16) for r in range(2)]

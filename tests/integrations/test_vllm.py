@@ -22,6 +22,8 @@ from fusegate.reference import TOLERANCE, all_reduce_residual_rmsnorm_ref, rando
 
 import engine_env
 
+pytestmark = pytest.mark.gloo
+
 H, TOKENS, WORLD = 256, 5, 2
 
 

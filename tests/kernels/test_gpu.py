@@ -2,7 +2,7 @@
 
 The processes talk over gloo and map each other's buffers through CUDA IPC (symmetric memory with
 overlapping devices allowed), the production path except for the fabric. Start MPS first for
-speed (benchmarks/gpu_check_kernels.py does); without it the processes time-slice the GPU and
+speed (benchmarks/device/gpu_check_kernels.py does); without it the processes time-slice the GPU and
 each collective call takes up to a fraction of a second, which the timeouts here allow.
 Every output is poisoned with NaN before each call (through the launchers' `out=` buffers, or by
 leaving NaN in the allocator's cache before an API call that allocates).

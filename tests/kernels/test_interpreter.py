@@ -322,7 +322,7 @@ def _quant_specs():
 
 
 def _quant_rank(rank, world_size, name):
-    from tests.foundation.test_quant_gloo import _pack
+    from tests.test_quant_gloo import _pack
 
     strategy = _strategy(name, rank, world_size, timeout_s=5.0)
     strategy.prepare(hidden=64, dtype=torch.bfloat16, max_tokens=4)
@@ -342,7 +342,7 @@ def _quant_rank(rank, world_size, name):
 @pytest.mark.parametrize("name", ["oneshot", "twoshot"])
 def test_peer_strategies_quantized_output_equals_the_reference(name):
     from fusegate.reference import all_reduce_residual_rmsnorm_quant_ref
-    from tests.foundation.test_quant_gloo import _pack
+    from tests.test_quant_gloo import _pack
 
     results = run_ranks(_quant_rank, 2, args=(name,), env=INTERP, timeout_s=300)
     xs = [small_integer_inputs(r, 3, 64, torch.bfloat16, seed=4) for r in range(2)]
@@ -368,7 +368,7 @@ def _split_quant_rank(rank, world_size, name, h, chunk):
     from fusegate.kernels.oneshot import oneshot_launch
     from fusegate.kernels.protocol import Plan
     from fusegate.kernels.twoshot import twoshot_launch
-    from tests.foundation.test_quant_gloo import _pack
+    from tests.test_quant_gloo import _pack
 
     launch = oneshot_launch if name == "oneshot" else twoshot_launch
     strategy = _strategy(name, rank, world_size, timeout_s=5.0)
@@ -397,7 +397,7 @@ def test_split_rows_quantized_in_the_peer_kernel_equal_the_reference(name):
     """Rows of three 64-element chunks: per-token FP8 exchanges each row's absmax between its
     chunks, per-group and NVFP4 scale blocks fall inside chunks, swizzled padding is zeroed."""
     from fusegate.reference import all_reduce_residual_rmsnorm_quant_ref
-    from tests.foundation.test_quant_gloo import _pack
+    from tests.test_quant_gloo import _pack
 
     h, chunk = 192, 64
     results = run_ranks(_split_quant_rank, 2, args=(name, h, chunk), env=INTERP, timeout_s=600)

@@ -12,6 +12,8 @@ import torch
 
 from fusegate.spawn import run_ranks
 
+pytestmark = pytest.mark.gloo
+
 PROMPT, DECODE_STEPS, BATCH, CONTEXT = 5, 4, 3, 16
 
 

@@ -10,7 +10,7 @@ import pytest
 from fusegate.probe import probe
 from fusegate.probe.capabilities import GpuInfo
 from fusegate.probe.nvml import read_nvml
-from .fake_nvml import FakeNvml
+from support.fake_nvml import FakeNvml
 
 
 def gpu(index, uuid, pci_bus_id):

@@ -12,7 +12,7 @@ import fusegate.probe.links as links_module
 from fusegate.probe import probe
 from fusegate.probe.links import _loaded_libraries
 
-from .fake_nvml import FakeNvml
+from support.fake_nvml import FakeNvml
 
 
 def props(uuid_head, bus):

@@ -7,10 +7,10 @@
     idle    the host sleeps; no kernel runs
 
 Writes the wall-clock start and end of each phase to --phases (JSON), so a recording made by
-`fusegate diagnose --save` can be cut into phases (benchmarks/diagnose_phases.py). Usage:
+`fusegate diagnose --save` can be cut into phases (benchmarks/device/diagnose_phases.py). Usage:
 
     fusegate diagnose --json --png plot.png --save samples.json -- \
-        python3 benchmarks/diagnose_workload.py --phases phases.json
+        python3 benchmarks/device/diagnose_workload.py --phases phases.json
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Time to the first useful result on a fresh machine: the README's main set-up command in a new
 # virtual environment with pip's cache off, each step timed, from the checkout this script is in.
-#   bash benchmarks/time_to_first_result.sh        # prints one line of seconds per step
+#   bash benchmarks/device/time_to_first_result.sh        # prints one line of seconds per step
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 export PIP_NO_CACHE_DIR=1

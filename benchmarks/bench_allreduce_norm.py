@@ -1,10 +1,10 @@
 """Allreduce + residual-add + RMSNorm over N ranks: every admitted fusegate strategy against the
 unfused and third-party baselines, per hidden size and token bucket, in one run.
 
-    python benchmarks/sweep_allreduce_norm.py                       # one NCCL rank per GPU (up to 8)
-    python benchmarks/sweep_allreduce_norm.py --peer-gbps 370 --plot sweep.png   # with the floor
-    python benchmarks/sweep_allreduce_norm.py --device cpu --out /tmp/sweep.jsonl # 2 gloo CPU ranks, tiny sizes
-    python benchmarks/sweep_allreduce_norm.py --shared-gpu --out /tmp/sweep.jsonl # 2 ranks on GPU 0
+    python benchmarks/bench_allreduce_norm.py                       # one NCCL rank per GPU (up to 8)
+    python benchmarks/bench_allreduce_norm.py --peer-gbps 370 --plot sweep.png   # with the floor
+    python benchmarks/bench_allreduce_norm.py --device cpu --out /tmp/sweep.jsonl # 2 gloo CPU ranks, tiny sizes
+    python benchmarks/bench_allreduce_norm.py --shared-gpu --out /tmp/sweep.jsonl # 2 ranks on GPU 0
 
 The rank flags (`--world-size`, `--device`, `--shared-gpu`) are those of `fusegate tune`, resolved
 by the same rule (`fusegate.cli.ranks.resolve_ranks`); `--device cpu` replaces the former `--cpu-smoke`.

@@ -1,5 +1,6 @@
 """The ring strategy against the reference on 3 gloo ranks (odd world size, fewer rows than ranks)."""
 
+import pytest
 import torch
 
 from fusegate.spawn import run_ranks
@@ -11,6 +12,8 @@ from fusegate.reference import (
     relative_error,
     small_integer_inputs,
 )
+
+pytestmark = pytest.mark.gloo
 
 H = 40
 TOKENS = (1, 2, 5)

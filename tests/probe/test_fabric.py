@@ -23,6 +23,7 @@ def interpreted(monkeypatch):
     timing.reset_copy_kernel()
 
 
+@pytest.mark.interpreter
 def test_copy_scatter_and_chase_kernels_compute_what_they_time(interpreted):
     copy_kernel, scatter_kernel, chase_kernel = interpreted
     n = 3 * timing.COPY_BLOCK - 5  # a ragged last program

@@ -49,6 +49,7 @@ def _calls_rank(rank, world_size):
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.gloo
 def test_api_matches_reference_on_every_rank(world_size):
     results = run_ranks(_calls_rank, world_size, timeout_s=120)
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
@@ -122,6 +123,7 @@ def _bad_inputs_rank(rank, world_size):
     return errors
 
 
+@pytest.mark.gloo
 def test_bad_inputs_name_the_argument_and_the_fix():
     errors = run_ranks(_bad_inputs_rank, 1)[0]
     expect = {
@@ -156,6 +158,7 @@ def _debug_rank(rank, world_size):
     return None
 
 
+@pytest.mark.gloo
 def test_debug_mode_turns_a_shape_disagreement_into_an_error_naming_ranks():
     messages = run_ranks(_debug_rank, 2, timeout_s=60)
     for message in messages:
@@ -169,6 +172,7 @@ def _raising_rank(rank, world_size):
     return rank
 
 
+@pytest.mark.gloo
 def test_launcher_reports_the_failing_rank():
     with pytest.raises(RankFailure) as info:
         run_ranks(_raising_rank, 2, timeout_s=60)

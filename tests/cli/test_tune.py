@@ -11,12 +11,13 @@ from fusegate.cli.main import main
 from fusegate.probe import probe
 from fusegate.dispatch.table import load, versions_of
 
-from tune_test_strategies import PLUGINS
+from support.tune_test_strategies import PLUGINS
 
 TESTS_DIR = str(Path(__file__).resolve().parents[1])
 
 
 @pytest.mark.slow
+@pytest.mark.gloo
 def test_tune_writes_a_table_that_loads(tmp_path, capsys):
     rc = main(["tune", "--hidden", "64", "--max-tokens", "2", "--world-size", "2", "--op", "all_reduce_residual_rmsnorm",
                "--rounds", "5", "--confirm-rounds", "5", "--cache-dir", str(tmp_path), "--json",
@@ -41,6 +42,7 @@ def test_tune_writes_a_table_that_loads(tmp_path, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.gloo
 def test_verify_exits_1_on_revert(monkeypatch, capsys, tmp_path):
     monkeypatch.setenv("FUSEGATE_STRATEGIES", PLUGINS)
     rc = main(["verify", "--strategy", "slow_broadcast", "--baseline", "reference", "--hidden", "64",
@@ -54,10 +56,11 @@ def test_verify_exits_1_on_revert(monkeypatch, capsys, tmp_path):
         ("slow_broadcast", "candidate", "REVERT"), ("reference", "baseline", "REVERT")}
 
 
+@pytest.mark.gloo
 def test_verify_json_is_strict_when_nothing_was_measured(capsys, monkeypatch):
     # drops_last_rank is admitted but fails correctness: the bucket is REVERT with the reason and no
     # times, which --json prints as null (Python's json would otherwise write NaN, which is not JSON).
-    monkeypatch.setenv("FUSEGATE_STRATEGIES", "drops_last_rank=plugins.broken:DropsLastRankStrategy")
+    monkeypatch.setenv("FUSEGATE_STRATEGIES", "drops_last_rank=support.broken_strategy:DropsLastRankStrategy")
     monkeypatch.setenv("PYTHONPATH", TESTS_DIR + os.pathsep + os.environ.get("PYTHONPATH", ""))
     rc = main(["verify", "--strategy", "drops_last_rank", "--baseline", "reference", "--hidden", "64",
                "--max-tokens", "1", "--world-size", "2", "--device", "cpu", "--rounds", "2", "--json"])

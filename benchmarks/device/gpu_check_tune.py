@@ -1,9 +1,9 @@
 """One device run for selection by measurement: fabric-probe GPU tests, tune and verify on one GPU.
 
-    PYTHONPATH=src python3 benchmarks/gpu_check_tune.py --out-dir $OUT      # on the GPU machine
-    PYTHONPATH=src python benchmarks/gpu_check_tune.py --cpu-smoke --out-dir /tmp/x   # dry run on CPU
+    PYTHONPATH=src python3 benchmarks/device/gpu_check_tune.py --out-dir $OUT      # on the GPU machine
+    PYTHONPATH=src python benchmarks/device/gpu_check_tune.py --cpu-smoke --out-dir /tmp/x   # dry run on CPU
 
-1. `pytest tests/tune/test_fabric.py`: the probe kernels on one GPU (peer pairs need 2+ GPUs:
+1. `pytest tests/probe/test_fabric.py`: the probe kernels on one GPU (peer pairs need 2+ GPUs:
    on one GPU the multi_gpu test skips, and measure_fabric's refusal with one GPU is checked);
 2. `fusegate doctor --measure --json`: what doctor reports for the fabric on this machine;
 3. MPS on (when available), so the 2 rank processes sharing the GPU run concurrently;
@@ -108,7 +108,7 @@ def main(argv=None) -> int:
     cache = Path("/tmp/fusegate-gpu-check-cache")
     shutil.rmtree(cache, ignore_errors=True)
     os.environ["FUSEGATE_CACHE_DIR"] = str(cache)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
     import torch
 
     from fusegate.presets import get_preset
@@ -134,7 +134,7 @@ def main(argv=None) -> int:
     note(facts)
 
     code, _ = _run("fabric tests", [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
-                                    "tests/tune/test_fabric.py"], limit(60))
+                                    "tests/probe/test_fabric.py"], limit(60))
     note(f"fabric tests: exit {code}")
     code, _ = _run("doctor --measure", CLI + ["doctor", "--measure", "--json"], limit(30), out / "doctor.json")
     try:

@@ -82,6 +82,7 @@ def _per_step(records, name, stage):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fusion", [False, True])
+@pytest.mark.gloo
 def test_cpu_trace_attribution_follows_the_model(cpu_trace, fusion):
     mode = next(m for m in cpu_trace["modes"] if m["fusion"] is fusion)
     records = mode["records"]

@@ -5,7 +5,7 @@ These are the readings the analysis thresholds are judged against (fusegate.diag
 dense GEMMs should sit far above WAIT_POWER_FRACTION, the spinning kernel below it at ~100%
 utilisation, the idle phase near 0% utilisation. Usage:
 
-    python3 benchmarks/diagnose_phases.py samples.json phases.json --out benchmarks/results/diagnose.jsonl
+    python3 benchmarks/device/diagnose_phases.py samples.json phases.json --out benchmarks/results/diagnose.jsonl
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""`benchmarks/sweep_allreduce_norm.py --device cpu` for real: 2 gloo CPU ranks, tiny sizes.
+"""`benchmarks/bench_allreduce_norm.py --device cpu` for real: 2 gloo CPU ranks, tiny sizes.
 
 The script runs in a subprocess, as a user runs it (its ranks are spawned from its __main__). A
-test-only strategy that is wrong on rank 1 (tests/tune/tune_test_strategies.py, registered through
+test-only strategy that is wrong on rank 1 (tests/support/tune_test_strategies.py, registered through
 FUSEGATE_STRATEGIES) must be rejected by the correctness check on every rank and never timed.
 """
 
@@ -16,8 +16,10 @@ import pytest
 
 from fusegate.bench.results import read_rows
 
+pytestmark = pytest.mark.gloo
+
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "sweep_allreduce_norm.py"
+SCRIPT = ROOT / "benchmarks" / "bench_allreduce_norm.py"
 HIDDENS, BUCKETS, PEER_GBPS = (32, 48), (1, 2, 3), 10.0
 TIMED = {"fusegate/reference", "fusegate/ring"}
 GPU_ONLY = {"fusegate/nccl_epilogue", "fusegate/nccl_eager", "fusegate/oneshot", "fusegate/twoshot"}
@@ -27,8 +29,8 @@ THIRD_PARTY = {"symm_mem_oneshot+epilogue", "symm_mem_twoshot+epilogue", "flashi
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     out = tmp_path_factory.mktemp("sweep") / "sweep.jsonl"
-    env = dict(os.environ, FUSEGATE_STRATEGIES="wrong_on_rank_one=tune_test_strategies:WrongOnRankOne",
-               PYTHONPATH=os.pathsep.join([str(ROOT / "tests" / "tune"), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, FUSEGATE_STRATEGIES="wrong_on_rank_one=support.tune_test_strategies:WrongOnRankOne",
+               PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--device", "cpu", "--hidden", ",".join(map(str, HIDDENS)), "--max-tokens", "3",
          "--trials", "3", "--warmup", "1", "--peer-gbps", str(PEER_GBPS), "--out", str(out)],

@@ -5,10 +5,10 @@
 # $OUT/gpu_check.tar.gz (the device returns only a few files) plus $OUT/all.log:
 #   foundation/  doctor.txt, doctor.json, selftest_ws1.txt, selftest_ws2_shared.json
 #   gputests/    pytest -m gpu for every part (kernels and tune under MPS: ranks share the GPU)
-#   tune/        benchmarks/gpu_check_tune.py (fabric tests, doctor --measure, tune + verify, 2 ranks on 1 GPU)
-#   e2e/         benchmarks/gpu_check_e2e.py (bench e2e on a GLM-5 cut, profile)
-#   diagnose/    benchmarks/diagnose_device_check.sh (diagnose over a 3-phase workload)
-# Usage on the device machine, from the repository root:  OUT=/some/dir bash benchmarks/gpu_check_all.sh
+#   tune/        benchmarks/device/gpu_check_tune.py (fabric tests, doctor --measure, tune + verify, 2 ranks on 1 GPU)
+#   e2e/         benchmarks/device/gpu_check_e2e.py (bench e2e on a GLM-5 cut, profile)
+#   diagnose/    benchmarks/device/diagnose_device_check.sh (diagnose over a 3-phase workload)
+# Usage on the device machine, from the repository root:  OUT=/some/dir bash benchmarks/device/gpu_check_all.sh
 set -o pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" COLUMNS=160
@@ -37,12 +37,12 @@ python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('selftest ws2
 
 G="$WORK/gputests"
 nvidia-cuda-mps-control -d && echo "MPS on"
-step "gpu tests: kernels, tune" 150 bash -c "python3 -m pytest -q -rs -m 'gpu or multi_gpu' -p no:cacheprovider tests/kernels tests/tune > $G/kernels_tune.txt 2>&1"
+step "gpu tests: kernels, tune" 150 bash -c "python3 -m pytest -q -rs -m 'gpu or multi_gpu' -p no:cacheprovider tests/kernels tests/probe/test_fabric.py tests/test_timing_gpu.py > $G/kernels_tune.txt 2>&1"
 echo quit | nvidia-cuda-mps-control && echo "MPS off"
-step "gpu tests: models, bench, diagnose, foundation" 120 bash -c "python3 -m pytest -q -rs -m 'gpu or multi_gpu' -p no:cacheprovider tests/models tests/bench tests/diagnose tests/foundation tests/cli tests/probe > $G/others.txt 2>&1"
+step "gpu tests: models, bench, diagnose, references, cli, probe" 120 bash -c "python3 -m pytest -q -rs -m 'gpu or multi_gpu' -p no:cacheprovider tests/models tests/bench tests/diagnose tests/test_reference.py tests/cli tests/probe --ignore=tests/probe/test_fabric.py > $G/others.txt 2>&1"
 tail -n 15 "$G/kernels_tune.txt" "$G/others.txt"
 
-step "tune + verify" 130 python3 benchmarks/gpu_check_tune.py --out-dir "$WORK/tune" --budget-s 120
-step "bench e2e + profile" 120 python3 benchmarks/gpu_check_e2e.py --out-dir "$WORK/e2e" --budget-s 110 --no-tests
-step "diagnose" 90 env OUT="$WORK/diagnose" bash benchmarks/diagnose_device_check.sh
+step "tune + verify" 130 python3 benchmarks/device/gpu_check_tune.py --out-dir "$WORK/tune" --budget-s 120
+step "bench e2e + profile" 120 python3 benchmarks/device/gpu_check_e2e.py --out-dir "$WORK/e2e" --budget-s 110 --no-tests
+step "diagnose" 90 env OUT="$WORK/diagnose" bash benchmarks/device/diagnose_device_check.sh
 echo "total $((SECONDS - started))s"

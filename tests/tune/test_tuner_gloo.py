@@ -1,7 +1,7 @@
 """tune and verify for real on 2 gloo ranks over CPU strategies, and the Communicator's table use.
 
-Spawned ranks find the test-only strategies through FUSEGATE_STRATEGIES (tune_test_strategies.py
-sits next to this file, on the path spawned processes inherit).
+Spawned ranks find the test-only strategies through FUSEGATE_STRATEGIES (tests/support/tune_test_strategies.py,
+imported from the tests directory, on the path spawned processes inherit).
 """
 
 import os
@@ -13,11 +13,13 @@ import torch
 from fusegate.spawn import run_ranks
 from fusegate.reference import all_reduce_residual_rmsnorm_ref, random_inputs
 
-from tune_test_strategies import PLUGINS
+from support.tune_test_strategies import PLUGINS
+
+pytestmark = pytest.mark.gloo
 
 H = 64
 BUCKETS = (1, 2, 4, 8)
-ENV = {"FUSEGATE_STRATEGIES": PLUGINS, "PYTHONPATH": os.path.dirname(__file__)}
+ENV = {"FUSEGATE_STRATEGIES": PLUGINS, "PYTHONPATH": os.path.dirname(os.path.dirname(__file__))}
 
 
 def _weight():

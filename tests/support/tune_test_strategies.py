@@ -63,7 +63,7 @@ class WrongOnRankOne(ReferenceStrategy):
 
 
 PLUGINS = ",".join(
-    f"{name}=tune_test_strategies:{cls}"
+    f"{name}=support.tune_test_strategies:{cls}"
     for name, cls in (("slow_broadcast", "SequentialBroadcast"), ("slow_fused", "SlowFused"),
                       ("reference_copy", "ReferenceCopy"), ("wrong_on_rank_one", "WrongOnRankOne"))
 )

@@ -1,15 +1,25 @@
-"""A fake pynvml module: the NVML calls the probe makes, answering from a table of devices.
+"""A fake pynvml module: the NVML calls the probe and diagnose's sampler make, answering from a table
+of devices. Pass an instance as the probe's `nvml=` argument, or put it in sys.modules["pynvml"].
 
 Models four GPUs in NVML (PCI) order; two NVLink-bridged directly (4 links), two on an NVSwitch
 (18 and 12 active links; the latter with an unreadable and five inactive links in between), cross pairs over PCIe. Functions raise FakeNVMLError like pynvml's
 NVMLError subclasses do ("Not Supported", "Insufficient Permissions").
+
+Live readings (what diagnose samples): GPU i reads power (200 + 50 i) W of its enforced limit,
+utilisation (90 - 10 i) %, SM clock 1500 of 1980 MHz, memory 3 + i GiB of 141 GiB, and lists every
+child of the test process (read from /proc) as a compute process holding PROC_MEM_BYTES on GPU 0.
+`num_gpus` keeps the first devices of the table.
 """
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 NVML_NVLINK_MAX_LINKS = 18
+DRIVER = "580.95.05"
+GIB = 1024**3
+PROC_MEM_BYTES = 7 * 1024**2
 
 
 class FakeNVMLError(Exception):
@@ -37,10 +47,26 @@ TOPOLOGY = {frozenset((0, 1)): 10, frozenset((2, 3)): 20, frozenset((0, 2)): 40,
             frozenset((1, 2)): 50, frozenset((1, 3)): 50}
 
 
+def power_w(i: int) -> float:
+    return 200.0 + 50.0 * i
+
+
+def util_pct(i: int) -> float:
+    return 90.0 - 10.0 * i
+
+
+def limit_w(i: int) -> float:
+    return DEVICES[i]["power_mw"] / 1000
+
+
 class FakeNvml:
     NVML_NVLINK_MAX_LINKS = NVML_NVLINK_MAX_LINKS
+    NVMLError = FakeNVMLError
+    NVML_CLOCK_SM, NVML_CLOCK_MEM = 1, 2
 
-    def __init__(self, *, fail_init: str | None = None, missing: tuple[str, ...] = ()):
+    def __init__(self, num_gpus: int = len(DEVICES), *, fail_init: str | None = None, missing: tuple[str, ...] = (),
+                 power_supported: bool = True):
+        self.num_gpus, self.power_supported = num_gpus, power_supported
         self.fail_init = fail_init
         self.init_calls = self.shutdown_calls = 0
         for name in missing:
@@ -55,13 +81,13 @@ class FakeNvml:
         self.shutdown_calls += 1
 
     def nvmlSystemGetDriverVersion(self):
-        return "580.95.05"
+        return DRIVER
 
     def nvmlSystemGetCudaDriverVersion(self):
         return 13000
 
     def nvmlDeviceGetCount(self):
-        return len(DEVICES)
+        return self.num_gpus
 
     def nvmlDeviceGetHandleByIndex(self, i):
         return ("handle", i)
@@ -116,3 +142,31 @@ class FakeNvml:
         assert index == 2, "the probe asks for NVML_P2P_CAPS_INDEX_NVLINK only"
         on_switch = {2, 3}
         return 0 if {h1[1], h2[1]} <= on_switch or {h1[1], h2[1]} == {0, 1} else 5
+
+    def nvmlDeviceGetName(self, h):
+        return b"Fake GPU"  # old pynvml returns bytes
+
+    def nvmlDeviceGetMemoryInfo(self, h):
+        return SimpleNamespace(total=141 * GIB, used=(3 + h[1]) * GIB, free=0)
+
+    def nvmlDeviceGetMaxClockInfo(self, h, kind):
+        return 1980 if kind == self.NVML_CLOCK_SM else 3201
+
+    def nvmlDeviceGetClockInfo(self, h, kind):
+        return 1500 if kind == self.NVML_CLOCK_SM else 3201
+
+    def nvmlDeviceGetPowerUsage(self, h):
+        if not self.power_supported:
+            raise FakeNVMLError("Not Supported")
+        return int(power_w(h[1]) * 1000)  # milliwatts, as NVML reports
+
+    def nvmlDeviceGetUtilizationRates(self, h):
+        return SimpleNamespace(gpu=int(util_pct(h[1])), memory=20)
+
+    def nvmlDeviceGetComputeRunningProcesses(self, h):
+        from fusegate.diagnose.sampler import process_tree
+
+        if h[1] != 0:
+            return []
+        me = os.getpid()
+        return [SimpleNamespace(pid=p, usedGpuMemory=PROC_MEM_BYTES) for p in process_tree(me) - {me}]

@@ -8,6 +8,8 @@ from fusegate import quant as Q
 from fusegate.spawn import run_ranks
 from fusegate.reference import all_reduce_residual_rmsnorm_quant_ref, small_integer_inputs
 
+pytestmark = pytest.mark.gloo
+
 H = 64
 M = 5
 

@@ -2,10 +2,13 @@
 hidden size 0, detached outputs (the ops are inference-only) for inputs that require grad, and
 warnings that point at the user's own line."""
 
+import pytest
 import torch
 
 from fusegate.spawn import run_ranks
 from fusegate.reference import all_reduce_residual_rmsnorm_ref, small_integer_inputs
+
+pytestmark = pytest.mark.gloo
 
 H = 32
 

@@ -1,5 +1,5 @@
 """Dispatch tables that cannot be used: each is ignored with the reason, never raised, on every rank
-alike (the gloo side is in test_agreement_gloo.py). Typed validation at load: a wrong-typed field is refused even when the digest was recomputed
+alike (the gloo side is in test_agree_gloo.py). Typed validation at load: a wrong-typed field is refused even when the digest was recomputed
 to match (the file then passes every other check), and bytes that are not UTF-8 are a reason too."""
 
 import json

@@ -1,6 +1,6 @@
 """One device run for the kernels: GPU tests, a multi-process functional check, the epilogue benchmark.
 
-    PYTHONPATH=src python benchmarks/gpu_check_kernels.py --out-dir $OUT
+    PYTHONPATH=src python benchmarks/device/gpu_check_kernels.py --out-dir $OUT
 
 1. benchmarks/bench_epilogue.py (one process, MPS off), rows to epilogue.jsonl;
 2. starts MPS (when `nvidia-cuda-mps-control` exists) so that processes sharing the GPU run

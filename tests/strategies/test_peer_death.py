@@ -20,6 +20,8 @@ import torch
 from fusegate.spawn import RankFailure, run_ranks
 from fusegate.reference import all_reduce_ref, small_integer_inputs
 
+pytestmark = pytest.mark.gloo
+
 H = 16
 WORLD_SIZE, VICTIM = 4, 1
 # name -> (Communicator arguments, who raises): the debug check runs before the strategy's call.

@@ -1,6 +1,6 @@
 """One device run for the reference model: `bench e2e` on a GLM-5 cut, `profile`, the GPU tests.
 
-    PYTHONPATH=src python benchmarks/gpu_check_e2e.py --out-dir $OUT [--layers 4 --experts 256]
+    PYTHONPATH=src python benchmarks/device/gpu_check_e2e.py --out-dir $OUT [--layers 4 --experts 256]
 
 1. `fusegate bench e2e --preset glm5 --layers L --experts E --batch 1,8,64,256,1024 --fusion both`:
    rows to <out>/results/e2e.jsonl (the default cut: 4 of GLM-5's 78 layers, all MoE, with all

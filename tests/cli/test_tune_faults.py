@@ -14,10 +14,10 @@ from fusegate.cli.main import main
 from fusegate.spawn import FAILURE_GRACE_S
 from fusegate.dispatch.table import CacheDirError, check_writable, save
 
-from test_table_faults import _table
+from dispatch.test_table_faults import _table
 
-HERE = os.path.dirname(__file__)
-SRC = os.path.join(os.path.dirname(os.path.dirname(HERE)), "src")
+TESTS = os.path.dirname(os.path.dirname(__file__))
+SRC = os.path.join(os.path.dirname(TESTS), "src")
 
 
 def _alive(pid: int) -> bool:
@@ -39,11 +39,12 @@ def _alive(pid: int) -> bool:
 @pytest.mark.parametrize("target,sig", [("parent", signal.SIGKILL), ("parent", signal.SIGTERM),
                                         ("parent", signal.SIGINT), ("rank", signal.SIGKILL)],
                          ids=["parent-SIGKILL", "parent-SIGTERM", "parent-SIGINT", "rank-SIGKILL"])
+@pytest.mark.gloo
 def test_a_killed_tune_takes_every_rank_with_it_and_writes_no_table(tmp_path, target, sig):
     cache, pids = tmp_path / "cache", tmp_path / "pids"
     pids.mkdir()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, HERE]), "FUSEGATE_TEST_PID_DIR": str(pids),
-           "FUSEGATE_STRATEGIES": "pid_then_block=blocking_strategy:PidThenBlock", "FUSEGATE_TIMEOUT_S": "2"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, TESTS]), "FUSEGATE_TEST_PID_DIR": str(pids),
+           "FUSEGATE_STRATEGIES": "pid_then_block=support.blocking_strategy:PidThenBlock", "FUSEGATE_TIMEOUT_S": "2"}
     parent = subprocess.Popen(
         [sys.executable, "-m", "fusegate.cli", "tune", "--hidden", "16", "--max-tokens", "1", "--op", "all_reduce",
          "--strategies", "reference,pid_then_block", "--world-size", "2", "--cache-dir", str(cache), "--json"],

@@ -11,7 +11,7 @@ FG="python3 -m fusegate.cli"
 $FG diagnose --help >/dev/null 2>&1 || { echo "fusegate CLI does not load (another subcommand broken?); using diagnose alone";
   FG="python3 -c 'import sys; from fusegate.cli import main as m; m.COMMANDS = (\"diagnose\",); sys.exit(m.main(sys.argv[1:]))'"; }
 nvidia-smi --query-gpu=name,power.limit,power.draw,clocks.sm,clocks.max.sm --format=csv
-eval "$FG diagnose --json --png $OUT/diagnose.png --save $OUT/samples.json -- python3 benchmarks/diagnose_workload.py --phases $OUT/phases.json" \
+eval "$FG diagnose --json --png $OUT/diagnose.png --save $OUT/samples.json -- python3 benchmarks/device/diagnose_workload.py --phases $OUT/phases.json" \
   >"$OUT/diagnose.json" 2>"$OUT/diagnose.err"
 echo "diagnose exit code: $?"
 cat "$OUT/diagnose.err"
@@ -26,6 +26,6 @@ for f in d["findings"]:
 print("notes:", d["notes"], "tick_ms_median:", d["tick_ms_median"], "png:", d["png"])
 PY
 head -c 8 "$OUT/diagnose.png" | od -c | head -1
-python3 benchmarks/diagnose_phases.py "$OUT/samples.json" "$OUT/phases.json" --out "$OUT/diagnose.jsonl"
+python3 benchmarks/device/diagnose_phases.py "$OUT/samples.json" "$OUT/phases.json" --out "$OUT/diagnose.jsonl"
 python3 -m pytest -q -p no:cacheprovider -m gpu tests/diagnose 2>&1 | tail -5
 eval "$FG diagnose --from $OUT/samples.json"

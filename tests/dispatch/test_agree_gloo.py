@@ -17,7 +17,9 @@ import torch
 from fusegate.spawn import run_ranks
 from fusegate.reference import all_reduce_ref, small_integer_inputs
 
-from test_table_faults import _resigned, _set, _table
+from .test_table_faults import _resigned, _set, _table
+
+pytestmark = pytest.mark.gloo
 
 H = 16
 WORLD_SIZE = 3
