@@ -377,7 +377,7 @@ def parse_args(argv):
     p.add_argument("--reps", type=int, default=20, help="calls per timed graph replay batch")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--peer-gbps", type=float, default=None, help="measured peer bandwidth, GB/s (fusegate doctor --measure)")
-    p.add_argument("--out", default="benchmarks/results/sweep_allreduce_norm.jsonl")
+    p.add_argument("--out", default="benchmarks/results/allreduce_norm.jsonl")
     p.add_argument("--plot", default=None, metavar="PNG")
     add_rank_args(p, default_timeout_s=3600.0)
     p.add_argument("--cpu-smoke", dest="device", nargs=0, help=argparse.SUPPRESS,
@@ -396,7 +396,7 @@ def main(argv=None) -> int:
     try:
         ranks = resolve_ranks(args.world_size, args.device, shared_gpu=args.shared_gpu)
     except UsageError as exc:
-        print(f"sweep_allreduce_norm: {exc}", file=sys.stderr)
+        print(f"bench_allreduce_norm: {exc}", file=sys.stderr)
         return 2
     world_size = ranks.world_size
     smoke = ranks.device == "cpu"

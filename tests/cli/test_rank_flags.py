@@ -110,8 +110,8 @@ def _sweep_module():
     import sys
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "sweep_allreduce_norm.py"
-    spec = importlib.util.spec_from_file_location("sweep_allreduce_norm", path)
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_allreduce_norm.py"
+    spec = importlib.util.spec_from_file_location("bench_allreduce_norm", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
@@ -129,5 +129,5 @@ def test_the_sweep_takes_the_same_rank_flags_and_its_former_cpu_smoke(capsys):
 
 def test_the_sweep_refuses_ranks_it_cannot_run_with_the_fix(capsys):
     assert _sweep_module().main(["--device", "cpu", "--shared-gpu"]) == 2
-    assert capsys.readouterr().err.strip() == ("sweep_allreduce_norm: --shared-gpu needs --device cuda (or auto on a "
+    assert capsys.readouterr().err.strip() == ("bench_allreduce_norm: --shared-gpu needs --device cuda (or auto on a "
                                                "GPU machine)")

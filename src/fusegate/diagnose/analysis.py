@@ -7,7 +7,7 @@ or a stream of tiny kernels separated by launch gaps, reads as high utilisation 
 A GPU doing dense math near its limit reads as high utilisation with high power.
 
 Thresholds are module constants; the comment on each says where its value came from. They are
-defaults chosen against the story and against readings of one H200 (benchmarks/diagnose_workload.py,
+defaults chosen against the story and against readings of one H200 (benchmarks/device/diagnose_workload.py,
 rows in benchmarks/results/diagnose.jsonl), not tuned on a fleet; `thresholds()` reports them
 with every analysis so a reader can judge a finding.
 """
