@@ -23,6 +23,10 @@ After timing, the outputs of a final replay (poisoned with NaN before it) are ch
 float64 reference, every rank's bits against rank 0's, and every error word must be zero: a
 timed-out workspace runs fast and writes NaN, so such a row is marked invalid, never reported as
 a time. Every row carries `"emulated": true` in `extra`.
+
+The graph here forks W streams and joins them inside one capture, which `fusegate.timing.capture`
+(one stream) does not do, so the capture and its replay timer are this file's own; the statistics
+of every row are `fusegate.timing.summary`'s (through `fusegate.bench.results.make_row`).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Is an architecture condition a feature gate, and what does it guard?
 
-Categories: `gate` (turns a feature, backend or code path on or off), and the non-gates the
-research lists as false positives (gate-idioms.md section 6): `helper-definition` (the body of an
-arch predicate itself), `flag-definition` (a cached flag named after an architecture, e.g.
-`_is_sm100_supported = ...`: the gates are where it is read), `test` / `test-skip`, `log` (a branch
+Categories: `gate` (turns a feature, backend or code path on or off), and the non-gates that a
+text search mistakes for gates: `helper-definition` (the body of an arch predicate itself),
+`flag-definition` (a cached flag named after an architecture, e.g. `_is_sm100_supported = ...`:
+the gates are where it is read), `test` / `test-skip`, `log` (a branch
 that only logs) and `message` (a condition inside a log or error message).
 """
 
@@ -32,7 +32,7 @@ LOG_CALLS = {
     "debug_once", "print", "print_once", "log", "log_info_on_rank0", "print_warning_once",
 }
 SKIP_CALLS = {"skip", "skipTest", "skipif", "skipIf", "skipUnless", "xfail"}
-# Words that, near an exclusion, say it is deliberate (gate-idioms.md section 3.14).
+# Words that, near an exclusion, say it is deliberate.
 HARDWARE_WORDS = re.compile(
     r"tcgen05|\btmem\b|wgmma|\btma\b|multicast|cvt\.rs|illegal instruction|datacenter|"
     r"not supported on|unsupported on|lacks?\b|corrupt",

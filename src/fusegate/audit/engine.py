@@ -27,7 +27,7 @@ from fusegate.audit.resolve import Resolver
 from fusegate.audit.scan import ModuleScanner, Site
 from fusegate.audit.target import SourceSkip, Target, decode_source, read_bytes, resolve_target, stream_matches
 
-# Text that any Python file holding an architecture condition contains (gate-idioms.md sections 3.1-3.13).
+# Text that any Python file holding an architecture condition contains.
 # Plain substring tests and a regex with a literal prefix: an alternation with IGNORECASE took
 # seconds over sglang's 68 MB of Python.
 _TEXT_RE = re.compile(r"sm_?\d{2,3}|sm\d+x")

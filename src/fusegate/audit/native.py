@@ -103,7 +103,7 @@ def _finding(rel, line, kind, condition, value: ArchBool, language, guards):
     )
 
 
-# Runtime capability integers in C++ (gate-idioms.md 4.4): `if (sm >= 100 && sm < 120)`,
+# Runtime capability integers in C++: `if (sm >= 100 && sm < 120)`,
 # `return smVersion == 100 || smVersion == 103;`, `TVM_FFI_ICHECK(sm_version >= 100)`.
 _CAP_NAME = r"(?:sm|sm_?version|smVersion|sm_?ver|sm_?arch|cap|cc|capability|cuda_device_capability|compute_capability|device_sm|arch)"
 _CAP_CALL_RE = re.compile(r"\b(?:getSMVersion|get_sm_version|GetCudaComputeCapability|getSmVersion)\s*\(\s*\)")

@@ -333,7 +333,7 @@ class ModuleScanner:
         guards = lambda: " = ".join(ast.unparse(t) for t in targets)  # noqa: E731
         table = self._table_lookup(stmt.value, local, attrs)
         if table is not None:
-            # `LIMITS.get(cap, {})`: no conditional at all, the gate is a missing key (gate-idioms.md 3.8).
+            # `LIMITS.get(cap, {})`: no conditional at all, the gate is a missing key.
             self._site(stmt.value, "table", scope, local, attrs, stmt, guards=guards, value=table)
         value = self._site(stmt.value, "assign", scope, local, attrs, stmt, guards=guards)
         for target in targets:
