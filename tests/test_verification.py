@@ -159,7 +159,7 @@ class _Sum:
 def _verdict_rank(rank, world_size, kwargs):
     import torch.distributed as dist
 
-    verdict = V.check_candidate(_Sum(rank, **kwargs), Op.ALL_REDUCE_RESIDUAL_RMSNORM, tokens=3, hidden=64,
+    verdict = V.check_candidate(_Sum(rank, **kwargs), Op.ALL_REDUCE_RESIDUAL_RMSNORM, num_tokens=3, hidden=64,
                                 dtype=torch.bfloat16, group=dist.group.WORLD, rank=rank, world_size=world_size,
                                 device=torch.device("cpu"))
     return verdict.ok, verdict.reason

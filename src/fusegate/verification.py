@@ -196,21 +196,21 @@ def run_case(fn: Callable[..., Sequence[torch.Tensor]], case: Case, *, rank: int
     return check_outputs(case, inputs, outputs, x=x, tolerance_fallback=tolerance_fallback)
 
 
-def candidate_cases(op: Op, *, tokens: int, hidden: int, dtype: str) -> list[Case]:
+def candidate_cases(op: Op, *, num_tokens: int, hidden: int, dtype: str) -> list[Case]:
     """What a candidate must pass before it is timed: exact and random with a residual, and for
     the fused op exact without one."""
-    cases = [Case("exact", op.value, tokens, hidden, dtype), Case("random", op.value, tokens, hidden, dtype)]
+    cases = [Case("exact", op.value, num_tokens, hidden, dtype), Case("random", op.value, num_tokens, hidden, dtype)]
     if op == Op.ALL_REDUCE_RESIDUAL_RMSNORM:
-        cases.append(Case("exact", op.value, tokens, hidden, dtype, has_residual=False))
+        cases.append(Case("exact", op.value, num_tokens, hidden, dtype, has_residual=False))
     return cases
 
 
-def check_candidate(instance, op: Op, *, tokens: int, hidden: int, dtype: torch.dtype, group,
+def check_candidate(instance, op: Op, *, num_tokens: int, hidden: int, dtype: torch.dtype, group,
                     rank: int, world_size: int, device: torch.device) -> Verdict:
     """Collective: the candidate's correctness verdict, identical on every rank (module doc)."""
     from fusegate.strategies.host_wait import PeerLostError
 
-    cases = candidate_cases(op, tokens=tokens, hidden=hidden, dtype=str(dtype).removeprefix("torch."))
+    cases = candidate_cases(op, num_tokens=num_tokens, hidden=hidden, dtype=str(dtype).removeprefix("torch."))
     fn = op_call(instance, op.value)
     mine: list = []
     for case in cases:

@@ -59,12 +59,12 @@ class RunnerSelector:
         self.only = only
         self.choices: dict[int, moe_runners.RunnerChoice] = {}
 
-    def prepare(self, tokens: int, block: "MoE") -> moe_runners.RunnerChoice:
-        """Choose for `tokens` by timing every admitted runner on `block`'s weights (a collective)."""
-        if tokens in self.choices:
-            return self.choices[tokens]
+    def prepare(self, num_tokens: int, block: "MoE") -> moe_runners.RunnerChoice:
+        """Choose for `num_tokens` by timing every admitted runner on `block`'s weights (a collective)."""
+        if num_tokens in self.choices:
+            return self.choices[num_tokens]
         names = [self.only] if self.only else [n for n, v in self.verdicts.items() if v.ok]
-        x = torch.randn(tokens, block.hidden, generator=torch.Generator().manual_seed(tokens)).to(block.w13)
+        x = torch.randn(num_tokens, block.hidden, generator=torch.Generator().manual_seed(num_tokens)).to(block.w13)
         ids, weights = block.route(x)
         args = (x, ids, weights, block.w13, block.w2, block.first_expert)
         # Time the usual winner first, so a clearly slower runner stops after one call (give_up_us).
@@ -82,16 +82,16 @@ class RunnerSelector:
         if self.only:
             choice = moe_runners.RunnerChoice(choice.name, "requested", f"requested (--moe-runner); {choice.reason}",
                                               choice.timings_us)
-        self.choices[tokens] = choice
+        self.choices[num_tokens] = choice
         return choice
 
-    def runner_for(self, tokens: int, block: "MoE") -> moe_runners.MoERunner:
-        choice = self.choices.get(tokens)
+    def runner_for(self, num_tokens: int, block: "MoE") -> moe_runners.MoERunner:
+        choice = self.choices.get(num_tokens)
         if choice is None:
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError(f"RunnerSelector: no MoE runner chosen for {tokens} tokens before graph capture; "
+                raise RuntimeError(f"RunnerSelector: no MoE runner chosen for {num_tokens} tokens before graph capture; "
                                    "call model.prepare(batch) first")
-            choice = self.prepare(tokens, block)
+            choice = self.prepare(num_tokens, block)
         return moe_runners.RUNNERS[choice.name]
 
     def report(self) -> list[dict]:

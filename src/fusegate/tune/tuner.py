@@ -138,7 +138,7 @@ def _tune_bucket(spec, pool, op, hidden, tokens, dtype, max_tokens, info, caps, 
         if any(everyone):
             rejected[name] = "could not be created: " + "; ".join(f"rank {r}: {m}" for r, m in enumerate(everyone) if m)
             continue
-        verdict = check_candidate(instance, op, tokens=tokens, hidden=hidden, dtype=dtype, group=group,
+        verdict = check_candidate(instance, op, num_tokens=tokens, hidden=hidden, dtype=dtype, group=group,
                                   rank=rank, world_size=world_size, device=dev)
         if verdict.ok:
             passing.append(name)

@@ -152,7 +152,7 @@ def _best_unfused(strategy, op, hidden, tokens, dtype, info, caps, pool, call, g
     options = []
     for name in (n for n in names if not is_fused(n) and n != strategy):
         instance = pool.get(name, hidden=hidden, dtype=getattr(torch, dtype), max_tokens=tokens)
-        if check_candidate(instance, op, tokens=tokens, hidden=hidden, dtype=getattr(torch, dtype), group=group,
+        if check_candidate(instance, op, num_tokens=tokens, hidden=hidden, dtype=getattr(torch, dtype), group=group,
                            rank=rank, world_size=world_size, device=dev).ok:
             options.append(name)
     if not options:
@@ -175,7 +175,7 @@ def _verify_bucket(strategy, baseline, op, hidden, tokens, dtype, torch_dtype, i
                                  f"{name} is not admitted: {verdicts[name].reason}")
     for name in dict.fromkeys([strategy, baseline]):
         instance = pool.get(name, hidden=hidden, dtype=torch_dtype, max_tokens=max_tokens)
-        verdict = check_candidate(instance, op, tokens=tokens, hidden=hidden, dtype=torch_dtype, group=group,
+        verdict = check_candidate(instance, op, num_tokens=tokens, hidden=hidden, dtype=torch_dtype, group=group,
                                   rank=rank, world_size=world_size, device=dev)
         if not verdict.ok:
             return BucketVerdict(op.value, hidden, tokens, "REVERT", math.nan, math.nan, math.nan, math.nan, math.nan,
