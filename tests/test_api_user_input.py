@@ -38,6 +38,13 @@ def _rank(rank, world_size):
         y = comm.all_reduce(x)
         out["requires_grad"] = (normed.requires_grad, new_res.requires_grad, y.requires_grad)
         out["values"] = (normed.detach(), new_res.detach(), y.detach())
+        out["prepare"] = []
+        for bad in (0, -3, 2.5, True):
+            try:
+                comm.prepare(hidden=H, dtype=torch.float32, max_tokens=bad)
+                out["prepare"].append(None)
+            except ValueError as exc:
+                out["prepare"].append(str(exc))
     return out
 
 
@@ -57,3 +64,5 @@ def test_hidden_zero_and_grad_inputs(tmp_path):
     ref_normed, ref_res = all_reduce_residual_rmsnorm_ref([x], res, torch.full((H,), 2.0))
     normed, new_res, y = out["values"]
     assert torch.equal(normed, ref_normed) and torch.equal(new_res, ref_res) and torch.equal(y, x)
+    for bad, message in zip((0, -3, 2.5, True), out["prepare"]):
+        assert message is not None and message.startswith(f"Communicator.prepare: max_tokens must be an integer >= 1, got {bad!r}"), message

@@ -144,7 +144,12 @@ class Communicator:
 
     def prepare(self, *, hidden: int, dtype: torch.dtype, max_tokens: int) -> None:
         """Set up every strategy that calls up to `max_tokens x hidden` may use; call before graph capture."""
-        for tokens in _token_buckets(max_tokens):
+        from fusegate.dispatch.table import token_buckets
+
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"Communicator.prepare: max_tokens must be an integer >= 1, got {max_tokens!r}; pass the "
+                             "largest number of tokens a call will have")
+        for tokens in token_buckets(max_tokens):
             for op in Op:
                 problem = Problem(op, tokens, hidden, dtype_name(dtype), self.info)
                 self._strategy(problem)
@@ -261,12 +266,3 @@ def _shaped(result, shape, kind: str):
     scale = result.scale.view(*lead, 1) if kind == "fp8_per_token" else result.scale
     normed = None if result.normed is None else result.normed.view(shape)
     return type(result)(out, scale, result.residual.view(shape), normed)
-
-
-def _token_buckets(max_tokens: int) -> list[int]:
-    buckets, tokens = [], 1
-    while tokens < max_tokens:
-        buckets.append(tokens)
-        tokens *= 2
-    buckets.append(max_tokens)
-    return buckets

@@ -341,17 +341,22 @@ def _quant_rank(rank, world_size, name):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["oneshot", "twoshot"])
 def test_peer_strategies_quantized_output_equals_the_reference(name):
-    from fusegate.reference import all_reduce_residual_rmsnorm_quant_ref
-    from tests.test_quant_gloo import _pack
-
     results = run_ranks(_quant_rank, 2, args=(name,), env=INTERP, timeout_s=300)
     xs = [small_integer_inputs(r, 3, 64, torch.bfloat16, seed=4) for r in range(2)]
     res, w = small_integer_inputs(100, 3, 64, torch.bfloat16, seed=4), small_integer_inputs(101, 1, 64, torch.bfloat16, seed=4)[0]
     specs = _quant_specs()
-    for i, spec in enumerate(specs + specs):  # in the kernel, then after it
+    _check_quantized(name, results, xs, res, w, specs + specs)  # in the kernel, then after it
+
+
+def _check_quantized(name, results, xs, res, w, specs):
+    """Every rank's packed QuantOutputs (`tests.test_quant_gloo._pack`) equal the reference's, byte for byte."""
+    from fusegate.reference import all_reduce_residual_rmsnorm_quant_ref
+    from tests.test_quant_gloo import _pack
+
+    for i, spec in enumerate(specs):
         ref = _pack(all_reduce_residual_rmsnorm_quant_ref(xs, res, w, 1e-6, spec))
-        for rank in range(2):
-            for part, g, r in zip(("out", "scale", "residual", "normed"), results[rank][i], ref):
+        for rank, result in enumerate(results):
+            for part, g, r in zip(("out", "scale", "residual", "normed"), result[i], ref):
                 assert (g is None) == (r is None), (spec.key, part)
                 if g is not None:
                     assert g[:2] == r[:2] and torch.equal(g[3], r[3]), f"{name} rank {rank} {spec.key}: {part} differs"
@@ -396,20 +401,11 @@ def _split_quant_rank(rank, world_size, name, h, chunk):
 def test_split_rows_quantized_in_the_peer_kernel_equal_the_reference(name):
     """Rows of three 64-element chunks: per-token FP8 exchanges each row's absmax between its
     chunks, per-group and NVFP4 scale blocks fall inside chunks, swizzled padding is zeroed."""
-    from fusegate.reference import all_reduce_residual_rmsnorm_quant_ref
-    from tests.test_quant_gloo import _pack
-
     h, chunk = 192, 64
     results = run_ranks(_split_quant_rank, 2, args=(name, h, chunk), env=INTERP, timeout_s=600)
     xs = [small_integer_inputs(r, 3, h, torch.bfloat16, seed=7) for r in range(2)]
     res, w = small_integer_inputs(100, 3, h, torch.bfloat16, seed=7), small_integer_inputs(101, 1, h, torch.bfloat16, seed=7)[0]
-    for i, spec in enumerate(_split_quant_specs()):
-        ref = _pack(all_reduce_residual_rmsnorm_quant_ref(xs, res, w, 1e-6, spec))
-        for rank in range(2):
-            for part, g, r in zip(("out", "scale", "residual", "normed"), results[rank][i], ref):
-                assert (g is None) == (r is None), (spec.key, part)
-                if g is not None:
-                    assert g[:2] == r[:2] and torch.equal(g[3], r[3]), f"{name} rank {rank} {spec.key}: {part} differs"
+    _check_quantized(name, results, xs, res, w, _split_quant_specs())
 
 
 def test_chunks_that_cut_scale_blocks_are_refused_by_the_kernels():
