@@ -108,11 +108,11 @@ def tune_in_group(spec: TuneSpec, *, group=None, device=None, progress: Callable
         for op_name in spec.ops:
             op = Op(op_name)
             for hidden in spec.hiddens:
-                for tokens in sorted(spec.buckets):
-                    entries.append(_tune_bucket(spec, pool, op, hidden, tokens, dtype, max_tokens, info, caps,
+                for num_tokens in sorted(spec.buckets):
+                    entries.append(_tune_bucket(spec, pool, op, hidden, num_tokens, dtype, max_tokens, info, caps,
                                                 group, rank, world_size, dev))
                     if progress is not None:
-                        progress(f"{op_name} {tokens}x{hidden}: {entries[-1].choice}")
+                        progress(f"{op_name} {num_tokens}x{hidden}: {entries[-1].choice}")
     finally:
         pool.close()
     settings = {"margin": spec.margin, "rounds": spec.rounds, "confirm_rounds": spec.confirm_rounds}
@@ -123,8 +123,8 @@ def tune_in_group(spec: TuneSpec, *, group=None, device=None, progress: Callable
     return parse(box[0])
 
 
-def _tune_bucket(spec, pool, op, hidden, tokens, dtype, max_tokens, info, caps, group, rank, world_size, dev) -> Entry:
-    problem = Problem(op, tokens, hidden, spec.dtype, info, has_residual=op == Op.ALL_REDUCE_RESIDUAL_RMSNORM)
+def _tune_bucket(spec, pool, op, hidden, num_tokens, dtype, max_tokens, info, caps, group, rank, world_size, dev) -> Entry:
+    problem = Problem(op, num_tokens, hidden, spec.dtype, info, has_residual=op == Op.ALL_REDUCE_RESIDUAL_RMSNORM)
     names, verdicts = admitted(problem, caps, list(spec.strategies) if spec.strategies else None)
     rejected = {n: f"not admitted: {v.reason}" for n, v in verdicts.items() if not v.ok}
     passing = []
@@ -138,7 +138,7 @@ def _tune_bucket(spec, pool, op, hidden, tokens, dtype, max_tokens, info, caps, 
         if any(everyone):
             rejected[name] = "could not be created: " + "; ".join(f"rank {r}: {m}" for r, m in enumerate(everyone) if m)
             continue
-        verdict = check_candidate(instance, op, num_tokens=tokens, hidden=hidden, dtype=dtype, group=group,
+        verdict = check_candidate(instance, op, num_tokens=num_tokens, hidden=hidden, dtype=dtype, group=group,
                                   rank=rank, world_size=world_size, device=dev)
         if verdict.ok:
             passing.append(name)
@@ -146,13 +146,13 @@ def _tune_bucket(spec, pool, op, hidden, tokens, dtype, max_tokens, info, caps, 
             rejected[name] = f"failed correctness: {verdict.reason}"
     if not passing:
         raise RuntimeError(
-            f"tune: no strategy passed for {op.value} {tokens}x{hidden} {spec.dtype} "
+            f"tune: no strategy passed for {op.value} {num_tokens}x{hidden} {spec.dtype} "
             f"({'; '.join(f'{n}: {r}' for n, r in rejected.items())}); check the reasons above"
         )
 
     def calls(selected):
         return {n: timed_call(pool.get(n, hidden=hidden, dtype=dtype, max_tokens=max_tokens), op, rank=rank,
-                              num_tokens=tokens, hidden=hidden, dtype=dtype, device=dev) for n in selected}
+                              num_tokens=num_tokens, hidden=hidden, dtype=dtype, device=dev) for n in selected}
 
     first = time_interleaved(calls(passing), group=group, device=dev, rounds=spec.rounds, warmup=spec.warmup)
     times = {n: summary(s) for n, s in first.items()}
@@ -164,5 +164,5 @@ def _tune_bucket(spec, pool, op, hidden, tokens, dtype, max_tokens, info, caps, 
             confirmed = {n: summary(s) for n, s in again.items()}
     deciding = {n: t["median"] for n, t in (confirmed or times).items()}
     choice, best_unfused, reason = decide(deciding, spec.margin, is_fused)
-    return Entry(op.value, spec.dtype, hidden, tokens, choice, reason, best_unfused, times, confirmed, rejected,
+    return Entry(op.value, spec.dtype, hidden, num_tokens, choice, reason, best_unfused, times, confirmed, rejected,
                  guarded=any(is_fused(n) for n in deciding))

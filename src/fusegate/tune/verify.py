@@ -125,9 +125,9 @@ def verify_in_group(strategy: str, *, hiddens: tuple[int, ...], buckets: tuple[i
     the_op = Op(op)
     max_tokens = max(buckets)
 
-    def call(name, hidden, tokens):
+    def call(name, hidden, num_tokens):
         instance = pool.get(name, hidden=hidden, dtype=torch_dtype, max_tokens=max_tokens)
-        return timed_call(instance, the_op, rank=rank, num_tokens=tokens, hidden=hidden, dtype=torch_dtype, device=dev)
+        return timed_call(instance, the_op, rank=rank, num_tokens=num_tokens, hidden=hidden, dtype=torch_dtype, device=dev)
 
     try:
         if baseline is None:
@@ -135,24 +135,24 @@ def verify_in_group(strategy: str, *, hiddens: tuple[int, ...], buckets: tuple[i
                                      world_size, dev, rounds)
         results = []
         for hidden in hiddens:
-            for tokens in sorted(buckets):
-                results.append(_verify_bucket(strategy, baseline, the_op, hidden, tokens, dtype, torch_dtype, info, caps,
+            for num_tokens in sorted(buckets):
+                results.append(_verify_bucket(strategy, baseline, the_op, hidden, num_tokens, dtype, torch_dtype, info, caps,
                                               pool, call, group, rank, world_size, dev, margin, rounds, max_rounds, warmup, max_tokens))
                 if progress is not None:
-                    progress(f"{tokens}x{hidden}: {results[-1].verdict}")
+                    progress(f"{num_tokens}x{hidden}: {results[-1].verdict}")
     finally:
         pool.close()
     return VerifyReport(strategy, baseline, margin, tuple(results))
 
 
-def _best_unfused(strategy, op, hidden, tokens, dtype, info, caps, pool, call, group, rank, world_size, dev, rounds) -> str:
+def _best_unfused(strategy, op, hidden, num_tokens, dtype, info, caps, pool, call, group, rank, world_size, dev, rounds) -> str:
     """The fastest admitted unfused strategy that also passes the correctness check (a wrong
     baseline would make any candidate look good)."""
-    names, _ = admitted(Problem(op, tokens, hidden, dtype, info), caps)
+    names, _ = admitted(Problem(op, num_tokens, hidden, dtype, info), caps)
     options = []
     for name in (n for n in names if not is_fused(n) and n != strategy):
-        instance = pool.get(name, hidden=hidden, dtype=getattr(torch, dtype), max_tokens=tokens)
-        if check_candidate(instance, op, num_tokens=tokens, hidden=hidden, dtype=getattr(torch, dtype), group=group,
+        instance = pool.get(name, hidden=hidden, dtype=getattr(torch, dtype), max_tokens=num_tokens)
+        if check_candidate(instance, op, num_tokens=num_tokens, hidden=hidden, dtype=getattr(torch, dtype), group=group,
                            rank=rank, world_size=world_size, device=dev).ok:
             options.append(name)
     if not options:
@@ -160,27 +160,27 @@ def _best_unfused(strategy, op, hidden, tokens, dtype, info, caps, pool, call, g
                          "the baseline; pass --baseline")
     if len(options) == 1:
         return options[0]
-    samples = time_interleaved({n: call(n, hidden, tokens) for n in options}, group=group, device=dev,
+    samples = time_interleaved({n: call(n, hidden, num_tokens) for n in options}, group=group, device=dev,
                                rounds=max(5, rounds // 2))
     return min(options, key=lambda n: statistics.median(samples[n]))
 
 
-def _verify_bucket(strategy, baseline, op, hidden, tokens, dtype, torch_dtype, info, caps, pool, call, group, rank,
+def _verify_bucket(strategy, baseline, op, hidden, num_tokens, dtype, torch_dtype, info, caps, pool, call, group, rank,
                    world_size, dev, margin, rounds, max_rounds, warmup, max_tokens) -> BucketVerdict:
-    problem = Problem(op, tokens, hidden, dtype, info)
+    problem = Problem(op, num_tokens, hidden, dtype, info)
     _, verdicts = admitted(problem, caps, list(dict.fromkeys([strategy, baseline])))
     for name in (strategy, baseline):
         if not verdicts[name].ok:
-            return BucketVerdict(op.value, hidden, tokens, "REVERT", math.nan, math.nan, math.nan, math.nan, math.nan,
+            return BucketVerdict(op.value, hidden, num_tokens, "REVERT", math.nan, math.nan, math.nan, math.nan, math.nan,
                                  f"{name} is not admitted: {verdicts[name].reason}")
     for name in dict.fromkeys([strategy, baseline]):
         instance = pool.get(name, hidden=hidden, dtype=torch_dtype, max_tokens=max_tokens)
-        verdict = check_candidate(instance, op, num_tokens=tokens, hidden=hidden, dtype=torch_dtype, group=group,
+        verdict = check_candidate(instance, op, num_tokens=num_tokens, hidden=hidden, dtype=torch_dtype, group=group,
                                   rank=rank, world_size=world_size, device=dev)
         if not verdict.ok:
-            return BucketVerdict(op.value, hidden, tokens, "REVERT", math.nan, math.nan, math.nan, math.nan, math.nan,
+            return BucketVerdict(op.value, hidden, num_tokens, "REVERT", math.nan, math.nan, math.nan, math.nan, math.nan,
                                  f"{name} failed correctness: {verdict.reason}")
-    fa, fb = call(strategy, hidden, tokens), call(baseline, hidden, tokens)
+    fa, fb = call(strategy, hidden, num_tokens), call(baseline, hidden, num_tokens)
     samples = time_interleaved({"A": fa, "B": fb, "B2": fb}, group=group, device=dev, rounds=rounds, warmup=warmup)
     # Undecided (the interval straddles the bound): more rounds, up to max_rounds. The samples are
     # maxima over ranks, identical everywhere, so every rank extends the same number of times.
@@ -189,6 +189,6 @@ def _verify_bucket(strategy, baseline, op, hidden, tokens, dtype, torch_dtype, i
                                 rounds=min(rounds, max_rounds - len(samples["A"])), warmup=0)
         samples = {k: samples[k] + more[k] for k in samples}
     verdict, ratio, threshold, noise, reason = judge(samples["A"], samples["B"], samples["B2"], margin)
-    return BucketVerdict(op.value, hidden, tokens, verdict, ratio, threshold, noise,
+    return BucketVerdict(op.value, hidden, num_tokens, verdict, ratio, threshold, noise,
                          statistics.median(samples["A"]), statistics.median(samples["B"]), reason,
                          summary(samples["A"]), summary(samples["B"]))
