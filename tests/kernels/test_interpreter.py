@@ -270,21 +270,26 @@ def test_negative_zero_payloads_and_calls_that_do_not_fit(name):
 
 # ---- rows split into several chunks (the norm's partials) --------------------------------------
 
-def _split_rank(rank, world_size, name, h, chunk):
+def _forced_split(rank, world_size, name, h, chunk):
+    """(launcher, strategy, its workspace, a plan of 3 rows cut into `chunk`-element items)."""
     from fusegate.kernels.oneshot import oneshot_launch
     from fusegate.kernels.protocol import Plan
     from fusegate.kernels.twoshot import twoshot_launch
 
-    launch = oneshot_launch if name == "oneshot" else twoshot_launch
     strategy = _strategy(name, rank, world_size, timeout_s=5.0)
     strategy.prepare(hidden=h, dtype=torch.bfloat16, max_tokens=3)
     (ws,) = strategy._workspaces.values()
+    num_chunks = -(-h // chunk)
+    plan = Plan(chunk=chunk, num_chunks=num_chunks, items=3 * num_chunks, num_warps=1)
+    return (oneshot_launch if name == "oneshot" else twoshot_launch), strategy, ws, plan
+
+
+def _split_rank(rank, world_size, name, h, chunk):
+    launch, strategy, ws, plan = _forced_split(rank, world_size, name, h, chunk)
     outs = []
     for i, kind in enumerate(("int", "rand", "int")):
         make = small_integer_inputs if kind == "int" else random_inputs
         x, res, w = make(rank, 3, h, torch.bfloat16, seed=i), make(100, 3, h, torch.bfloat16, seed=i), make(101, 1, h, torch.bfloat16, seed=i)[0]
-        num_chunks = -(-h // chunk)
-        plan = Plan(chunk=chunk, num_chunks=num_chunks, items=3 * num_chunks, num_warps=1)
         outs.append(launch(x, res, w, 1e-6, ws, timeout_s=5.0, max_programs=4, plan_programs=4, out=_nan_pair(x), plan=plan))
     strategy.check()
     strategy.close()
@@ -370,19 +375,11 @@ def _split_quant_specs():
 
 
 def _split_quant_rank(rank, world_size, name, h, chunk):
-    from fusegate.kernels.oneshot import oneshot_launch
-    from fusegate.kernels.protocol import Plan
-    from fusegate.kernels.twoshot import twoshot_launch
     from tests.test_quant_gloo import _pack
 
-    launch = oneshot_launch if name == "oneshot" else twoshot_launch
-    strategy = _strategy(name, rank, world_size, timeout_s=5.0)
-    strategy.prepare(hidden=h, dtype=torch.bfloat16, max_tokens=3)
-    (ws,) = strategy._workspaces.values()
+    launch, strategy, ws, plan = _forced_split(rank, world_size, name, h, chunk)
     x = small_integer_inputs(rank, 3, h, torch.bfloat16, seed=7)
     res, w = small_integer_inputs(100, 3, h, torch.bfloat16, seed=7), small_integer_inputs(101, 1, h, torch.bfloat16, seed=7)[0]
-    num_chunks = -(-h // chunk)
-    plan = Plan(chunk=chunk, num_chunks=num_chunks, items=3 * num_chunks, num_warps=1)
     outs = []
     inputs = [t.clone() for t in (x, res, w)]
     for spec in _split_quant_specs():
