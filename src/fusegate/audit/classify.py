@@ -12,6 +12,8 @@ from __future__ import annotations
 import ast
 import re
 
+from fusegate.audit.predicates import CAP_ANY, CAP_INT, CAP_MAJOR, CAP_TUPLE
+
 # Function names that define predicates rather than use them.
 PRED_NAME_RE = re.compile(
     r"^_?(is|has|check|get)_\w*(sm_?\d|sm\d+x|blackwell|hopper|ampere|capability|device_version|device_sm)\w*$|"
@@ -174,3 +176,22 @@ def hardware_hint(lines: list[str], start: int, end: int) -> str | None:
     window = "\n".join(lines[max(0, start - 4): min(len(lines), end + 3)])
     m = HARDWARE_WORDS.search(window)
     return m.group(0) if m else None
+
+
+def capability_params(func) -> dict:
+    """Parameters that carry the device's capability, by their names (the caller passes the device's):
+    vLLM's `supports_compute_capability(cls, capability)`, FlashInfer's `_compile_kernel(...,
+    compute_capability)`, `(major, minor)` pairs, `sm_version`, `arch_major`."""
+    params = [a.arg for a in func.args.posonlyargs + func.args.args + func.args.kwonlyargs]
+    out = {}
+    capability_func = bool(CAPABILITY_FUNC_RE.search(func.name))
+    for name in params:
+        if name in CAPABILITY_PARAMS or capability_func and CAPABILITY_PARAM_RE.fullmatch(name):
+            out[name] = CAP_ANY
+        elif name in SM_INT_PARAMS:
+            out[name] = CAP_INT
+        elif name == "arch_major":
+            out[name] = CAP_MAJOR
+    if "major" in params and "minor" in params:
+        out["major"], out["minor"] = CAP_MAJOR, CAP_TUPLE.map(lambda v: v[1])
+    return out

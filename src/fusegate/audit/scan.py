@@ -20,7 +20,6 @@ from fusegate.audit import classify, hardware
 from fusegate.audit.arch import ArchBool, ArchNum
 from fusegate.audit.evaluate import Evaluator, to_bool
 from fusegate.audit.resolve import ARCH_RE, Resolver
-from fusegate.audit.predicates import CAP_ANY, CAP_INT, CAP_MAJOR, CAP_TUPLE
 from fusegate.audit.values import UNKNOWN, Const, Obj, UserFunc
 
 
@@ -56,29 +55,8 @@ _TERNARY_RE = re.compile(r"else|skip")
 _ARCH_TEXT_RE = re.compile(ARCH_RE.pattern.replace("^_?", "").lower())
 
 
-def _capability_params(func) -> dict:
-    """Parameters that carry the device's capability, by their names (the caller passes the device's):
-    vLLM's `supports_compute_capability(cls, capability)`, FlashInfer's `_compile_kernel(...,
-    compute_capability)`, `(major, minor)` pairs, `sm_version`, `arch_major`."""
-    params = [a.arg for a in func.args.posonlyargs + func.args.args + func.args.kwonlyargs]
-    out = {}
-    capability_func = bool(classify.CAPABILITY_FUNC_RE.search(func.name))
-    for name in params:
-        if name in classify.CAPABILITY_PARAMS or capability_func and classify.CAPABILITY_PARAM_RE.fullmatch(name):
-            out[name] = CAP_ANY
-        elif name in classify.SM_INT_PARAMS:
-            out[name] = CAP_INT
-        elif name == "arch_major":
-            out[name] = CAP_MAJOR
-    if "major" in params and "minor" in params:
-        out["major"], out["minor"] = CAP_MAJOR, CAP_TUPLE.map(lambda v: v[1])
-    return out
-
-
 def _match_lines(pattern: re.Pattern, source: str, starts: list) -> set:
     """1-based numbers of the lines where `pattern` matches (a multi-line match marks its first line)."""
-    import bisect
-
     return {bisect.bisect_right(starts, m.start()) for m in pattern.finditer(source)}
 
 
@@ -258,7 +236,7 @@ class ModuleScanner:
     def _stmt(self, stmt, scope, local, attrs, func, kind="if"):
         if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)):
             self._decorators(stmt, scope, local, attrs)
-            params = _capability_params(stmt)
+            params = classify.capability_params(stmt)
             if not params and not self._may_hold_arch(stmt, attrs):
                 return
             inner = {a.arg: UNKNOWN for a in stmt.args.posonlyargs + stmt.args.args + stmt.args.kwonlyargs}
