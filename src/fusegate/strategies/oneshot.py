@@ -74,7 +74,8 @@ class PeerStrategy(Strategy):
             return Verdict.no(f"world size {problem.world_size} exceeds {MAX_WORLD}")
         reason = f"peer access, rows of {row_bytes} bytes (16-byte multiple), input <= {MAX_INPUT_BYTES} bytes"
         if problem.quant is not None:
-            reason += f"; quantized output in the peer kernel (by the epilogue after it when a program holds several items), {admission_reason(problem.quant, caps)}"
+            reason += ("; quantized output in the peer kernel (by the epilogue after it when a program holds several "
+                       f"items), {admission_reason(problem.quant, caps)}")
         return Verdict.yes(reason)
 
     def __init__(self, ctx) -> None:
