@@ -388,6 +388,16 @@ def _split_quant_rank(rank, world_size, name, h, chunk):
                      out=(normed, None))
         outs.append(_pack(got))
         assert all(torch.equal(a, b) for a, b in zip(inputs, (x, res, w))), f"{spec.key} wrote into its inputs"
+    # a plan whose chunks cut NVFP4's scale blocks is refused before any launch, with the fix
+    from fusegate import quant as Q
+    from fusegate.kernels.protocol import Plan
+
+    try:
+        launch(x, res, w, 1e-6, ws, timeout_s=5.0, max_programs=4, plan_programs=4, plan=Plan(32, -(-x.shape[1] // 32),
+               3 * -(-x.shape[1] // 32), 1), quant=Q.nvfp4(1.0))
+        outs.append("launched")
+    except ValueError as exc:
+        outs.append(str(exc))
     strategy.check()
     strategy.close()
     return outs
@@ -403,6 +413,8 @@ def test_split_rows_quantized_in_the_peer_kernel_equal_the_reference(name):
     xs = [small_integer_inputs(r, 3, h, torch.bfloat16, seed=7) for r in range(2)]
     res, w = small_integer_inputs(100, 3, h, torch.bfloat16, seed=7), small_integer_inputs(101, 1, h, torch.bfloat16, seed=7)[0]
     _check_quantized(name, results, xs, res, w, _split_quant_specs())
+    for result in results:
+        assert "do not hold whole nvfp4 scale blocks" in result[-1] and "residual_rmsnorm" in result[-1], result[-1]
 
 
 def test_chunks_that_cut_scale_blocks_are_refused_by_the_kernels():

@@ -206,9 +206,10 @@ class PeerStrategy(Strategy):
         """Quantize inside the peer kernel when its programs hold one item each (decode sizes);
         larger calls quantize in the epilogue after the peer allreduce. Measured with W ranks
         emulated on one H200 (benchmarks/results/peer_kernels_emulated.jsonl, `quant` rows): at
-        1 token the kernel's own quantization saves 0.7-1.8 us against the two kernels, while at
-        64 tokens a program that quantizes item after item (per-token FP8: a second pass for the
-        row's absmax) cost up to 1.35x the two kernels. A pure function of the shape and agreed
+        1 token the kernel's own FP8 quantization saves 1.4-2.4 us against the two kernels (NVFP4,
+        whose e2m1 conversion is software on SM90, loses 0.1-0.5 us), while at 64 tokens a
+        program that quantizes item after item (per-token FP8: a second pass for the row's
+        absmax) cost up to 1.34x the two kernels. A pure function of the shape and agreed
         group facts, so every rank takes the same path."""
         return quantizes_in_kernel(plan, quant) and plan.items <= self.plan_programs
 
