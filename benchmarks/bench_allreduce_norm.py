@@ -1,4 +1,4 @@
-"""Allreduce + residual-add + RMSNorm over N ranks: every admitted fusegate strategy against the
+"""Allreduce + residual-add + RMSNorm over N ranks: every admitted tpfuse strategy against the
 unfused and third-party baselines, per hidden size and token bucket, in one run.
 
     python benchmarks/bench_allreduce_norm.py                       # one NCCL rank per GPU (up to 8)
@@ -6,31 +6,31 @@ unfused and third-party baselines, per hidden size and token bucket, in one run.
     python benchmarks/bench_allreduce_norm.py --device cpu --out /tmp/sweep.jsonl # 2 gloo CPU ranks, tiny sizes
     python benchmarks/bench_allreduce_norm.py --shared-gpu --out /tmp/sweep.jsonl # 2 ranks on GPU 0
 
-The rank flags (`--world-size`, `--device`, `--shared-gpu`) are those of `fusegate tune`, resolved
-by the same rule (`fusegate.cli.ranks.resolve_ranks`); `--device cpu` replaces the former `--cpu-smoke`.
+The rank flags (`--world-size`, `--device`, `--shared-gpu`) are those of `tpfuse tune`, resolved
+by the same rule (`tpfuse.cli.ranks.resolve_ranks`); `--device cpu` replaces the former `--cpu-smoke`.
 
-Providers: `fusegate/<strategy>` for every strategy the registry admits for the problem (one not
+Providers: `tpfuse/<strategy>` for every strategy the registry admits for the problem (one not
 admitted is listed with its admission reason). The unfused baselines are the package's own
-strategies under their names: `fusegate/nccl_eager` (NCCL all_reduce, then add + RMSNorm in eager
-torch), `fusegate/nccl_epilogue` (NCCL, then the epilogue kernel) and `fusegate/reference`.
+strategies under their names: `tpfuse/nccl_eager` (NCCL all_reduce, then add + RMSNorm in eager
+torch), `tpfuse/nccl_epilogue` (NCCL, then the epilogue kernel) and `tpfuse/reference`.
 Third-party baselines: `symm_mem_{oneshot,twoshot}+epilogue` (PyTorch symmetric-memory
-all_reduce, then fusegate's epilogue kernel) and `flashinfer_trtllm` (trtllm_allreduce_fusion),
+all_reduce, then tpfuse's epilogue kernel) and `flashinfer_trtllm` (trtllm_allreduce_fusion),
 where they set up and run; otherwise the reason is recorded. Never multicast: every rank runs with NCCL_NVLS_ENABLE=0,
 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and NVSHMEM_DISABLE_NVLS=1.
 
-Method, per (hidden, tokens): (1) correctness first (`fusegate.verification`'s exact case:
-rank-tagged small-integer inputs, outputs poisoned with NaN): fusegate strategies must equal
+Method, per (hidden, tokens): (1) correctness first (`tpfuse.verification`'s exact case:
+rank-tagged small-integer inputs, outputs poisoned with NaN): tpfuse strategies must equal
 `reference.all_reduce_residual_rmsnorm_ref` bit for bit, other providers too or else stay within
 `reference.TOLERANCE` of the float64 reference (the row's `check` says which); a provider failing
 on any rank is timed on none. (2) each passing call is captured in a CUDA graph
-(`fusegate.timing.capture`), replayed `--reps` times per sample. (3)
-`fusegate.timing.time_interleaved`: providers visited in an order rotated every round, device
+(`tpfuse.timing.capture`), replayed `--reps` times per sample. (3)
+`tpfuse.timing.time_interleaved`: providers visited in an order rotated every round, device
 sync and a barrier before each sample, CUDA events around it, each sample the maximum over ranks
 (a collective ends when its slowest rank does); median, p20, p80 in us per call. `--device cpu`
 times eager calls with perf_counter, `--shared-gpu` eager calls with CUDA events (gloo cannot be
 captured), rows marked functional only. Ratios are median / the ratio baseline's median (below 1
-is faster): `fusegate/nccl_eager`, or `fusegate/reference` where nccl_eager is not timed (gloo
-runs); the row's `ratio_baseline` names it. `--peer-gbps B` (`fusegate doctor --measure`) adds
+is faster): `tpfuse/nccl_eager`, or `tpfuse/reference` where nccl_eager is not timed (gloo
+runs); the row's `ratio_baseline` names it. `--peer-gbps B` (`tpfuse doctor --measure`) adds
 the floor 2.5 us + 2(W-1)/W x T x H x itemsize / B and each provider's ratio to it.
 """
 
@@ -43,7 +43,7 @@ import warnings
 
 OP = "all_reduce_residual_rmsnorm"
 # The unfused path ratios are taken against: the first of these timed in a bucket.
-RATIO_BASELINES = ("fusegate/nccl_eager", "fusegate/reference")
+RATIO_BASELINES = ("tpfuse/nccl_eager", "tpfuse/reference")
 RANK_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 FLOOR_LATENCY_US = 2.5  # one peer round trip plus a kernel launch: the floor's fixed term, as specified
 EPS = 1e-6
@@ -68,7 +68,7 @@ def floor_us(tokens: int, hidden: int, itemsize: int, world_size: int, peer_gbps
     return FLOOR_LATENCY_US + 2 * (world_size - 1) / world_size * tokens * hidden * itemsize / (peer_gbps * 1e3)
 
 
-def fusegate_factory(comm):
+def tpfuse_factory(comm):
     """A factory of calls through the public API, on the Communicator bound to one strategy."""
     def factory(x, residual, weight):
         return lambda: comm.all_reduce_residual_rmsnorm(x, residual, weight, EPS)
@@ -76,7 +76,7 @@ def fusegate_factory(comm):
 
 
 def symm_mem_factories(group, hidden: int, dtype, max_tokens: int, eps: float, device) -> dict:
-    """{name: factory}: one-shot and two-shot symmetric-memory all_reduce, then fusegate's epilogue.
+    """{name: factory}: one-shot and two-shot symmetric-memory all_reduce, then tpfuse's epilogue.
 
     Collective (rendezvous); raises where symmetric memory cannot be set up. The input is copied
     into one symmetric buffer per call, as engines do, and reduced there.
@@ -84,7 +84,7 @@ def symm_mem_factories(group, hidden: int, dtype, max_tokens: int, eps: float, d
     import torch
     import torch.distributed._symmetric_memory as symm_mem
 
-    from fusegate.kernels.epilogue import residual_rmsnorm
+    from tpfuse.kernels.epilogue import residual_rmsnorm
 
     name = group.group_name
     if hasattr(symm_mem, "enable_symm_mem_for_group"):  # required before torch 2.9, deprecated since
@@ -172,9 +172,9 @@ def third_party(spec: SweepSpec, group, rank: int, world_size: int, hidden: int,
 
 
 def check_provider(factory, case, ctx, *, exact_only: bool) -> str:
-    """The check note of one provider (`fusegate.verification.run_case` on poisoned outputs);
+    """The check note of one provider (`tpfuse.verification.run_case` on poisoned outputs);
     CheckFailed when wrong."""
-    from fusegate.verification import run_case
+    from tpfuse.verification import run_case
 
     group, rank, world_size, device = ctx
     check = run_case(lambda x, residual, weight: factory(x, residual, weight)(), case, rank=rank,
@@ -185,9 +185,9 @@ def check_provider(factory, case, ctx, *, exact_only: bool) -> str:
 
 
 def graph_replays(call, reps: int):
-    """A no-argument function replaying a CUDA graph of `call` `reps` times (`fusegate.timing.capture`,
+    """A no-argument function replaying a CUDA graph of `call` `reps` times (`tpfuse.timing.capture`,
     after two calls outside capture: JIT, NCCL and workspace set-up)."""
-    from fusegate.timing import capture
+    from tpfuse.timing import capture
 
     graph = capture([call], warmup=2)
     return lambda: [graph.replay() for _ in range(reps)]
@@ -197,16 +197,16 @@ def sweep_bucket(spec, ctx, hidden: int, tokens: int, factories: dict, not_timed
     """Collective: check then time every provider at (hidden, tokens); this rank's view of the result."""
     import torch
 
-    from fusegate.reference import random_inputs
-    from fusegate.timing import time_interleaved
-    from fusegate.verification import Case
+    from tpfuse.reference import random_inputs
+    from tpfuse.timing import time_interleaved
+    from tpfuse.verification import Case
 
     group, rank, world_size, device = ctx
     dtype = getattr(torch, spec.dtype)
     case = Case("exact", OP, tokens, hidden, spec.dtype)
     not_timed, checks, calls = dict(not_timed), {}, {}
     for name, factory in factories.items():
-        run_check = lambda: check_provider(factory, case, ctx, exact_only=name.startswith("fusegate/"))  # noqa: E731
+        run_check = lambda: check_provider(factory, case, ctx, exact_only=name.startswith("tpfuse/"))  # noqa: E731
         checks[name], why = attempt(run_check, group, world_size, "failed the correctness check")
         if why:
             not_timed[name] = why
@@ -237,10 +237,10 @@ def rank_main(rank: int, world_size: int, spec: SweepSpec):
     import torch
     import torch.distributed as dist
 
-    from fusegate import Communicator
-    from fusegate.strategies import admission, strategy_names
-    from fusegate.spec import Op, Problem
-    from fusegate.spawned import share_cpu_threads
+    from tpfuse import Communicator
+    from tpfuse.strategies import admission, strategy_names
+    from tpfuse.spec import Op, Problem
+    from tpfuse.spawned import share_cpu_threads
 
     share_cpu_threads(world_size, spec.device)
     group = dist.group.WORLD
@@ -269,13 +269,13 @@ def rank_main(rank: int, world_size: int, spec: SweepSpec):
             for tokens in spec.buckets:
                 factories, not_timed = {}, dict(extra_notes)
                 for name, verdict in verdicts[tokens].items():
-                    provider = f"fusegate/{name}"
+                    provider = f"tpfuse/{name}"
                     if not verdict.ok:
                         not_timed[provider] = f"not admitted: {verdict.reason}"
                     elif ready[name][1]:
                         not_timed[provider] = ready[name][1]
                     else:
-                        factories[provider] = fusegate_factory(ready[name][0])
+                        factories[provider] = tpfuse_factory(ready[name][0])
                 factories.update(extra)
                 results.append(sweep_bucket(spec, ctx, hidden, tokens, factories, not_timed))
                 for comm in comms.values():
@@ -290,9 +290,9 @@ def rank_main(rank: int, world_size: int, spec: SweepSpec):
 
 
 def build_rows(results: list[dict], spec: SweepSpec, world_size: int, peer_gbps: float | None) -> list:
-    """Result rows (fusegate.bench.results) of every timed provider, with ratios and the floor."""
-    from fusegate.bench.results import make_row
-    from fusegate.spec import DTYPE_BYTES
+    """Result rows (tpfuse.bench.results) of every timed provider, with ratios and the floor."""
+    from tpfuse.bench.results import make_row
+    from tpfuse.spec import DTYPE_BYTES
 
     timing = {"nccl": f"CUDA graph replayed {spec.reps}x per sample, CUDA events", "cpu-smoke": "eager, perf_counter",
               "shared-gpu": "eager, CUDA events"}[spec.mode]
@@ -368,7 +368,7 @@ def plot(rows: list, path: str) -> None:
 def parse_args(argv):
     """The command line; defaults that depend on the mode stay None here."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    from fusegate.cli.args import add_rank_args, deprecated_alias
+    from tpfuse.cli.args import add_rank_args, deprecated_alias
 
     p.add_argument("--hidden", default=None, help="comma-separated hidden sizes (default 6144,7168; 64 with --device cpu)")
     p.add_argument("--max-tokens", type=int, default=None, help="largest bucket (default 16384; 4 with --device cpu)")
@@ -376,7 +376,7 @@ def parse_args(argv):
     p.add_argument("--trials", type=int, default=None, help="interleaved samples per provider (default 30; 5 on CPU or a shared GPU)")
     p.add_argument("--reps", type=int, default=20, help="calls per timed graph replay batch")
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--peer-gbps", type=float, default=None, help="measured peer bandwidth, GB/s (fusegate doctor --measure)")
+    p.add_argument("--peer-gbps", type=float, default=None, help="measured peer bandwidth, GB/s (tpfuse doctor --measure)")
     p.add_argument("--out", default="benchmarks/results/allreduce_norm.jsonl")
     p.add_argument("--plot", default=None, metavar="PNG")
     add_rank_args(p, default_timeout_s=3600.0)
@@ -387,11 +387,11 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from fusegate.bench.results import append_rows
-    from fusegate.cli.main import UsageError
-    from fusegate.cli.ranks import resolve_ranks
-    from fusegate.dispatch.table import token_buckets
-    from fusegate.spawn import run_ranks
+    from tpfuse.bench.results import append_rows
+    from tpfuse.cli.main import UsageError
+    from tpfuse.cli.ranks import resolve_ranks
+    from tpfuse.dispatch.table import token_buckets
+    from tpfuse.spawn import run_ranks
 
     try:
         ranks = resolve_ranks(args.world_size, args.device, shared_gpu=args.shared_gpu)

@@ -1,10 +1,10 @@
-"""Time `fusegate audit` / `patch` over sglang's Python source on one CPU core; score the corpus.
+"""Time `tpfuse audit` / `patch` over sglang's Python source on one CPU core; score the corpus.
 
-Each repeat runs `python -m fusegate.cli audit <sglang> --arch sm120 --like sm100 --json
+Each repeat runs `python -m tpfuse.cli audit <sglang> --arch sm120 --like sm100 --json
 --no-native` as a fresh process pinned to one core (`os.sched_setaffinity`, the effect of
 `taskset -c 0`) and measures what a user waits for: wall time from spawn to process exit
 (interpreter start-up and teardown included) and the peak resident set (`ru_maxrss` of the
-child). `--patch` times `fusegate patch` (dry run) the same way. Rows go to
+child). `--patch` times `tpfuse patch` (dry run) the same way. Rows go to
 benchmarks/results/audit.jsonl: op="audit"/"patch", strategy="cli", unit="s", median/p20/p80 over
 the wall times, RSS and CPU in `extra`. `--corpus` scores the labelled corpus
 (tests/audit/corpus) and appends op="audit-corpus" rows (unit "recall" / "precision").
@@ -29,7 +29,7 @@ sys.path.insert(0, str(REPO / "tests"))  # the PyPI fetch/cache helper and the c
 
 from audit.sglang_source import SGLANG_VERSION, sglang_source  # noqa: E402
 
-from fusegate.bench.results import append_rows, make_row  # noqa: E402
+from tpfuse.bench.results import append_rows, make_row  # noqa: E402
 
 
 def _timed(cmd: list, core: int) -> dict:
@@ -47,7 +47,7 @@ def _timed(cmd: list, core: int) -> dict:
 
 
 def bench_cli(command: str, source: Path, version: str, repeats: int, core: int) -> object:
-    cmd = [sys.executable, "-m", "fusegate.cli", command, str(source), "--arch", "sm120", "--like", "sm100", "--json"]
+    cmd = [sys.executable, "-m", "tpfuse.cli", command, str(source), "--arch", "sm120", "--like", "sm100", "--json"]
     if command == "audit":
         cmd.append("--no-native")
     runs = []
@@ -88,7 +88,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--core", type=int, default=0, help="CPU core to pin the audit to")
     parser.add_argument("--version", default=SGLANG_VERSION, help="sglang release to audit")
-    parser.add_argument("--patch", action="store_true", help="also time `fusegate patch` (dry run)")
+    parser.add_argument("--patch", action="store_true", help="also time `tpfuse patch` (dry run)")
     parser.add_argument("--corpus", action="store_true", help="score the labelled corpus and append its rows")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "audit.jsonl"))
     args = parser.parse_args()

@@ -1,4 +1,4 @@
-"""How much of fusegate one call runs: the distinct source lines of fusegate executed by one
+"""How much of tpfuse one call runs: the distinct source lines of tpfuse executed by one
 steady-state `Communicator.all_reduce_residual_rmsnorm` call, per module.
 
     python benchmarks/bench_call_path.py [--strategy reference] [--json]
@@ -22,10 +22,10 @@ import sys
 def _traced_call(rank: int, world_size: int, strategy: str, construct: bool = False):
     import torch
 
-    import fusegate
-    from fusegate import Communicator
+    import tpfuse
+    from tpfuse import Communicator
 
-    root = os.path.dirname(fusegate.__file__)
+    root = os.path.dirname(tpfuse.__file__)
     x = torch.randn(4, 256, generator=torch.Generator().manual_seed(rank))
     residual, weight = torch.randn(4, 256), torch.ones(256)
     seen: set = set()
@@ -65,9 +65,9 @@ def main(argv=None) -> int:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     try:
-        from fusegate.spawn import run_ranks
-    except ImportError:  # checkouts before the module was named fusegate.spawn
-        from fusegate.launch import run_ranks
+        from tpfuse.spawn import run_ranks
+    except ImportError:  # checkouts before the module was named tpfuse.spawn
+        from tpfuse.launch import run_ranks
     per_module = run_ranks(_traced_call, 2, args=(args.strategy, args.construct), timeout_s=300)[0]
     total = sum(per_module.values())
     if args.json:
@@ -75,7 +75,7 @@ def main(argv=None) -> int:
                           "modules": len(per_module), "per_module": per_module}, sort_keys=True))
         return 0
     for path, n in sorted(per_module.items(), key=lambda kv: -kv[1]):
-        print(f"{n:5d}  fusegate/{path}")
+        print(f"{n:5d}  tpfuse/{path}")
     what = "construction + first call" if args.construct else "steady-state call"
     print(f"{total:5d}  lines in {len(per_module)} modules for one {args.strategy} {what}")
     return 0

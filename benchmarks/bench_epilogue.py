@@ -1,20 +1,20 @@
-"""Residual-add + RMSNorm on one GPU: fusegate's Triton kernel against torch eager, torch.compile
+"""Residual-add + RMSNorm on one GPU: tpfuse's Triton kernel against torch eager, torch.compile
 and FlashInfer's fused_add_rmsnorm (when importable), at decode and prefill shapes.
 
     python benchmarks/bench_epilogue.py --out benchmarks/results/epilogue.jsonl
 
-Method (`fusegate.timing.graph_timer`, `sample_rounds`): every provider's call is captured in a
+Method (`tpfuse.timing.graph_timer`, `sample_rounds`): every provider's call is captured in a
 CUDA graph over several input sets (rotated so that one replay touches more than twice the L2
 cache at small shapes), the graph is warmed up and replayed `--reps` times between CUDA events;
 `--trials` such measurements are taken, interleaving the providers, and the median per call is
 reported. Bytes counted: read x and residual, write
 new_residual and normed (4 x tokens x hidden x itemsize), as in the recorded baselines. The device
 copy bandwidth (read + write of a 1 GiB tensor, same method; the faster of torch's copy_ and
-`fusegate.timing`'s copy kernel) is measured in the same run, and every row carries GB/s and its fraction of
+`tpfuse.timing`'s copy kernel) is measured in the same run, and every row carries GB/s and its fraction of
 that copy bandwidth. FlashInfer's op works in place (normed into x, new residual into residual),
-which keeps its writes in lines it has just read; `fusegate_inplace` (out=(x, residual)) is the
-like-for-like comparison, `fusegate` the out-of-place API. fusegate is also timed with other
-num_warps choices (`fusegate[w=N]`) so the launch heuristic can be checked against them.
+which keeps its writes in lines it has just read; `tpfuse_inplace` (out=(x, residual)) is the
+like-for-like comparison, `tpfuse` the out-of-place API. tpfuse is also timed with other
+num_warps choices (`tpfuse[w=N]`) so the launch heuristic can be checked against them.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ import sys
 
 import torch
 
-from fusegate.bench.results import append_rows, make_row
-from fusegate.timing import copy_bandwidth, graph_timer, sample_rounds
+from tpfuse.bench.results import append_rows, make_row
+from tpfuse.timing import copy_bandwidth, graph_timer, sample_rounds
 
 TOKENS = (1, 8, 64, 512, 4096, 16384)
 HIDDENS = (4096, 6144, 7168, 8192)
@@ -37,9 +37,9 @@ def providers(eps: float):
     """name -> factory(x, res, w) -> zero-argument call; plus a note on what could not run."""
     import torch.nn.functional as F
 
-    from fusegate.kernels.epilogue import launch_config, residual_rmsnorm
+    from tpfuse.kernels.epilogue import launch_config, residual_rmsnorm
 
-    def fusegate_fn(warps=None):
+    def tpfuse_fn(warps=None):
         def factory(x, res, w):
             out = (torch.empty_like(x), torch.empty_like(x))
             cfg = None
@@ -61,12 +61,12 @@ def providers(eps: float):
         return (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(x.dtype), h
 
     compiled = torch.compile(fp32_math, dynamic=True)
-    def fusegate_inplace(x, res, w):
+    def tpfuse_inplace(x, res, w):
         return lambda: residual_rmsnorm(x, res, w, eps, out=(x, res))  # FlashInfer's in-place contract
 
-    table = {"fusegate": fusegate_fn(), "fusegate_inplace": fusegate_inplace, "torch_eager": eager, "torch_compile": lambda x, r, w: (lambda: compiled(x, r, w))}
+    table = {"tpfuse": tpfuse_fn(), "tpfuse_inplace": tpfuse_inplace, "torch_eager": eager, "torch_compile": lambda x, r, w: (lambda: compiled(x, r, w))}
     for warps in (4, 8, 16):
-        table[f"fusegate[w={warps}]"] = fusegate_fn(warps)
+        table[f"tpfuse[w={warps}]"] = tpfuse_fn(warps)
     notes = {}
     try:
         from flashinfer.norm import fused_add_rmsnorm
@@ -80,7 +80,7 @@ def providers(eps: float):
 def time_providers(table: dict, tokens: int, hidden: int, nbytes: int, *, reps: int, trials: int):
     """(samples by provider, failures by provider, input sets) at one bf16 shape: each provider's
     calls over input sets rotated so one replay touches more than twice the L2 (`nbytes` per set),
-    as one graph (`fusegate.timing.graph_timer`), providers interleaved (`sample_rounds`)."""
+    as one graph (`tpfuse.timing.graph_timer`), providers interleaved (`sample_rounds`)."""
     sets = max(1, min(32, math.ceil(2 * L2_BYTES / nbytes)))
     data = [tuple(torch.randn(tokens, hidden, device="cuda").to(torch.bfloat16) for _ in range(2)) for _ in range(sets)]
     w = (1 + 0.1 * torch.randn(hidden, device="cuda")).to(torch.bfloat16)
@@ -94,7 +94,7 @@ def time_providers(table: dict, tokens: int, hidden: int, nbytes: int, *, reps: 
 
 
 def copy_rows(reps: int, trials: int) -> list:
-    """Rows of the device copy bandwidth (`fusegate.timing.copy_bandwidth`), each with its GB/s."""
+    """Rows of the device copy bandwidth (`tpfuse.timing.copy_bandwidth`), each with its GB/s."""
     rows = []
     for name, samples in copy_bandwidth(reps, trials).items():
         rows.append(make_row("device_copy", name, {"bytes": 1 << 30}, "bfloat16", 1, samples, "us"))
@@ -140,14 +140,14 @@ def main(argv=None) -> int:
 
 def _print_summary(summary, copy_gbps, notes) -> None:
     print(f"\ndevice copy bandwidth: {copy_gbps:,.0f} GB/s (read + write)")
-    print(f"{'tokens':>6} {'hidden':>6} | {'fusegate us':>11} {'GB/s':>6} {'%copy':>6} | {'eager':>7} {'compile':>7} {'flashinf':>8} | "
+    print(f"{'tokens':>6} {'hidden':>6} | {'tpfuse us':>11} {'GB/s':>6} {'%copy':>6} | {'eager':>7} {'compile':>7} {'flashinf':>8} | "
           f"{'x eager':>7} {'x FI':>5} | best warps   (x FI: in place vs in place)")
     for tokens, hidden, med, nbytes, failed in summary:
-        fg = med.get("fusegate", float("nan"))
+        fg = med.get("tpfuse", float("nan"))
         gbps = nbytes / (fg * 1e-6) / 1e9
         fi = med.get("flashinfer", float("nan"))
-        fgi = med.get("fusegate_inplace", float("nan"))
-        variants = {k: v for k, v in med.items() if k.startswith("fusegate[")}
+        fgi = med.get("tpfuse_inplace", float("nan"))
+        variants = {k: v for k, v in med.items() if k.startswith("tpfuse[")}
         best = min(variants, key=variants.get) if variants else "-"
         print(f"{tokens:>6} {hidden:>6} | {fg:>11.2f} {gbps:>6.0f} {gbps / copy_gbps:>6.1%} | {med.get('torch_eager', float('nan')):>7.2f} "
               f"{med.get('torch_compile', float('nan')):>7.2f} {fi:>8.2f} | {med.get('torch_eager', float('nan')) / fg:>7.2f} "

@@ -24,9 +24,9 @@ float64 reference, every rank's bits against rank 0's, and every error word must
 timed-out workspace runs fast and writes NaN, so such a row is marked invalid, never reported as
 a time. Every row carries `"emulated": true` in `extra`.
 
-The graph here forks W streams and joins them inside one capture, which `fusegate.timing.capture`
+The graph here forks W streams and joins them inside one capture, which `tpfuse.timing.capture`
 (one stream) does not do, so the capture and its replay timer are this file's own; the statistics
-of every row are `fusegate.timing.summary`'s (through `fusegate.bench.results.make_row`).
+of every row are `tpfuse.timing.summary`'s (through `tpfuse.bench.results.make_row`).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fusegate.bench.results import append_rows, make_row
+from tpfuse.bench.results import append_rows, make_row
 
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 WORLDS = (1, 2, 4, 8)
@@ -70,7 +70,7 @@ class EmulatedWorkspace:
 
 
 def make_workspaces(world: int, dtype, region_elems: int, num_regions: int) -> list[EmulatedWorkspace]:
-    from fusegate.kernels.protocol import (
+    from tpfuse.kernels.protocol import (
         ERR_WORDS, HEADER_BYTES, NUM_SLOTS, SENTINEL_BITS, STATE_WORDS, partials_len, round_region,
     )
 
@@ -120,7 +120,7 @@ def time_graph(graph, reps: int) -> list[float]:
 
 
 def reference(xs, res, w):
-    from fusegate.reference import all_reduce_residual_rmsnorm_ref
+    from tpfuse.reference import all_reduce_residual_rmsnorm_ref
 
     cpu = [x.cpu() for x in xs]
     return (all_reduce_residual_rmsnorm_ref(cpu, res.cpu(), w.cpu()),
@@ -132,10 +132,10 @@ class Case:
 
     def __init__(self, strategy: str, world: int, tokens_seq: tuple, hidden: int, dtype, *, chunk=None, quant=None,
                  path="in_kernel"):
-        from fusegate.kernels.oneshot import oneshot_launch
-        from fusegate.kernels.protocol import Plan, make_plan, region_elems_for
-        from fusegate.kernels.twoshot import twoshot_launch
-        from fusegate.reference import random_inputs
+        from tpfuse.kernels.oneshot import oneshot_launch
+        from tpfuse.kernels.protocol import Plan, make_plan, region_elems_for
+        from tpfuse.kernels.twoshot import twoshot_launch
+        from tpfuse.reference import random_inputs
 
         self.launch = oneshot_launch if strategy == "oneshot" else twoshot_launch
         self.world, self.hidden, self.dtype, self.tokens_seq = world, hidden, dtype, tokens_seq
@@ -174,7 +174,7 @@ class Case:
     def compile_epilogue(self) -> None:
         """Compile the quantizing epilogue before any peer call: a rank that compiled it between
         its peer kernels would keep its peers spinning past their timeout."""
-        from fusegate.kernels.epilogue import residual_rmsnorm
+        from tpfuse.kernels.epilogue import residual_rmsnorm
 
         if self.quant is not None and self.path == "two_kernels":
             for m in set(self.tokens_seq):
@@ -182,7 +182,7 @@ class Case:
         torch.cuda.synchronize()
 
     def call_quantized(self, rank: int, m: int):
-        from fusegate.kernels.epilogue import residual_rmsnorm
+        from tpfuse.kernels.epilogue import residual_rmsnorm
 
         kw = dict(timeout_s=5.0, max_programs=self.max_programs, plan_programs=self.plan_programs, plan=self.plans[m])
         x, ws = self.xs[rank][:m], self.ws[rank]
@@ -196,7 +196,7 @@ class Case:
         rank-order sum (new residual exact; scales and codes within the one-step rule of
         tests/kernels/test_quant_interpreter.py: the sum of squares is a tree in the kernel and
         sequential in torch, so a row's fp32 values may differ by an ulp)."""
-        from fusegate.reference import all_reduce_residual_rmsnorm_quant_ref
+        from tpfuse.reference import all_reduce_residual_rmsnorm_quant_ref
 
         got = [tuple(t.contiguous().view(torch.uint8).cpu() if t is not None else None for t in q) for q in self.last]
         for rank in range(1, self.world):
@@ -224,7 +224,7 @@ class Case:
 
     def check(self) -> tuple[bool, str]:
         """Errors zero, bits identical on every rank, results right for the last call's size."""
-        from fusegate.reference import TOLERANCE, relative_error
+        from tpfuse.reference import TOLERANCE, relative_error
 
         errs = [ws.err.tolist() for ws in self.ws]
         if any(e[0] for e in errs):
@@ -362,7 +362,7 @@ def main(argv=None) -> int:
     def quantized():
         """Quantized output: in the peer kernel against the peer allreduce + quantizing epilogue,
         beside the unquantized call: hidden 6144 at W = 8 and 2, hidden 7168 at W = 8."""
-        from fusegate import quant as Q
+        from tpfuse import quant as Q
 
         # static and global scales as device tensors, as engines hold them (a float scale costs a
         # fill kernel per call to become the returned fp32 tensor)
@@ -393,8 +393,8 @@ def main(argv=None) -> int:
             for t in tokens:
                 peer(strategy, world, (t,), 6144, bf16)
     # 2. baselines in the same structure
-    from fusegate.kernels.epilogue import residual_rmsnorm
-    from fusegate.reference import random_inputs
+    from tpfuse.kernels.epilogue import residual_rmsnorm
+    from tpfuse.reference import random_inputs
 
     for world in worlds:
         emit("empty_kernel", "triton", {"tokens": 0, "hidden": 0}, bf16, world, baseline_empty(world, 40, args.reps))

@@ -1,6 +1,6 @@
-"""Residual-add + RMSNorm with quantized output on one GPU: fusegate's fused epilogue + quantization
+"""Residual-add + RMSNorm with quantized output on one GPU: tpfuse's fused epilogue + quantization
 against the epilogue followed by a separate quantization kernel (torch eager, torch.compile,
-fusegate's own quantizer as a second Triton kernel, FlashInfer's fp4_quantize where it runs).
+tpfuse's own quantizer as a second Triton kernel, FlashInfer's fp4_quantize where it runs).
 
     python benchmarks/bench_quant.py --out benchmarks/results/quant.jsonl
 
@@ -28,8 +28,8 @@ import sys
 import torch
 
 from bench_epilogue import copy_rows, time_providers  # same directory
-from fusegate import quant as Q
-from fusegate.bench.results import append_rows, make_row
+from tpfuse import quant as Q
+from tpfuse.bench.results import append_rows, make_row
 
 TOKENS = (1, 8, 64, 256, 1024, 4096, 16384)
 HIDDENS = (6144, 7168)
@@ -93,8 +93,8 @@ def torch_quant(kind: str, spec: Q.QuantSpec):
 
 def providers(kind: str, spec: Q.QuantSpec, eps: float):
     """name -> factory(x, res, w) -> zero-argument call; plus notes on what could not run."""
-    from fusegate.kernels.epilogue import hardware_fp4, hardware_fp8, residual_rmsnorm
-    from fusegate.kernels.quant import quantize
+    from tpfuse.kernels.epilogue import hardware_fp4, hardware_fp8, residual_rmsnorm
+    from tpfuse.kernels.quant import quantize
 
     hw = dict(hw_fp8=hardware_fp8("cuda"), hw_fp4=hardware_fp4("cuda"))  # the fused kernel's conversions
     eager = torch_quant(kind, spec)
@@ -111,7 +111,7 @@ def providers(kind: str, spec: Q.QuantSpec, eps: float):
         "epilogue_only": separate(lambda normed: normed),
         "epilogue+torch": separate(eager),
         "epilogue+compile": separate(compiled),
-        "epilogue+fusegate_quant": separate(lambda normed: quantize(normed, spec, **hw)),
+        "epilogue+tpfuse_quant": separate(lambda normed: quantize(normed, spec, **hw)),
     }
     notes = {}
     if kind == "nvfp4":

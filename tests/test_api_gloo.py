@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from fusegate.spawn import RankFailure, run_ranks
-from fusegate.reference import (
+from tpfuse.spawn import RankFailure, run_ranks
+from tpfuse.reference import (
     TOLERANCE,
     all_reduce_ref,
     all_reduce_residual_rmsnorm_ref,
@@ -21,7 +21,7 @@ def _weight(dtype):
 
 
 def _calls_rank(rank, world_size):
-    from fusegate import Communicator
+    from tpfuse import Communicator
 
     out = {}
     with Communicator() as comm:
@@ -89,7 +89,7 @@ def test_api_matches_reference_on_every_rank(world_size):
 
 
 def _bad_inputs_rank(rank, world_size):
-    from fusegate import Communicator
+    from tpfuse import Communicator
 
     comm = Communicator()
     x = torch.randn(4, 8)
@@ -147,7 +147,7 @@ def test_bad_inputs_name_the_argument_and_the_fix():
 
 
 def _debug_rank(rank, world_size):
-    from fusegate import Communicator
+    from tpfuse import Communicator
 
     comm = Communicator(debug=True)
     x = torch.randn(3 + rank, 8)  # rank 1 passes a different token count
@@ -180,7 +180,7 @@ def test_launcher_reports_the_failing_rank():
 
 
 def test_communicator_needs_an_initialised_process_group():
-    from fusegate import Communicator
+    from tpfuse import Communicator
 
     with pytest.raises(RuntimeError, match="init_process_group"):
         Communicator()

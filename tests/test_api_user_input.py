@@ -5,8 +5,8 @@ warnings that point at the user's own line."""
 import pytest
 import torch
 
-from fusegate.spawn import run_ranks
-from fusegate.reference import all_reduce_residual_rmsnorm_ref, small_integer_inputs
+from tpfuse.spawn import run_ranks
+from tpfuse.reference import all_reduce_residual_rmsnorm_ref, small_integer_inputs
 
 pytestmark = pytest.mark.gloo
 
@@ -16,7 +16,7 @@ H = 32
 def _rank(rank, world_size):
     import warnings
 
-    from fusegate import Communicator
+    from tpfuse import Communicator
 
     out = {}
     with Communicator() as comm, warnings.catch_warnings(record=True) as caught:  # no table in the cache dir
@@ -49,8 +49,8 @@ def _rank(rank, world_size):
 
 
 def test_hidden_zero_and_grad_inputs(tmp_path):
-    out = run_ranks(_rank, 1, timeout_s=120, env={"FUSEGATE_CACHE_DIR": str(tmp_path)})[0]
-    # The no-table warning names the caller's line (this file), not a line inside fusegate.
+    out = run_ranks(_rank, 1, timeout_s=120, env={"TPFUSE_CACHE_DIR": str(tmp_path)})[0]
+    # The no-table warning names the caller's line (this file), not a line inside tpfuse.
     [(category, filename, message)] = out["warnings"]
     assert category == "DispatchWarning" and filename == __file__ and message.startswith("Communicator: no dispatch table")
     for name, op in (("ar", "all_reduce"), ("fused", "all_reduce_residual_rmsnorm")):

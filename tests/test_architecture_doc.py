@@ -9,8 +9,8 @@ LISTED = set(re.findall(r"^- `([^`]+)`: ", DOC, flags=re.M))
 
 
 def test_every_module_and_benchmark_has_its_line():
-    modules = {"fusegate/" + p.relative_to(ROOT / "src" / "fusegate").as_posix()
-               for p in (ROOT / "src" / "fusegate").rglob("*.py")}
+    modules = {"tpfuse/" + p.relative_to(ROOT / "src" / "tpfuse").as_posix()
+               for p in (ROOT / "src" / "tpfuse").rglob("*.py")}
     scripts = {p.relative_to(ROOT).as_posix() for p in (ROOT / "benchmarks").glob("*.py")}
     scripts |= {p.relative_to(ROOT).as_posix() for p in (ROOT / "benchmarks" / "device").iterdir() if p.is_file()}
     missing = sorted((modules | scripts) - LISTED)

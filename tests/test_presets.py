@@ -2,7 +2,7 @@
 
 import pytest
 
-from fusegate.presets import PRESETS, get_preset, preset_names
+from tpfuse.presets import PRESETS, get_preset, preset_names
 
 
 def test_presets_match_recorded_configs():

@@ -4,9 +4,9 @@ bits on every rank and equal to the reference (small-integer inputs: the sums ar
 import pytest
 import torch
 
-from fusegate import quant as Q
-from fusegate.spawn import run_ranks
-from fusegate.reference import all_reduce_residual_rmsnorm_quant_ref, small_integer_inputs
+from tpfuse import quant as Q
+from tpfuse.spawn import run_ranks
+from tpfuse.reference import all_reduce_residual_rmsnorm_quant_ref, small_integer_inputs
 
 pytestmark = pytest.mark.gloo
 
@@ -34,7 +34,7 @@ def _inputs(rank):
 
 
 def _rank(rank, world_size, strategy):
-    from fusegate import Communicator
+    from tpfuse import Communicator
 
     results = {}
     with Communicator(strategy=strategy) as comm:

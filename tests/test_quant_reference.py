@@ -10,11 +10,11 @@ import dataclasses
 import pytest
 import torch
 
-import fusegate
-from fusegate import quant as Q
-from fusegate.strategies import admission, get_strategy
-from fusegate.probe.capabilities import Capabilities, CpuInfo, GpuInfo, Versions
-from fusegate.reference import (
+import tpfuse
+from tpfuse import quant as Q
+from tpfuse.strategies import admission, get_strategy
+from tpfuse.probe.capabilities import Capabilities, CpuInfo, GpuInfo, Versions
+from tpfuse.reference import (
     _e2m1_codes,
     _e4m3_codes,
     quantize_ref,
@@ -22,8 +22,8 @@ from fusegate.reference import (
     small_integer_inputs,
     swizzle_128x4,
 )
-from fusegate.spec import GroupInfo, Op, Problem
-from fusegate.validation import check_quant
+from tpfuse.spec import GroupInfo, Op, Problem
+from tpfuse.validation import check_quant
 
 E4M3_VALUES = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).double()
 E2M1_GRID = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
@@ -100,7 +100,7 @@ def test_epilogue_reference_with_normed():
     s, r = small_integer_inputs(0, 4, 64, torch.bfloat16), small_integer_inputs(1, 4, 64, torch.bfloat16)
     w = small_integer_inputs(2, 1, 64, torch.bfloat16)[0]
     out = residual_rmsnorm_quant_ref(s, r, w, 1e-6, Q.fp8_per_token(with_normed=True))
-    normed, new_res = fusegate.residual_rmsnorm_ref(s, r, w, 1e-6)
+    normed, new_res = tpfuse.residual_rmsnorm_ref(s, r, w, 1e-6)
     assert torch.equal(out.normed, normed) and torch.equal(out.residual, new_res)
     assert residual_rmsnorm_quant_ref(s, r, w, 1e-6, Q.fp8_per_token()).normed is None
 
@@ -120,7 +120,7 @@ def test_spec_constructors_refuse_bad_input(make, message):
     (Q.nvfp4(1.0), 6152, ValueError, "not a multiple of 16"),
     (Q.fp8_static(torch.ones(2)), 64, TypeError, "one element"),
     (Q.fp8_static(0.0), 64, ValueError, "finite number > 0"),
-    ("fp8", 64, TypeError, "must be a fusegate.QuantSpec"),
+    ("fp8", 64, TypeError, "must be a tpfuse.QuantSpec"),
     (Q.QuantSpec("fp4", 16), 64, ValueError, "is not a format"),
     (Q.QuantSpec("nvfp4", 16, "row", scale=1.0), 64, ValueError, "layout 'row' is not a format"),
     (Q.QuantSpec("fp8_per_group", 24), 48, ValueError, "power of two"),

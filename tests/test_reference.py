@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from fusegate.reference import (
+from tpfuse.reference import (
     TOLERANCE,
     all_reduce_ref,
     all_reduce_residual_rmsnorm_ref,

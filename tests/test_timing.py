@@ -1,4 +1,4 @@
-"""fusegate.timing: the statistics, the rotated rounds, the one-call loop, the collective protocol
+"""tpfuse.timing: the statistics, the rotated rounds, the one-call loop, the collective protocol
 on 2 gloo ranks (max over ranks), the copy kernel under the Triton interpreter; GPU tier: events,
 graph replays and the copy bandwidth."""
 
@@ -10,8 +10,8 @@ import time
 import pytest
 import torch
 
-from fusegate import timing
-from fusegate.spawn import run_ranks
+from tpfuse import timing
+from tpfuse.spawn import run_ranks
 
 
 def test_summary_is_median_p20_p80_of_the_samples():

@@ -5,7 +5,7 @@ import time
 import pytest
 import torch
 
-from fusegate.spawn import run_ranks
+from tpfuse.spawn import run_ranks
 
 pytestmark = pytest.mark.gpu
 
@@ -13,7 +13,7 @@ pytestmark = pytest.mark.gpu
 def _rank(rank, world_size):
     import torch.distributed as dist
 
-    from fusegate.timing import time_interleaved
+    from tpfuse.timing import time_interleaved
 
     torch.cuda.set_device(0)
     x = torch.randn(1024, device="cuda")

@@ -1,4 +1,4 @@
-"""fusegate.verification: the inputs, the checks (a wrong answer, an unwritten output, a wrong
+"""tpfuse.verification: the inputs, the checks (a wrong answer, an unwritten output, a wrong
 shape or an aliased input is caught; nothing right is refused), the digest, and the collective
 verdict on 2 gloo ranks; GPU tier: a strategy that writes nothing reads NaN and fails."""
 
@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fusegate import verification as V
-from fusegate.spawn import run_ranks
-from fusegate.reference import TOLERANCE, all_reduce_residual_rmsnorm_ref
-from fusegate.spec import Op
+from tpfuse import verification as V
+from tpfuse.spawn import run_ranks
+from tpfuse.reference import TOLERANCE, all_reduce_residual_rmsnorm_ref
+from tpfuse.spec import Op
 
 FUSED = Op.ALL_REDUCE_RESIDUAL_RMSNORM.value
 
@@ -147,7 +147,7 @@ class _Sum:
         return self._sum(x)
 
     def all_reduce_residual_rmsnorm(self, x, residual, weight, eps):
-        from fusegate.reference import residual_rmsnorm_ref
+        from tpfuse.reference import residual_rmsnorm_ref
 
         normed, new_residual = residual_rmsnorm_ref(self._sum(x), residual, weight, eps)
         if self.rank == self.ulp and not torch.equal(x, x.round()):  # random inputs only: exact cases stay exact

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call: `fusegate diagnose` over diagnose_workload.py (matmul, spin, idle phases) with
+# One device call: `tpfuse diagnose` over diagnose_workload.py (matmul, spin, idle phases) with
 # --json, --png and --save; per-phase power/limit rows; the diagnose gpu tests; the table again
 # from the saved recording. Everything lands in $OUT (default ./diagnose_out).
 set -o pipefail
@@ -7,9 +7,9 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" COLUMNS=200
 OUT="${OUT:-$PWD/diagnose_out}"
 mkdir -p "$OUT"
-FG="python3 -m fusegate.cli"
-$FG diagnose --help >/dev/null 2>&1 || { echo "fusegate CLI does not load (another subcommand broken?); using diagnose alone";
-  FG="python3 -c 'import sys; from fusegate.cli import main as m; m.COMMANDS = (\"diagnose\",); sys.exit(m.main(sys.argv[1:]))'"; }
+FG="python3 -m tpfuse.cli"
+$FG diagnose --help >/dev/null 2>&1 || { echo "tpfuse CLI does not load (another subcommand broken?); using diagnose alone";
+  FG="python3 -c 'import sys; from tpfuse.cli import main as m; m.COMMANDS = (\"diagnose\",); sys.exit(m.main(sys.argv[1:]))'"; }
 nvidia-smi --query-gpu=name,power.limit,power.draw,clocks.sm,clocks.max.sm --format=csv
 eval "$FG diagnose --json --png $OUT/diagnose.png --save $OUT/samples.json -- python3 benchmarks/device/diagnose_workload.py --phases $OUT/phases.json" \
   >"$OUT/diagnose.json" 2>"$OUT/diagnose.err"

@@ -1,7 +1,7 @@
-"""Cut a `fusegate diagnose --save` recording into the phases logged by diagnose_workload.py and
+"""Cut a `tpfuse diagnose --save` recording into the phases logged by diagnose_workload.py and
 record, per phase, the power as a fraction of the enforced limit and the utilisation NVML reported.
 
-These are the readings the analysis thresholds are judged against (fusegate.diagnose.analysis):
+These are the readings the analysis thresholds are judged against (tpfuse.diagnose.analysis):
 dense GEMMs should sit far above WAIT_POWER_FRACTION, the spinning kernel below it at ~100%
 utilisation, the idle phase near 0% utilisation. Usage:
 
@@ -14,8 +14,8 @@ import argparse
 import json
 import statistics
 
-from fusegate.bench.results import append_rows, make_row
-from fusegate.diagnose.samples import load_recording
+from tpfuse.bench.results import append_rows, make_row
+from tpfuse.diagnose.samples import load_recording
 
 # NVML's power on Ampere and newer is a 1 s moving average (NVML API reference), and utilisation
 # covers a window of up to 1 s: samples in the first second of a phase still carry the previous one.

@@ -1,4 +1,4 @@
-"""A small one-GPU workload with three known phases, for checking `fusegate diagnose` on a real GPU.
+"""A small one-GPU workload with three known phases, for checking `tpfuse diagnose` on a real GPU.
 
     matmul  back-to-back bf16 GEMMs (8192 x 8192 x 8192, random inputs): kernels resident, high power
     spin    one single-thread kernel after another that spins on the clock (torch.cuda._sleep):
@@ -7,9 +7,9 @@
     idle    the host sleeps; no kernel runs
 
 Writes the wall-clock start and end of each phase to --phases (JSON), so a recording made by
-`fusegate diagnose --save` can be cut into phases (benchmarks/device/diagnose_phases.py). Usage:
+`tpfuse diagnose --save` can be cut into phases (benchmarks/device/diagnose_phases.py). Usage:
 
-    fusegate diagnose --json --png plot.png --save samples.json -- \
+    tpfuse diagnose --json --png plot.png --save samples.json -- \
         python3 benchmarks/device/diagnose_workload.py --phases phases.json
 """
 

@@ -14,7 +14,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" COLUMNS=160
 OUT="${OUT:-$PWD/gpu_check_out}"
 WORK="$(mktemp -d)"
-FG="python3 -m fusegate.cli"
+FG="python3 -m tpfuse.cli"
 mkdir -p "$OUT" "$WORK/foundation" "$WORK/gputests" "$WORK/tune" "$WORK/e2e" "$WORK/diagnose"
 started=$SECONDS
 step() {  # step NAME LIMIT_S COMMAND...: run with a time limit, say how it ended

@@ -2,10 +2,10 @@
 
     PYTHONPATH=src python benchmarks/device/gpu_check_e2e.py --out-dir $OUT [--layers 4 --experts 256]
 
-1. `fusegate bench e2e --preset glm5 --layers L --experts E --batch 1,8,64,256,1024 --fusion both`:
+1. `tpfuse bench e2e --preset glm5 --layers L --experts E --batch 1,8,64,256,1024 --fusion both`:
    rows to <out>/results/e2e.jsonl (the default cut: 4 of GLM-5's 78 layers, all MoE, with all
    256 experts, about 81 GB of bf16 weights: one GPU, TP1);
-2. `fusegate profile` of the same cut at batch 64, fusion on and off: rows to
+2. `tpfuse profile` of the same cut at batch 64, fusion on and off: rows to
    <out>/results/profile.jsonl, Chrome traces and a PNG bar chart under <out>;
 3. `pytest -m gpu tests/models tests/bench` (unless --no-tests).
 Each step runs in its own process under a time limit taken from --budget-s (steps that do not fit
@@ -71,7 +71,7 @@ def main() -> int:
     out = Path(args.out_dir)
     (out / "results").mkdir(parents=True, exist_ok=True)
     deadline = time.perf_counter() + args.budget_s
-    cli = [sys.executable, "-m", "fusegate.cli"]
+    cli = [sys.executable, "-m", "tpfuse.cli"]
     cut = ["--preset", args.preset, "--layers", str(args.layers), "--experts", str(args.experts)]
     steps = [
         ("bench e2e", cli + ["bench", "e2e", *cut, "--batch", "1,8,64,256,1024", "--fusion", "both", "--steps", "20",

@@ -31,8 +31,8 @@ ENV = {"TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES": "1", "TORCH_SYMM_MEM_DISABLE_
 def _functional_rank(rank, world_size, name, shapes, calls):
     import torch.distributed as dist
 
-    from fusegate import Communicator
-    from fusegate.reference import small_integer_inputs
+    from tpfuse import Communicator
+    from tpfuse.reference import small_integer_inputs
 
     torch.cuda.set_device(0)
     out = []
@@ -55,9 +55,9 @@ def _functional_rank(rank, world_size, name, shapes, calls):
 
 
 def functional_check(out_dir: Path) -> list[str]:
-    from fusegate.bench.results import append_rows, make_row
-    from fusegate.spawn import run_ranks
-    from fusegate.reference import all_reduce_residual_rmsnorm_ref, small_integer_inputs
+    from tpfuse.bench.results import append_rows, make_row
+    from tpfuse.spawn import run_ranks
+    from tpfuse.reference import all_reduce_residual_rmsnorm_ref, small_integer_inputs
 
     shapes, calls, lines, rows = [(1, 6144), (64, 6144)], 20, [], []
     for name in ("oneshot", "twoshot"):

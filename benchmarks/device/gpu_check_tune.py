@@ -5,14 +5,14 @@
 
 1. `pytest tests/probe/test_fabric.py`: the probe kernels on one GPU (peer pairs need 2+ GPUs:
    on one GPU the multi_gpu test skips, and measure_fabric's refusal with one GPU is checked);
-2. `fusegate doctor --measure --json`: what doctor reports for the fabric on this machine;
+2. `tpfuse doctor --measure --json`: what doctor reports for the fabric on this machine;
 3. MPS on (when available), so the 2 rank processes sharing the GPU run concurrently;
-4. `fusegate tune --shared-gpu --world-size 2 --preset glm5`: 2 ranks over gloo holding CUDA
+4. `tpfuse tune --shared-gpu --world-size 2 --preset glm5`: 2 ranks over gloo holding CUDA
    tensors on the one GPU, every admitted strategy verified then timed per token bucket; the
    dispatch table goes to a cache dir, rows to tune_shared_gpu.jsonl;
 5. `Communicator(strategy="auto", device="cuda")` on 2 ranks loads that table (digest agreed)
    and its choices compute the reference's bits on small-integer inputs;
-6. `fusegate verify --shared-gpu --strategy oneshot --preset glm5`: KEEP or REVERT against the
+6. `tpfuse verify --shared-gpu --strategy oneshot --preset glm5`: KEEP or REVERT against the
    best unfused path; rows to verify_shared_gpu.jsonl;
 then MPS off and a short summary last. Ranks sharing one GPU make this a functional check: the
 times say nothing about a multi-GPU fabric. With two or more GPUs the same script runs one NCCL
@@ -32,7 +32,7 @@ from pathlib import Path
 
 ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
        "TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES": "1", "PYTHONUNBUFFERED": "1"}
-CLI = [sys.executable, "-m", "fusegate.cli"]
+CLI = [sys.executable, "-m", "tpfuse.cli"]
 
 
 def _run(name: str, argv: list[str], limit_s: float, stdout_path: Path | None = None) -> tuple[int | None, float]:
@@ -63,9 +63,9 @@ def _auto_rank(rank, world_size, device, hidden, tokens_list, shared):
     """Communicator(strategy='auto') on the tuned machine: the table, its choices, and their bits."""
     import torch
 
-    from fusegate import Communicator
-    from fusegate.reference import all_reduce_residual_rmsnorm_ref, small_integer_inputs
-    from fusegate.spec import Op
+    from tpfuse import Communicator
+    from tpfuse.reference import all_reduce_residual_rmsnorm_ref, small_integer_inputs
+    from tpfuse.spec import Op
 
     if device == "cuda" and shared:
         torch.cuda.set_device(0)
@@ -105,13 +105,13 @@ def main(argv=None) -> int:
 
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    cache = Path("/tmp/fusegate-gpu-check-cache")
+    cache = Path("/tmp/tpfuse-gpu-check-cache")
     shutil.rmtree(cache, ignore_errors=True)
-    os.environ["FUSEGATE_CACHE_DIR"] = str(cache)
+    os.environ["TPFUSE_CACHE_DIR"] = str(cache)
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
     import torch
 
-    from fusegate.presets import get_preset
+    from tpfuse.presets import get_preset
 
     device = "cpu" if args.cpu_smoke else "cuda"
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -160,11 +160,11 @@ def main(argv=None) -> int:
             for n, r in rejected.items():
                 note(f"  not considered: {n}: {r}")
 
-            from fusegate.spawn import run_ranks
+            from tpfuse.spawn import run_ranks
 
             t0 = time.perf_counter()
             hidden = get_preset(args.preset).hidden
-            auto = run_ranks(_auto_rank, world_size, backend=backend, env={**ENV, "FUSEGATE_CACHE_DIR": str(cache)},
+            auto = run_ranks(_auto_rank, world_size, backend=backend, env={**ENV, "TPFUSE_CACHE_DIR": str(cache)},
                              args=(device, hidden, (1, 3, args.max_tokens), shared), timeout_s=limit(45))
             (out / "auto.json").write_text(json.dumps(auto, indent=1))
             same = len({a["table_digest"] for a in auto}) == 1 and auto[0]["table_digest"] == table["digest"]

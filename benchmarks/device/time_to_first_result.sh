@@ -11,7 +11,7 @@ stamp() { date +%s.%N; }
 t0=$(stamp); python -m venv "$work/venv"; source "$work/venv/bin/activate"
 t1=$(stamp); pip install -q torch==2.13.0 2>/dev/null
 t2=$(stamp); pip install -q . 2>/dev/null
-t3=$(stamp); fusegate selftest --world-size 2 > "$work/selftest.txt"
+t3=$(stamp); tpfuse selftest --world-size 2 > "$work/selftest.txt"
 t4=$(stamp)
 tail -1 "$work/selftest.txt"
 python - "$t0" "$t1" "$t2" "$t3" "$t4" <<'PY'

@@ -15,8 +15,8 @@ import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
-from fusegate.audit.arch import ARCHS, parse_arch
-from fusegate.audit.engine import audit
+from tpfuse.audit.arch import ARCHS, parse_arch
+from tpfuse.audit.engine import audit
 
 CORPUS = Path(__file__).parent / "corpus"
 

@@ -1,6 +1,6 @@
 """The real sglang source for the audit tests, from PyPI, cached outside the repository.
 
-Cache: `$XDG_CACHE_HOME/fusegate-tests` (default `~/.cache/fusegate-tests`): the wheel under
+Cache: `$XDG_CACHE_HOME/tpfuse-tests` (default `~/.cache/tpfuse-tests`): the wheel under
 `wheels/`, its Python files under `sglang-<version>/sglang`. The wheel is fetched with
 `pip download --no-deps` for a fixed interpreter/platform tag, so any test interpreter gets the
 same file; tests skip with the pip error when the registry is unreachable.
@@ -22,7 +22,7 @@ _WHEEL_TAGS = ["--python-version", "3.11", "--platform", "manylinux_2_34_x86_64"
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fusegate-tests"
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tpfuse-tests"
 
 
 def sglang_source(version: str = SGLANG_VERSION) -> tuple[Path | None, str]:

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from fusegate.audit.arch import ARCH_NAMES, ARCHS, ArchBool, ArchNum, compare, parse_arch
+from tpfuse.audit.arch import ARCH_NAMES, ARCHS, ArchBool, ArchNum, compare, parse_arch
 
 
 @pytest.mark.parametrize("text,name", [("sm120", "sm120"), ("SM_120", "sm120"), ("120", "sm120"), ("12.0", "sm120"), ("sm100a", "sm100"), ("12.1f", "sm121"), ("sm89", "sm89")])

@@ -1,4 +1,4 @@
-"""`fusegate audit` from the command line: table, JSON, SARIF, exit codes and bad input."""
+"""`tpfuse audit` from the command line: table, JSON, SARIF, exit codes and bad input."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fusegate.cli.main import main
+from tpfuse.cli.main import main
 
 FIXTURES = Path(__file__).parent / "fixtures"
 ENGINE = str(FIXTURES / "fakeengine")
@@ -100,7 +100,7 @@ def test_audit_does_not_import_torch():
     import sys
 
     code = (
-        "import sys; from fusegate.cli.main import main; "
+        "import sys; from tpfuse.cli.main import main; "
         f"rc = main(['audit', {ENGINE!r}, '--arch', 'sm120', '--json']); "
         "assert 'torch' not in sys.modules, 'torch imported'; assert 'libcst' not in sys.modules"
     )

@@ -18,19 +18,19 @@ from pathlib import Path
 
 import pytest
 
-from fusegate.audit import durable, manifest
-from fusegate.audit.arch import parse_arch
-from fusegate.audit.engine import audit
-from fusegate.audit.patch import build_changes
-from fusegate.cli.main import main
+from tpfuse.audit import durable, manifest
+from tpfuse.audit.arch import parse_arch
+from tpfuse.audit.engine import audit
+from tpfuse.audit.patch import build_changes
+from tpfuse.cli.main import main
 
 from .conftest import FIXTURES
 
 SRC = str(Path(manifest.__file__).resolve().parents[2])
 DRIVER = r"""
 import json, os, signal, sys
-from fusegate.audit import durable, manifest
-from fusegate.cli.main import main
+from tpfuse.audit import durable, manifest
+from tpfuse.cli.main import main
 kill_at, job = sys.argv[1], json.loads(sys.argv[2])
 seen = []
 def hook(step):
@@ -121,7 +121,7 @@ def test_kill_at_every_apply_step_then_revert_restores_every_byte(pristine, tmp_
             # the intent record is on disk: a second apply refuses (and writes nothing) until revert
             with pytest.raises(manifest.ManifestError, match=r"interrupted|already carries") as err:
                 manifest.apply(root, changes, job["expected"], {}, state_dir=job["state_dir"])
-            assert f"fusegate revert {root} --state-dir {job['state_dir']}" in str(err.value)
+            assert f"tpfuse revert {root} --state-dir {job['state_dir']}" in str(err.value)
             assert tree(root) == now
         rows = manifest.revert(root, state_dir=job["state_dir"])
         assert sorted(r["path"] for r in rows if r["action"] == "restored") == sorted(
@@ -160,7 +160,7 @@ def test_cli_apply_killed_midway(pristine, tmp_path, capsys):
     assert tree(root) != tree(src)
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert "interrupted" in err and f"fusegate revert {root}" in err and "Traceback" not in err
+    assert "interrupted" in err and f"tpfuse revert {root}" in err and "Traceback" not in err
     assert main(["revert", str(root), "--state-dir", job["state_dir"], "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["restored"]
     assert [r["path"] for r in rows if r["action"] == "restored"] == list(changes)[:2]
@@ -258,7 +258,7 @@ def test_unreadable_manifest_names_it_the_backups_and_the_recovery(pristine, tmp
         assert "Traceback" not in err and str(mpath) in err and why in err, err
         assert f"{len(changes)} original file(s) whose checksums match SHA256SUMS" in err
         assert all(rel in err for rel in changes)
-        command = f"fusegate revert {root} --state-dir {job['state_dir']} --force"
+        command = f"tpfuse revert {root} --state-dir {job['state_dir']} --force"
         assert f"`{command}`" in err
         assert tree(root) == patched  # nothing touched
     assert main(command.split()[1:]) == 0  # the command the message gives
@@ -339,7 +339,7 @@ def test_revert_that_cannot_write_keeps_the_state_and_can_be_rerun(pristine, tmp
     monkeypatch.setattr(durable, "fault_hook", read_only_fs)
     assert main(["revert", str(root), "--state-dir", job["state_dir"]]) == 2
     err = capsys.readouterr().err
-    assert f"restoring {second} failed" in err and f"`fusegate revert {root} --state-dir {job['state_dir']}` again" in err and "Traceback" not in err
+    assert f"restoring {second} failed" in err and f"`tpfuse revert {root} --state-dir {job['state_dir']}` again" in err and "Traceback" not in err
     monkeypatch.setattr(durable, "fault_hook", None)
     assert main(["revert", str(root), "--state-dir", job["state_dir"]]) == 0
     capsys.readouterr()
@@ -360,7 +360,7 @@ def test_a_second_patch_or_revert_while_one_runs_is_refused(pristine, tmp_path):
     sdir = manifest.state_dir_for(root, job["state_dir"])
     fd = durable.lock(sdir.with_name(sdir.name + ".lock"))  # what a running apply holds
     try:
-        with pytest.raises(manifest.ManifestError, match="another fusegate patch or revert is running"):
+        with pytest.raises(manifest.ManifestError, match="another tpfuse patch or revert is running"):
             manifest.apply(root, changes, job["expected"], {}, state_dir=job["state_dir"])
         assert tree(root) == tree(src) and not sdir.exists()
     finally:
@@ -368,7 +368,7 @@ def test_a_second_patch_or_revert_while_one_runs_is_refused(pristine, tmp_path):
     manifest.apply(root, changes, job["expected"], {}, state_dir=job["state_dir"])
     fd = durable.lock(sdir.with_name(sdir.name + ".lock"))
     try:
-        with pytest.raises(manifest.ManifestError, match="another fusegate patch or revert is running"):
+        with pytest.raises(manifest.ManifestError, match="another tpfuse patch or revert is running"):
             manifest.revert(root, state_dir=job["state_dir"])
     finally:
         os.close(fd)

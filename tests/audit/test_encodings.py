@@ -11,9 +11,9 @@ import json
 
 import pytest
 
-from fusegate.audit import manifest
-from fusegate.audit.engine import audit
-from fusegate.cli.main import main
+from tpfuse.audit import manifest
+from tpfuse.audit.engine import audit
+from tpfuse.cli.main import main
 
 RUNTIME_GATE = "allreduce_fusion_applies() result"  # adds an import, a statement and a disjunct
 LATIN1_HEAD = b"# -*- coding: latin-1 -*-\n# r\xe9glage: caf\xe9, na\xefve\n"

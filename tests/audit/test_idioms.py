@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from fusegate.audit.arch import ARCHS, parse_arch
-from fusegate.audit.engine import audit
+from tpfuse.audit.arch import ARCHS, parse_arch
+from tpfuse.audit.engine import audit
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

@@ -1,4 +1,4 @@
-"""`fusegate patch` / `revert` on a writable copy of the fixture engine."""
+"""`tpfuse patch` / `revert` on a writable copy of the fixture engine."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from fusegate.audit import manifest
-from fusegate.audit.arch import parse_arch
-from fusegate.audit.engine import audit
-from fusegate.cli.main import main
+from tpfuse.audit import manifest
+from tpfuse.audit.arch import parse_arch
+from tpfuse.audit.engine import audit
+from tpfuse.cli.main import main
 
 RUNTIME_GATE = "allreduce_fusion_applies() result"
 
@@ -103,7 +103,7 @@ def test_second_patch_needs_a_revert_first(capsys, engine, state_dir):
     assert run(capsys, *args, "--only", gid)[0] == 0
     other = gate_id(engine, "return 'flashinfer_trtllm'")
     code, _, err = run(capsys, *args, "--only", other)
-    assert code == 2 and "fusegate revert" in err
+    assert code == 2 and "tpfuse revert" in err
 
 
 def test_read_only_file_nothing_half_written(capsys, engine, state_dir):
@@ -122,7 +122,7 @@ def test_read_only_file_nothing_half_written(capsys, engine, state_dir):
 def test_failure_midway_restores_written_files(engine, state_dir, monkeypatch):
     before = snapshot(engine)
     result = audit(str(engine))
-    from fusegate.audit.patch import build_changes
+    from tpfuse.audit.patch import build_changes
 
     findings = result.selected(parse_arch("sm120"), parse_arch("sm100"))
     changes, _, _ = build_changes(result, findings, parse_arch("sm120"), parse_arch("sm100"))
@@ -140,7 +140,7 @@ def test_failure_midway_restores_written_files(engine, state_dir, monkeypatch):
         manifest.apply(engine, {rel: new for rel, (_, new) in changes.items()}, result.file_hashes, {}, state_dir=state_dir)
     monkeypatch.undo()
     assert snapshot(engine) == before
-    assert not list(engine.rglob("*.fusegate-tmp"))
+    assert not list(engine.rglob("*.tpfuse-tmp"))
 
 
 def test_refuses_a_file_changed_since_the_audit(capsys, engine, tmp_path):

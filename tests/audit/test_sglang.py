@@ -11,10 +11,10 @@ import shutil
 
 import pytest
 
-from fusegate.audit import manifest
-from fusegate.audit.arch import parse_arch
-from fusegate.audit.engine import audit
-from fusegate.audit.patch import build_changes
+from tpfuse.audit import manifest
+from tpfuse.audit.arch import parse_arch
+from tpfuse.audit.engine import audit
+from tpfuse.audit.patch import build_changes
 
 from .sglang_source import SGLANG_VERSION, sglang_source
 

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from fusegate.audit import manifest, target
-from fusegate.audit.engine import audit
-from fusegate.cli.main import main
+from tpfuse.audit import manifest, target
+from tpfuse.audit.engine import audit
+from tpfuse.cli.main import main
 
 from .conftest import FIXTURES
 
@@ -212,7 +212,7 @@ needs_proc = pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason=
 
 def _peak_rss_mb(argv: list) -> tuple[int, float, str]:
     # VmHWM, the peak RSS of this process image (ru_maxrss would include the forking pytest's).
-    code = ("import sys; from fusegate.cli.main import main; rc = main(sys.argv[1:]); "
+    code = ("import sys; from tpfuse.cli.main import main; rc = main(sys.argv[1:]); "
             "hwm = [l for l in open('/proc/self/status') if l.startswith('VmHWM:')][0].split()[1]; "
             "print(int(hwm) / 1024, file=sys.stderr); sys.exit(rc)")
     env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from fusegate.audit import patch as patch_mod
-from fusegate.audit.arch import ARCHS, parse_arch
-from fusegate.audit.engine import audit
-from fusegate.audit.hardware import gate_class
+from tpfuse.audit import patch as patch_mod
+from tpfuse.audit.arch import ARCHS, parse_arch
+from tpfuse.audit.engine import audit
+from tpfuse.audit.hardware import gate_class
 
 from .test_patch import run, snapshot
 
@@ -192,8 +192,8 @@ def test_namespace_packages_are_named_apart(tmp_path):
 
 
 def test_capability_parameter_compares_in_every_integer_form():
-    from fusegate.audit.arch import compare
-    from fusegate.audit.predicates import CAP_ANY
+    from tpfuse.audit.arch import compare
+    from tpfuse.audit.predicates import CAP_ANY
 
     assert compare("Eq", CAP_ANY, 9).values == tuple(a.major == 9 for a in ARCHS)  # a major
     assert compare("GtE", CAP_ANY, 100).values == tuple(a.cc_int >= 100 for a in ARCHS)  # major*10+minor
@@ -238,8 +238,8 @@ class Unrelated:
 
 
 def test_selective_parse_keeps_every_condition(tmp_path):
-    from fusegate.audit.parse import parse_selected
-    from fusegate.audit.resolve import _CHUNK_RE, ARCH_RE
+    from tpfuse.audit.parse import parse_selected
+    from tpfuse.audit.resolve import _CHUNK_RE, ARCH_RE
 
     (tmp_path / "m.py").write_text(SELECTIVE)
     tree, skipped, hot = parse_selected(SELECTIVE, "m.py", _CHUNK_RE, ARCH_RE)
@@ -280,7 +280,7 @@ def test_explicit_inequality_exclusion_is_refused_not_undone(capsys, engine, res
 
 
 def test_class_methods_without_architecture_text_are_trimmed_not_lost(tmp_path):
-    from fusegate.audit.parse import _trim_class
+    from tpfuse.audit.parse import _trim_class
 
     cls = (
         "class Runner:\n"

@@ -1,4 +1,4 @@
-"""`fusegate bench e2e` and `fusegate profile` end to end on CPU (gloo, eager steps), JSON checked."""
+"""`tpfuse bench e2e` and `tpfuse profile` end to end on CPU (gloo, eager steps), JSON checked."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from fusegate.bench.results import read_rows
-from fusegate.cli.main import main
+from tpfuse.bench.results import read_rows
+from tpfuse.cli.main import main
 
 
 @pytest.mark.slow

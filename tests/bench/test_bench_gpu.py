@@ -1,4 +1,4 @@
-"""`fusegate bench e2e` and `fusegate profile` on one CUDA GPU: CUDA graphs, NVML energy, kernel attribution."""
+"""`tpfuse bench e2e` and `tpfuse profile` on one CUDA GPU: CUDA graphs, NVML energy, kernel attribution."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from fusegate.cli.main import main
+from tpfuse.cli.main import main
 
 pytestmark = pytest.mark.gpu
 

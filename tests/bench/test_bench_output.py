@@ -1,6 +1,6 @@
 """What `bench e2e` and `profile` leave behind and print on CPU: no rows unless --results names a
-place, fusegate warnings as one plain line, no Kineto status lines, GB/s that never reads 0, and a
-tune hint that `fusegate tune` accepts."""
+place, tpfuse warnings as one plain line, no Kineto status lines, GB/s that never reads 0, and a
+tune hint that `tpfuse tune` accepts."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import re
 
 import pytest
 
-from fusegate.cli.main import main
-from fusegate.cli.profile import format_gbps
+from tpfuse.cli.main import main
+from tpfuse.cli.profile import format_gbps
 
 TINY = ["--preset", "tiny", "--prompt-len", "4", "--context", "16"]
 
@@ -19,7 +19,7 @@ def empty_cwd(tmp_path, monkeypatch):
     work = tmp_path / "work"
     work.mkdir()
     monkeypatch.chdir(work)
-    monkeypatch.setenv("FUSEGATE_CACHE_DIR", str(tmp_path / "cache"))  # no dispatch table: the default is used
+    monkeypatch.setenv("TPFUSE_CACHE_DIR", str(tmp_path / "cache"))  # no dispatch table: the default is used
     return work
 
 
@@ -32,7 +32,7 @@ def test_profile_writes_nothing_unasked_and_prints_clean_lines(empty_cwd, capfd)
     assert "result rows not kept (pass --results PATH to keep them)" in out
     assert "USDT:" not in err and "STAGE:" not in err and "profiler_start" not in err
     warning = [line for line in err.splitlines() if "no dispatch table" in line]
-    assert len(warning) == 1 and warning[0].startswith("fusegate: warning: Communicator: no dispatch table at ")
+    assert len(warning) == 1 and warning[0].startswith("tpfuse: warning: Communicator: no dispatch table at ")
     assert "api.py" not in err and "self._choose" not in err
     gbps = re.search(r"^│ attention .*│\s+(\S+) │$", out, re.M).group(1)
     assert float(gbps) > 0
@@ -46,7 +46,7 @@ def test_bench_e2e_writes_nothing_unasked_and_its_tune_hint_is_accepted(empty_cw
     out, _ = capfd.readouterr()
     assert list(empty_cwd.iterdir()) == []
     assert "result rows not kept (pass --results PATH to keep them)" in out
-    hint = re.search(r"measure it with `fusegate (tune --world-size 1 --preset tiny)`", out)
+    hint = re.search(r"measure it with `tpfuse (tune --world-size 1 --preset tiny)`", out)
     assert hint
     assert re.search(r"^bench e2e: 1 point\(s\) in [\d.]+ s, best [\d.]+ tok/s \(batch 1, fusion on\); allreduce count ok$",
                      out, re.M)
@@ -58,7 +58,7 @@ def test_bench_e2e_writes_nothing_unasked_and_its_tune_hint_is_accepted(empty_cw
 def test_tune_takes_the_tiny_preset_of_the_benchmarks():
     import argparse
 
-    from fusegate.cli.args import hiddens
+    from tpfuse.cli.args import hiddens
 
     assert hiddens(argparse.Namespace(preset=["tiny"], hidden=[], max_tokens=4), "tune") == (64,)
 

@@ -11,38 +11,38 @@ from collections import Counter
 
 import pytest
 
-from fusegate.bench.profile import STAGES, Record, attribute, classify, stage_bytes
-from fusegate.spawn import run_ranks
+from tpfuse.bench.profile import STAGES, Record, attribute, classify, stage_bytes
+from tpfuse.spawn import run_ranks
 
 STEPS = 2
 
 
 @pytest.mark.parametrize("name, scopes, stage", [
     ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)", ("c10d::allreduce_",), "communication"),
-    ("oneshot_kernel", ("fusegate::allreduce_norm",), "communication"),
-    ("fmha_cutlassF_bf16_aligned_64x128_rf_sm80", ("aten::_efficient_attention_forward", "fusegate::attention"), "attention"),
-    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", ("aten::mm", "fusegate::moe_experts", "fusegate::moe"), "moe_gemm"),
-    ("nvjet_tst_64x8_64x16_2x1_v_bz_TNT", ("aten::mm", "fusegate::attention"), "other_gemm"),
-    ("void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm>", ("aten::_grouped_mm", "fusegate::moe_experts"), "moe_gemm"),
-    ("void at::native::vectorized_elementwise_kernel<4, at::native::sin_kernel>", ("aten::sin", "fusegate::attention"), "attention"),
-    ("residual_rmsnorm_kernel", ("fusegate::allreduce_norm",), "norm"),
-    ("void at::native::reduce_kernel<mean>", ("aten::mean", "fusegate::norm"), "norm"),
-    ("void at::native::unrolled_elementwise_kernel<direct_copy_kernel_cuda>", ("aten::copy_", "fusegate::allreduce_norm"), "communication"),
-    ("void at::native::vectorized_elementwise_kernel<4, rsqrt>", ("aten::rsqrt", "fusegate::allreduce_norm"), "norm"),
-    ("void at::native::unrolled_elementwise_kernel<direct_copy_kernel_cuda>", ("aten::copy_", "fusegate::allreduce"), "communication"),
-    ("sm90_xmma_gemm_bf16bf16_bf16f32", ("aten::bmm", "aten::matmul", "fusegate::attention_core", "fusegate::attention"), "attention"),
-    ("void at::cuda::detail::prepare_grouped_gemm_data", ("aten::_grouped_mm", "fusegate::moe_experts"), "moe_gemm"),
-    ("residual_rmsnorm_kernel", ("fusegate::all_reduce_residual_rmsnorm", "fusegate::allreduce_norm"), "norm"),
-    ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", ("nccl:all_reduce", "fusegate::all_reduce_residual_rmsnorm"), "communication"),
-    ("void at::native::sigmoid_kernel", ("aten::sigmoid", "fusegate::moe"), "other"),
+    ("oneshot_kernel", ("tpfuse::allreduce_norm",), "communication"),
+    ("fmha_cutlassF_bf16_aligned_64x128_rf_sm80", ("aten::_efficient_attention_forward", "tpfuse::attention"), "attention"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", ("aten::mm", "tpfuse::moe_experts", "tpfuse::moe"), "moe_gemm"),
+    ("nvjet_tst_64x8_64x16_2x1_v_bz_TNT", ("aten::mm", "tpfuse::attention"), "other_gemm"),
+    ("void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm>", ("aten::_grouped_mm", "tpfuse::moe_experts"), "moe_gemm"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::sin_kernel>", ("aten::sin", "tpfuse::attention"), "attention"),
+    ("residual_rmsnorm_kernel", ("tpfuse::allreduce_norm",), "norm"),
+    ("void at::native::reduce_kernel<mean>", ("aten::mean", "tpfuse::norm"), "norm"),
+    ("void at::native::unrolled_elementwise_kernel<direct_copy_kernel_cuda>", ("aten::copy_", "tpfuse::allreduce_norm"), "communication"),
+    ("void at::native::vectorized_elementwise_kernel<4, rsqrt>", ("aten::rsqrt", "tpfuse::allreduce_norm"), "norm"),
+    ("void at::native::unrolled_elementwise_kernel<direct_copy_kernel_cuda>", ("aten::copy_", "tpfuse::allreduce"), "communication"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32", ("aten::bmm", "aten::matmul", "tpfuse::attention_core", "tpfuse::attention"), "attention"),
+    ("void at::cuda::detail::prepare_grouped_gemm_data", ("aten::_grouped_mm", "tpfuse::moe_experts"), "moe_gemm"),
+    ("residual_rmsnorm_kernel", ("tpfuse::all_reduce_residual_rmsnorm", "tpfuse::allreduce_norm"), "norm"),
+    ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", ("nccl:all_reduce", "tpfuse::all_reduce_residual_rmsnorm"), "communication"),
+    ("void at::native::sigmoid_kernel", ("aten::sigmoid", "tpfuse::moe"), "other"),
 ])
 def test_classify_rules(name, scopes, stage):
     assert classify(name, scopes) == stage
 
 
 def test_attribute_conserves_time_and_counts():
-    records = [Record("aten::mm", ("aten::mm", "fusegate::moe_experts"), 30.0), Record("gloo:all_reduce", (), 10.0),
-               Record("aten::silu", ("aten::silu", "fusegate::moe"), 5.0), Record("aten::mm", ("aten::mm",), 15.0)]
+    records = [Record("aten::mm", ("aten::mm", "tpfuse::moe_experts"), 30.0), Record("gloo:all_reduce", (), 10.0),
+               Record("aten::silu", ("aten::silu", "tpfuse::moe"), 5.0), Record("aten::mm", ("aten::mm",), 15.0)]
     table = attribute(records, steps=5)
     assert table["moe_gemm"] == {"time_us_per_step": 6.0, "share": 0.5, "launches_per_step": 0.2}
     assert table["communication"]["time_us_per_step"] == 2.0 and table["other_gemm"]["time_us_per_step"] == 3.0
@@ -50,7 +50,7 @@ def test_attribute_conserves_time_and_counts():
 
 
 def test_stage_bytes_moe_estimate():
-    from fusegate.models.config import model_config
+    from tpfuse.models.config import model_config
 
     cfg = model_config("glm5", layers=1)
     b1 = stage_bytes(cfg, batch=1, context=64, world_size=1, itemsize=2)
@@ -62,8 +62,8 @@ def test_stage_bytes_moe_estimate():
 
 
 def _trace_rank(rank, world):
-    from fusegate.bench.e2e import E2ESpec
-    from fusegate.bench.profile import profile_rank
+    from tpfuse.bench.e2e import E2ESpec
+    from tpfuse.bench.profile import profile_rank
 
     spec = E2ESpec(preset="tiny", fusion=(False, True), tp=world, moe_runner="dense", progress=False,
                    prompt_len=4, context=16)

@@ -2,7 +2,7 @@
 
 The script runs in a subprocess, as a user runs it (its ranks are spawned from its __main__). A
 test-only strategy that is wrong on rank 1 (tests/support/tune_test_strategies.py, registered through
-FUSEGATE_STRATEGIES) must be rejected by the correctness check on every rank and never timed.
+TPFUSE_STRATEGIES) must be rejected by the correctness check on every rank and never timed.
 """
 
 from __future__ import annotations
@@ -14,22 +14,22 @@ from pathlib import Path
 
 import pytest
 
-from fusegate.bench.results import read_rows
+from tpfuse.bench.results import read_rows
 
 pytestmark = pytest.mark.gloo
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "bench_allreduce_norm.py"
 HIDDENS, BUCKETS, PEER_GBPS = (32, 48), (1, 2, 3), 10.0
-TIMED = {"fusegate/reference", "fusegate/ring"}
-GPU_ONLY = {"fusegate/nccl_epilogue", "fusegate/nccl_eager", "fusegate/oneshot", "fusegate/twoshot"}
+TIMED = {"tpfuse/reference", "tpfuse/ring"}
+GPU_ONLY = {"tpfuse/nccl_epilogue", "tpfuse/nccl_eager", "tpfuse/oneshot", "tpfuse/twoshot"}
 THIRD_PARTY = {"symm_mem_oneshot+epilogue", "symm_mem_twoshot+epilogue", "flashinfer_trtllm"}
 
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     out = tmp_path_factory.mktemp("sweep") / "sweep.jsonl"
-    env = dict(os.environ, FUSEGATE_STRATEGIES="wrong_on_rank_one=support.tune_test_strategies:WrongOnRankOne",
+    env = dict(os.environ, TPFUSE_STRATEGIES="wrong_on_rank_one=support.tune_test_strategies:WrongOnRankOne",
                PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--device", "cpu", "--hidden", ",".join(map(str, HIDDENS)), "--max-tokens", "3",
@@ -48,17 +48,17 @@ def test_every_bucket_has_the_cpu_providers(smoke):
         assert r["op"] == "all_reduce_residual_rmsnorm" and r["unit"] == "us" and r["dtype"] == "bfloat16"
         assert r["world_size"] == 2 and 0 < r["p20"] <= r["median"] <= r["p80"]
         assert r["extra"]["mode"] == "cpu-smoke" and r["extra"]["functional_only"] is True
-        # every timed provider here is a fusegate strategy: held to bit-exactness
+        # every timed provider here is a tpfuse strategy: held to bit-exactness
         assert r["extra"]["check"].startswith("bit-exact")
 
 
 def test_ratios_and_floor_recomputed(smoke):
     rows, _ = smoke
     # nccl_eager is not admitted on gloo CPU ranks: the ratio baseline is the reference strategy
-    base = {(r["shape"]["hidden"], r["shape"]["tokens"]): r["median"] for r in rows if r["strategy"] == "fusegate/reference"}
+    base = {(r["shape"]["hidden"], r["shape"]["tokens"]): r["median"] for r in rows if r["strategy"] == "tpfuse/reference"}
     for r in rows:
         h, t = r["shape"]["hidden"], r["shape"]["tokens"]
-        assert r["extra"]["ratio_baseline"] == "fusegate/reference"
+        assert r["extra"]["ratio_baseline"] == "tpfuse/reference"
         assert r["extra"]["ratio_vs_baseline"] == pytest.approx(r["median"] / base[(h, t)], rel=1e-12)
         # floor by hand: 2.5 us + 2(W-1)/W x T x H x 2 bytes over 10 GB/s, W = 2
         floor = 2.5 + t * h * 2 / (PEER_GBPS * 1e9) * 1e6
@@ -70,14 +70,14 @@ def test_not_timed_providers_have_reasons(smoke):
     rows, _ = smoke
     for r in rows:
         not_timed = r["extra"]["not_timed"]
-        assert set(not_timed) == GPU_ONLY | THIRD_PARTY | {"fusegate/wrong_on_rank_one"}
+        assert set(not_timed) == GPU_ONLY | THIRD_PARTY | {"tpfuse/wrong_on_rank_one"}
         for name in GPU_ONLY:
             assert not_timed[name].startswith("not admitted: needs CUDA tensors")
         for name in THIRD_PARTY:
             assert "needs one GPU per rank over NCCL" in not_timed[name]
-        wrong = not_timed["fusegate/wrong_on_rank_one"]
+        wrong = not_timed["tpfuse/wrong_on_rank_one"]
         assert wrong.startswith("rank 1: failed the correctness check: not bit-exact") and "rank 0" not in wrong
-    assert not any(r["strategy"] == "fusegate/wrong_on_rank_one" for r in rows)
+    assert not any(r["strategy"] == "tpfuse/wrong_on_rank_one" for r in rows)
 
 
 def test_table_printed_last(smoke):
@@ -87,5 +87,5 @@ def test_table_printed_last(smoke):
     body = lines[header + 1: header + 1 + len(HIDDENS) * len(BUCKETS)]
     assert [tuple(map(int, line.split()[:2])) for line in body] == [(h, t) for h in HIDDENS for t in BUCKETS]
     assert all(" x1.00 " in line for line in body)  # the reference against itself
-    assert any(line.startswith("cells: median us per call, x = ratio to fusegate/reference") for line in lines)
-    assert any(line.startswith("not timed: fusegate/oneshot") for line in lines[header:])
+    assert any(line.startswith("cells: median us per call, x = ratio to tpfuse/reference") for line in lines)
+    assert any(line.startswith("not timed: tpfuse/oneshot") for line in lines[header:])

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fusegate.reference import quantize_ref
+from tpfuse.reference import quantize_ref
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))

@@ -1,4 +1,4 @@
-"""`fusegate doctor`: the content of its tables and JSON, admission reasons, usage errors (exit 2),
+"""`tpfuse doctor`: the content of its tables and JSON, admission reasons, usage errors (exit 2),
 the GPU path on a faked two-GPU probe, and --measure with and without a fabric module."""
 
 from __future__ import annotations
@@ -11,15 +11,15 @@ import types
 
 import pytest
 
-import fusegate.strategies as strategies
-import fusegate.probe
-from fusegate.strategies.base import Strategy
-from fusegate.cli.doctor import problem_of
-from fusegate.cli.main import UsageError, main
-from fusegate.probe.capabilities import (
+import tpfuse.strategies as strategies
+import tpfuse.probe
+from tpfuse.strategies.base import Strategy
+from tpfuse.cli.doctor import problem_of
+from tpfuse.cli.main import UsageError, main
+from tpfuse.probe.capabilities import (
     Capabilities, CpuInfo, FabricMeasurements, GpuInfo, LinkInfo, PackageStatus, PeerMeasurement, Versions,
 )
-from fusegate.spec import Needs, Op, Verdict
+from tpfuse.spec import Needs, Op, Verdict
 
 
 @pytest.fixture(autouse=True)
@@ -51,7 +51,7 @@ def needs_cuda_strategy(monkeypatch):
         def extra_admits(cls, problem, caps):
             return Verdict.no("needs the package 'flashinfer[cu13]'; pip install 'flashinfer-python[cu13]'")
 
-    module = types.ModuleType("fusegate_doctor_test_strategies")
+    module = types.ModuleType("tpfuse_doctor_test_strategies")
     module.NeedsCudaStrategy = NeedsCudaStrategy
     module.BracketedReasonStrategy = BracketedReasonStrategy
     monkeypatch.setitem(sys.modules, module.__name__, module)
@@ -75,7 +75,7 @@ def test_tables_show_cpu_versions_and_every_strategy_with_its_reason(capsys, nee
     code = main(["doctor"])
     out = capsys.readouterr().out
     assert code == 0
-    caps = fusegate.probe.probe()
+    caps = tpfuse.probe.probe()
     assert f"CPU    │ {caps.cpu.model} ({caps.cpu.arch})" in out
     assert f"{caps.cpu.num_cores} logical" in out
     assert "no GPU: torch" in out
@@ -125,7 +125,7 @@ def test_usage_errors_exit_2_and_name_the_fix(capsys, argv, message):
     code = main(["doctor", *argv])
     captured = capsys.readouterr()
     assert code == 2
-    assert captured.err.strip().startswith("fusegate doctor: ") and message in captured.err
+    assert captured.err.strip().startswith("tpfuse doctor: ") and message in captured.err
     assert captured.out == ""
 
 
@@ -140,7 +140,7 @@ def test_unparsable_flag_exits_2(capsys):
 @pytest.fixture
 def no_moe_section(monkeypatch):
     """On a faked GPU probe the real MoE runner report would try real CUDA; its section is stubbed."""
-    import fusegate.cli.doctor as doctor
+    import tpfuse.cli.doctor as doctor
 
     monkeypatch.setattr(doctor, "moe_runner_section", lambda caps: {"available": False, "reason": "stubbed", "runners": []})
 
@@ -184,7 +184,7 @@ def test_world_size_above_gpu_count_needs_shared_gpu():
 
 
 def test_gpu_tables_and_admission_on_a_faked_gpu_probe(capsys, monkeypatch, needs_cuda_strategy, no_moe_section):
-    monkeypatch.setattr(fusegate.probe, "probe", lambda **kw: fake_gpu_caps())
+    monkeypatch.setattr(tpfuse.probe, "probe", lambda **kw: fake_gpu_caps())
     assert main(["doctor"]) == 0
     out = capsys.readouterr().out
     gpu_row = row_of(out, "0")
@@ -201,9 +201,9 @@ def test_gpu_tables_and_admission_on_a_faked_gpu_probe(capsys, monkeypatch, need
 
 
 def install_fabric(monkeypatch, measure):
-    module = types.ModuleType("fusegate.probe.fabric")
+    module = types.ModuleType("tpfuse.probe.fabric")
     module.measure_fabric = measure
-    monkeypatch.setitem(sys.modules, "fusegate.probe.fabric", module)
+    monkeypatch.setitem(sys.modules, "tpfuse.probe.fabric", module)
 
 
 def test_measure_failure_is_reported_and_exit_is_still_0(capsys, monkeypatch):
@@ -219,7 +219,7 @@ def test_measure_failure_is_reported_and_exit_is_still_0(capsys, monkeypatch):
 
 
 def test_measure_missing_module_is_a_reason(capsys, monkeypatch):
-    monkeypatch.setitem(sys.modules, "fusegate.probe.fabric", None)  # import raises ImportError
+    monkeypatch.setitem(sys.modules, "tpfuse.probe.fabric", None)  # import raises ImportError
     assert main(["doctor", "--measure", "--json"]) == 0
     fabric = json.loads(capsys.readouterr().out)["fabric"]
     assert fabric["measured"] is False and fabric["reason"].startswith("fabric measurement not available")
@@ -236,7 +236,7 @@ def test_measure_result_table_and_json(capsys, monkeypatch, no_moe_section):
         return FabricMeasurements(pairs, 0.42, "pull", method="copy kernel")
 
     install_fabric(monkeypatch, measure)
-    monkeypatch.setattr(fusegate.probe, "probe", lambda **kw: fake_gpu_caps())
+    monkeypatch.setattr(tpfuse.probe, "probe", lambda **kw: fake_gpu_caps())
     assert main(["doctor", "--measure"]) == 0
     out = capsys.readouterr().out
     fabric_rows = [line.replace("│", "|") for line in out.splitlines() if " 0 -> 1 " in line and "52.5" in line]
@@ -254,31 +254,31 @@ def test_measure_result_table_and_json(capsys, monkeypatch, no_moe_section):
 
 
 def test_moe_runner_rows_are_shown_and_a_missing_module_is_said(capsys, monkeypatch):
-    module = types.ModuleType("fusegate.models.moe_runners")
+    module = types.ModuleType("tpfuse.models.moe_runners")
     module.runner_report = lambda caps: [
         {"name": "grouped_mm", "admitted": True, "reason": "all needs met", "chosen": True, "why": "fastest measured"},
         {"name": "flashinfer_cutlass", "admitted": False, "reason": "needs the package 'flashinfer'", "chosen": False, "why": ""},
     ]
-    monkeypatch.setitem(sys.modules, "fusegate.models.moe_runners", module)
+    monkeypatch.setitem(sys.modules, "tpfuse.models.moe_runners", module)
     assert main(["doctor"]) == 0
     out = capsys.readouterr().out
     assert " admitted " in row_of(out, "grouped_mm") and " fastest measured " in row_of(out, "grouped_mm")
     assert " not admitted " in row_of(out, "flashinfer_cutlass") and "needs the package 'flashinfer'" in row_of(out, "flashinfer_cutlass")
     assert main(["doctor", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["moe_runners"]["runners"][1]["name"] == "flashinfer_cutlass"
-    monkeypatch.setitem(sys.modules, "fusegate.models.moe_runners", None)
+    monkeypatch.setitem(sys.modules, "tpfuse.models.moe_runners", None)
     assert main(["doctor"]) == 0
     assert "MoE runners: not available: " in capsys.readouterr().out
 
 
 def test_a_missing_runtime_package_is_flagged_with_the_install_command_and_exit_2(capsys, monkeypatch):
-    from fusegate.cli import preflight
+    from tpfuse.cli import preflight
 
-    monkeypatch.setitem(preflight.RUNTIME_PACKAGES, "fusegate_no_such_package", "the ranks import it")
+    monkeypatch.setitem(preflight.RUNTIME_PACKAGES, "tpfuse_no_such_package", "the ranks import it")
     assert main(["doctor"]) == 2
     out = capsys.readouterr().out
-    assert "MISSING: fusegate_no_such_package is not installed; the ranks import it" in out
-    assert "Install it with `pip install fusegate_no_such_package`." in out
+    assert "MISSING: tpfuse_no_such_package is not installed; the ranks import it" in out
+    assert "Install it with `pip install tpfuse_no_such_package`." in out
     assert main(["doctor", "--json"]) == 2
-    row = json.loads(capsys.readouterr().out)["runtime_packages"]["fusegate_no_such_package"]
+    row = json.loads(capsys.readouterr().out)["runtime_packages"]["tpfuse_no_such_package"]
     assert row == {"installed": False, "needed_for": "the ranks import it"}

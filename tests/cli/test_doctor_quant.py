@@ -1,4 +1,4 @@
-"""`fusegate doctor --quant FORMAT`: every strategy's admission for quantized output with the
+"""`tpfuse doctor --quant FORMAT`: every strategy's admission for quantized output with the
 conversion path in the reason, on a faked H200 probe; a bad --quant is a usage error (exit 2)."""
 
 from __future__ import annotations
@@ -7,14 +7,14 @@ import json
 
 import pytest
 
-import fusegate.probe
-from fusegate.cli.main import main
+import tpfuse.probe
+from tpfuse.cli.main import main
 from tests.cli.test_doctor import fake_gpu_caps, no_moe_section, wide_console  # noqa: F401  (fixtures)
 
 
 @pytest.mark.parametrize("kind", ["fp8_per_group", "nvfp4"])
 def test_quant_admission_reasons(capsys, monkeypatch, no_moe_section, kind):  # noqa: F811
-    monkeypatch.setattr(fusegate.probe, "probe", lambda **kw: fake_gpu_caps())
+    monkeypatch.setattr(tpfuse.probe, "probe", lambda **kw: fake_gpu_caps())
     assert main(["doctor", "--quant", kind, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["problem"]["quant"] == kind

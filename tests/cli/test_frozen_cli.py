@@ -1,7 +1,7 @@
 """The CLI's surface, frozen: every command's --help text and the exit code of every usage error.
 
 A change to a --help text fails here until the stored text under tests/cli/frozen/ is updated on
-purpose: `FUSEGATE_FREEZE_CLI=1 python -m pytest -q tests/cli/test_frozen_cli.py` rewrites it.
+purpose: `TPFUSE_FREEZE_CLI=1 python -m pytest -q tests/cli/test_frozen_cli.py` rewrites it.
 Usage errors must exit 2 with the fix named, before any rank is spawned or torch is imported
 (checked in a fresh interpreter, where an import of torch would show in sys.modules).
 """
@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from fusegate.cli.main import main
+from tpfuse.cli.main import main
 
 FROZEN = Path(__file__).parent / "frozen"
 UNDER_A_FILE = str(Path(__file__).resolve() / "out")  # a path no one can create: its parent is a file
 # (argv prefix, file stem) for every command and subcommand, audit's included as they are.
-COMMANDS = [([], "fusegate"), (["doctor"], "doctor"), (["selftest"], "selftest"), (["diagnose"], "diagnose"),
+COMMANDS = [([], "tpfuse"), (["doctor"], "doctor"), (["selftest"], "selftest"), (["diagnose"], "diagnose"),
             (["tune"], "tune"), (["verify"], "verify"), (["bench"], "bench"), (["bench", "e2e"], "bench-e2e"),
             (["profile"], "profile"), (["audit"], "audit"), (["patch"], "patch"), (["revert"], "revert")]
 
@@ -32,9 +32,9 @@ def test_help_text_is_frozen_and_exits_0(argv, stem, capsys, monkeypatch):
     assert main([*argv, "--help"]) == 0
     text = capsys.readouterr().out
     path = FROZEN / f"{stem}.txt"
-    if os.environ.get("FUSEGATE_FREEZE_CLI") == "1":
+    if os.environ.get("TPFUSE_FREEZE_CLI") == "1":
         path.write_text(text)
-    assert text == path.read_text(), f"`fusegate {' '.join(argv)} --help` changed; see this module's docstring"
+    assert text == path.read_text(), f"`tpfuse {' '.join(argv)} --help` changed; see this module's docstring"
 
 
 # (argv, exit code, text the message must contain). No command here reaches a spawned rank.
@@ -88,7 +88,7 @@ EXIT_CODES = [
 
 def _run_fresh(argv: list[str]) -> tuple[int, bool, str, str]:
     """(exit code, torch imported?, stdout, stderr) of main(argv) in a new interpreter."""
-    code = ("import sys, json\nfrom fusegate.cli.main import main\nrc = main(json.loads(sys.argv[1]))\n"
+    code = ("import sys, json\nfrom tpfuse.cli.main import main\nrc = main(json.loads(sys.argv[1]))\n"
             "sys.stderr.write('\\n@@' + json.dumps([rc, 'torch' in sys.modules]))\n")
     src = str(Path(__file__).resolve().parents[2] / "src")
     env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -128,12 +128,12 @@ def test_a_strategy_not_admitted_here_is_one_reason_and_exit_2(argv, message, ca
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("needs CUDA tensors") == 1 and "Traceback" not in err
-    assert err.rstrip().endswith("`fusegate doctor` lists what is admitted here and why") or "drop --strategies" in err
+    assert err.rstrip().endswith("`tpfuse doctor` lists what is admitted here and why") or "drop --strategies" in err
 
 
 def test_usage_error_with_json_prints_one_json_document(capsys):
     assert main(["tune", "--preset", "glm5", "--rounds", "0", "--json"]) == 2
     captured = capsys.readouterr()
-    assert json.loads(captured.out) == {"error": "fusegate tune: --rounds must be >= 1, got 0; pass a positive integer",
+    assert json.loads(captured.out) == {"error": "tpfuse tune: --rounds must be >= 1, got 0; pass a positive integer",
                                         "exit_code": 2}
-    assert captured.err == "fusegate tune: --rounds must be >= 1, got 0; pass a positive integer\n"
+    assert captured.err == "tpfuse tune: --rounds must be >= 1, got 0; pass a positive integer\n"

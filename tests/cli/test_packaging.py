@@ -4,7 +4,7 @@ import re
 import tomllib
 from pathlib import Path
 
-from fusegate.cli.preflight import RUNTIME_PACKAGES
+from tpfuse.cli.preflight import RUNTIME_PACKAGES
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -25,7 +25,7 @@ def test_ci_runs_the_readme_main_command_in_a_fresh_venv():
     readme = (ROOT / "README.md").read_text()
     setup = readme.split("## Set up on a fresh machine", 1)[1].split("\n## ", 1)[0]
     blocks = re.findall(r"^```bash\n(.*?)\n```$", setup, re.M | re.S)
-    assert blocks[0] == "pip install torch==2.13.0 && pip install . && fusegate selftest --world-size 2"
+    assert blocks[0] == "pip install torch==2.13.0 && pip install . && tpfuse selftest --world-size 2"
     assert len(blocks) == 2 and "python -m pytest" in blocks[1]
     # .ci/run reads the blocks from that section and runs the first inside `python -m venv`.
     assert 'in_setup = ($0 == "## Set up on a fresh machine")' in ci

@@ -2,8 +2,8 @@
 
 import pytest
 
-from fusegate.cli.main import UsageError
-from fusegate.cli.preflight import RANK_MEMORY_BYTES, check_world_size, max_local_ranks
+from tpfuse.cli.main import UsageError
+from tpfuse.cli.preflight import RANK_MEMORY_BYTES, check_world_size, max_local_ranks
 
 GiB = 2**30
 

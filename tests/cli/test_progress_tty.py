@@ -1,6 +1,6 @@
 """Long commands show a progress bar when stderr is a terminal, and end with one summary line.
 
-(Without a terminal there is no bar: `fusegate.spawned.progress_bar` checks isatty; the
+(Without a terminal there is no bar: `tpfuse.spawned.progress_bar` checks isatty; the
 in-process tests of each command run that way.)"""
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ SRC = str(Path(__file__).resolve().parents[2] / "src")
 
 
 def _run(argv: list[str], *, tty: bool) -> tuple[int, str, str]:
-    """(exit code, stdout, stderr) of `python -m fusegate.cli argv`, stderr on a pseudo-terminal when `tty`."""
+    """(exit code, stdout, stderr) of `python -m tpfuse.cli argv`, stderr on a pseudo-terminal when `tty`."""
     env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", ""), "COLUMNS": "120"}
-    cmd = [sys.executable, "-m", "fusegate.cli", *argv]
+    cmd = [sys.executable, "-m", "tpfuse.cli", *argv]
     if not tty:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
         return proc.returncode, proc.stdout, proc.stderr

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from fusegate.cli.main import UsageError, build_parser, main
-from fusegate.cli.ranks import Ranks, resolve_ranks
-from fusegate.group import expected_group_info, representative_problem
-from fusegate.spec import Op
+from tpfuse.cli.main import UsageError, build_parser, main
+from tpfuse.cli.ranks import Ranks, resolve_ranks
+from tpfuse.group import expected_group_info, representative_problem
+from tpfuse.spec import Op
 
 SPAWNING = (["selftest"], ["tune", "--hidden", "64"], ["verify", "--strategy", "ring", "--hidden", "64"],
             ["bench", "e2e"], ["profile"])
@@ -60,15 +60,15 @@ def test_every_command_that_spawns_ranks_has_the_same_rank_flags(argv):
 
 @pytest.mark.parametrize("argv, old, new_dest, new_value, line", [
     (["selftest"], ["--backend", "gloo"], "device", "cpu",
-     "fusegate: warning: --backend is deprecated; use --device cpu"),
+     "tpfuse: warning: --backend is deprecated; use --device cpu"),
     (["selftest"], ["--backend", "nccl"], "device", "cuda",
-     "fusegate: warning: --backend is deprecated; use --device cuda"),
+     "tpfuse: warning: --backend is deprecated; use --device cuda"),
     (["selftest"], ["--backend", "auto"], "device", "auto",
-     "fusegate: warning: --backend is deprecated; use --device auto"),
+     "tpfuse: warning: --backend is deprecated; use --device auto"),
     (["bench", "e2e"], ["--tp", "4"], "world_size", 4,
-     "fusegate: warning: --tp is deprecated; use --world-size 4"),
+     "tpfuse: warning: --tp is deprecated; use --world-size 4"),
     (["profile"], ["--tp", "2"], "world_size", 2,
-     "fusegate: warning: --tp is deprecated; use --world-size 2"),
+     "tpfuse: warning: --tp is deprecated; use --world-size 2"),
 ])
 def test_a_former_flag_still_works_and_prints_one_line_naming_the_new_one(argv, old, new_dest, new_value, line, capsys):
     args = build_parser().parse_args([*argv, *old])
@@ -81,7 +81,7 @@ def test_a_former_flag_still_works_and_prints_one_line_naming_the_new_one(argv, 
 def test_a_former_flag_reaches_the_same_checks_as_the_new_one(capsys):
     assert main(["bench", "e2e", "--tp", "0"]) == 2
     err = capsys.readouterr().err
-    assert err.splitlines()[0] == "fusegate: warning: --tp is deprecated; use --world-size 0"
+    assert err.splitlines()[0] == "tpfuse: warning: --tp is deprecated; use --world-size 0"
     assert "--world-size must be >= 1, got 0" in err
 
 
@@ -91,7 +91,7 @@ def test_bench_refuses_shared_gpu_with_the_reason(capsys):
 
 
 def test_representative_problem_groups_follow_the_launch_rules():
-    from fusegate.probe import probe
+    from tpfuse.probe import probe
 
     caps = probe()
     problem = representative_problem(Op.ALL_REDUCE, 4, 64, "float32", caps, world_size=3, backend="gloo",
@@ -124,7 +124,7 @@ def test_the_sweep_takes_the_same_rank_flags_and_its_former_cpu_smoke(capsys):
     assert (args.world_size, args.device, args.shared_gpu, args.timeout) == (3, "cuda", True, 3600.0)
     assert capsys.readouterr().err == ""
     assert sweep.parse_args(["--cpu-smoke"]).device == "cpu"
-    assert capsys.readouterr().err.splitlines() == ["fusegate: warning: --cpu-smoke is deprecated; use --device cpu"]
+    assert capsys.readouterr().err.splitlines() == ["tpfuse: warning: --cpu-smoke is deprecated; use --device cpu"]
 
 
 def test_the_sweep_refuses_ranks_it_cannot_run_with_the_fix(capsys):

@@ -1,4 +1,4 @@
-"""`fusegate selftest`: real ranks, the table's content, and a failing strategy caught."""
+"""`tpfuse selftest`: real ranks, the table's content, and a failing strategy caught."""
 
 import json
 import os
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from fusegate.cli.main import main
+from tpfuse.cli.main import main
 
 TESTS_DIR = str(Path(__file__).resolve().parents[1])
 
@@ -16,7 +16,7 @@ def test_selftest_two_ranks_passes_and_prints_the_table(capsys):
     code = main(["selftest", "--world-size", "2", "--strategy", "reference", "--repeats", "2"])
     out = capsys.readouterr().out
     assert code == 0
-    assert "fusegate selftest: world size 2, gloo" in out
+    assert "tpfuse selftest: world size 2, gloo" in out
     for text in ("reference", "ar+add+norm", "exact", "random", "4x6144", "4x8192", "bf16", "fp16", "fp32", "PASS"):
         assert text in out
     assert "21 passed, 0 failed" in out
@@ -25,7 +25,7 @@ def test_selftest_two_ranks_passes_and_prints_the_table(capsys):
 
 @pytest.mark.gloo
 def test_selftest_json_and_a_wrong_strategy_fails_with_exit_1(capsys, monkeypatch):
-    monkeypatch.setenv("FUSEGATE_STRATEGIES", "drops_last_rank=support.broken_strategy:DropsLastRankStrategy")
+    monkeypatch.setenv("TPFUSE_STRATEGIES", "drops_last_rank=support.broken_strategy:DropsLastRankStrategy")
     monkeypatch.setenv("PYTHONPATH", TESTS_DIR + os.pathsep + os.environ.get("PYTHONPATH", ""))
     code = main(["selftest", "--world-size", "2", "--strategy", "drops_last_rank", "--strategy", "reference",
                  "--repeats", "1", "--json"])

@@ -1,4 +1,4 @@
-"""`fusegate tune` and `fusegate verify` end to end on 2 spawned gloo ranks, and their usage errors."""
+"""`tpfuse tune` and `tpfuse verify` end to end on 2 spawned gloo ranks, and their usage errors."""
 
 import json
 import os
@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from fusegate.bench.results import read_rows
-from fusegate.cli.main import main
-from fusegate.probe import probe
-from fusegate.dispatch.table import load, versions_of
+from tpfuse.bench.results import read_rows
+from tpfuse.cli.main import main
+from tpfuse.probe import probe
+from tpfuse.dispatch.table import load, versions_of
 
 from support.tune_test_strategies import PLUGINS
 
@@ -44,7 +44,7 @@ def test_tune_writes_a_table_that_loads(tmp_path, capsys):
 @pytest.mark.slow
 @pytest.mark.gloo
 def test_verify_exits_1_on_revert(monkeypatch, capsys, tmp_path):
-    monkeypatch.setenv("FUSEGATE_STRATEGIES", PLUGINS)
+    monkeypatch.setenv("TPFUSE_STRATEGIES", PLUGINS)
     rc = main(["verify", "--strategy", "slow_broadcast", "--baseline", "reference", "--hidden", "64",
                "--max-tokens", "1", "--world-size", "2", "--rounds", "15", "--json", "--results", str(tmp_path)])
     report = json.loads(capsys.readouterr().out)
@@ -60,7 +60,7 @@ def test_verify_exits_1_on_revert(monkeypatch, capsys, tmp_path):
 def test_verify_json_is_strict_when_nothing_was_measured(capsys, monkeypatch):
     # drops_last_rank is admitted but fails correctness: the bucket is REVERT with the reason and no
     # times, which --json prints as null (Python's json would otherwise write NaN, which is not JSON).
-    monkeypatch.setenv("FUSEGATE_STRATEGIES", "drops_last_rank=support.broken_strategy:DropsLastRankStrategy")
+    monkeypatch.setenv("TPFUSE_STRATEGIES", "drops_last_rank=support.broken_strategy:DropsLastRankStrategy")
     monkeypatch.setenv("PYTHONPATH", TESTS_DIR + os.pathsep + os.environ.get("PYTHONPATH", ""))
     rc = main(["verify", "--strategy", "drops_last_rank", "--baseline", "reference", "--hidden", "64",
                "--max-tokens", "1", "--world-size", "2", "--device", "cpu", "--rounds", "2", "--json"])
@@ -76,7 +76,7 @@ def test_verify_of_a_strategy_not_admitted_here_says_why_once_and_exits_2(capsys
     captured = capsys.readouterr()
     assert rc == 2
     assert captured.err.count("needs CUDA tensors") == 1 and "REVERT" not in captured.err + captured.out
-    assert captured.err.startswith("fusegate verify: --strategy oneshot is not admitted on 2 gloo rank(s) on cpu")
+    assert captured.err.startswith("tpfuse verify: --strategy oneshot is not admitted on 2 gloo rank(s) on cpu")
     assert json.loads(captured.out)["exit_code"] == 2
 
 
@@ -96,7 +96,7 @@ def test_usage_errors_exit_2_and_say_the_fix(argv, message, capsys):
 def test_presets_give_the_hidden_sizes():
     import argparse
 
-    from fusegate.cli.args import hiddens
+    from tpfuse.cli.args import hiddens
 
     args = argparse.Namespace(preset=["glm5", "qwen3-235b", "glm5"], hidden=[4096, 512], max_tokens=8)
     assert hiddens(args, "tune") == (6144, 4096, 512)

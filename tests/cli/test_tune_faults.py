@@ -1,4 +1,4 @@
-"""`fusegate tune` under faults: a killed parent takes its ranks with it and writes no table; a cache
+"""`tpfuse tune` under faults: a killed parent takes its ranks with it and writes no table; a cache
 directory that cannot be written is a usage error (exit 2, the fix named) before anything is measured."""
 
 import errno
@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from fusegate.cli.main import main
-from fusegate.spawn import FAILURE_GRACE_S
-from fusegate.dispatch.table import CacheDirError, check_writable, save
+from tpfuse.cli.main import main
+from tpfuse.spawn import FAILURE_GRACE_S
+from tpfuse.dispatch.table import CacheDirError, check_writable, save
 
 from dispatch.test_table_faults import _table
 
@@ -43,10 +43,10 @@ def _alive(pid: int) -> bool:
 def test_a_killed_tune_takes_every_rank_with_it_and_writes_no_table(tmp_path, target, sig):
     cache, pids = tmp_path / "cache", tmp_path / "pids"
     pids.mkdir()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, TESTS]), "FUSEGATE_TEST_PID_DIR": str(pids),
-           "FUSEGATE_STRATEGIES": "pid_then_block=support.blocking_strategy:PidThenBlock", "FUSEGATE_TIMEOUT_S": "2"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, TESTS]), "TPFUSE_TEST_PID_DIR": str(pids),
+           "TPFUSE_STRATEGIES": "pid_then_block=support.blocking_strategy:PidThenBlock", "TPFUSE_TIMEOUT_S": "2"}
     parent = subprocess.Popen(
-        [sys.executable, "-m", "fusegate.cli", "tune", "--hidden", "16", "--max-tokens", "1", "--op", "all_reduce",
+        [sys.executable, "-m", "tpfuse.cli", "tune", "--hidden", "16", "--max-tokens", "1", "--op", "all_reduce",
          "--strategies", "reference,pid_then_block", "--world-size", "2", "--cache-dir", str(cache), "--json"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -63,7 +63,7 @@ def test_a_killed_tune_takes_every_rank_with_it_and_writes_no_table(tmp_path, ta
             _, err = parent.communicate(timeout=30)
             # At once, not after the 5 s teardown grace of ranks that finished (1-2 s of exit on a loaded machine).
             assert time.monotonic() - sent < 4.0
-            assert parent.returncode == 130 and err.strip().endswith("fusegate tune: interrupted"), err
+            assert parent.returncode == 130 and err.strip().endswith("tpfuse tune: interrupted"), err
             bound = 1.0
         elif target == "parent":
             parent.send_signal(sig)
@@ -72,12 +72,12 @@ def test_a_killed_tune_takes_every_rank_with_it_and_writes_no_table(tmp_path, ta
         else:
             os.kill(ranks[0], sig)
             killed = time.monotonic()
-            # The survivor's next collective raises within FUSEGATE_TIMEOUT_S and stops the tune; the
+            # The survivor's next collective raises within TPFUSE_TIMEOUT_S and stops the tune; the
             # parent names both ranks well before the launcher's grace would have killed the survivor.
             _, err = parent.communicate(timeout=60)
             assert time.monotonic() - killed < FAILURE_GRACE_S, err
             assert parent.returncode == 2, err
-            assert err.startswith("fusegate tune: tuning on 2 gloo rank(s) failed"), err
+            assert err.startswith("tpfuse tune: tuning on 2 gloo rank(s) failed"), err
             assert "killed by SIGKILL" in err and "PeerLostError: pid_then_block: rank " in err, err
             bound = 1.0
         deadline = time.monotonic() + bound
@@ -97,7 +97,7 @@ def test_a_killed_tune_takes_every_rank_with_it_and_writes_no_table(tmp_path, ta
 def _read_only_mount(tmp_path, monkeypatch):
     def erofs(*args, **kwargs):
         raise OSError(errno.EROFS, os.strerror(errno.EROFS))
-    monkeypatch.setattr("fusegate.dispatch.table.tempfile.mkstemp", erofs)  # what a read-only mount answers
+    monkeypatch.setattr("tpfuse.dispatch.table.tempfile.mkstemp", erofs)  # what a read-only mount answers
     return tmp_path, os.strerror(errno.EROFS)
 
 
@@ -122,19 +122,19 @@ def test_an_unwritable_cache_dir_is_exit_2_before_measuring(tmp_path, monkeypatc
     elapsed = time.monotonic() - start
     err = capsys.readouterr().err
     assert rc == 2, err
-    assert err.startswith(f"fusegate tune: cannot write the dispatch table in {where} ({reason}); "), err
-    assert "pass --cache-dir DIR (or set FUSEGATE_CACHE_DIR) to a writable directory, or --no-save" in err
+    assert err.startswith(f"tpfuse tune: cannot write the dispatch table in {where} ({reason}); "), err
+    assert "pass --cache-dir DIR (or set TPFUSE_CACHE_DIR) to a writable directory, or --no-save" in err
     assert "Traceback" not in err
     assert elapsed < 5, f"{elapsed:.1f} s: ranks were spawned before the check"
 
 
 def test_check_writable_and_save_leave_nothing_behind(tmp_path):
-    table = _table({"world_size": 2}, {"fusegate": "0", "torch": "0", "driver": None, "cuda": None})
+    table = _table({"world_size": 2}, {"tpfuse": "0", "torch": "0", "driver": None, "cuda": None})
     assert check_writable(tmp_path / "new" / "dir") == tmp_path / "new" / "dir"
     assert os.listdir(tmp_path / "new" / "dir") == []
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     orphan = tmp_path / "new" / "dir" / f".t.json.{int(dead.stdout)}.0badc0de.tmp"  # a save killed mid-write
-    orphan.write_text('{"kind": "fusegate-dispatch-ta')
+    orphan.write_text('{"kind": "tpfuse-dispatch-ta')
     alive = tmp_path / "new" / "dir" / f".t.json.{os.getpid()}.12345678.tmp"  # a save in progress right now
     alive.write_text("{")
     path = save(table, tmp_path / "new" / "dir" / "t.json")

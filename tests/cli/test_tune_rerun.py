@@ -1,4 +1,4 @@
-"""A second `fusegate tune` reports only what it measured: result rows and the printed table hold this
+"""A second `tpfuse tune` reports only what it measured: result rows and the printed table hold this
 run's buckets, never the cached rows of an earlier run stamped anew; the saved table keeps both."""
 
 import json
@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from fusegate.bench.results import read_rows
-from fusegate.cli.main import main
+from tpfuse.bench.results import read_rows
+from tpfuse.cli.main import main
 
 pytestmark = pytest.mark.gloo
 

@@ -1,10 +1,10 @@
-"""`fusegate tune`'s summary: the reasons of the buckets the do-no-harm guard weighed, told from the
+"""`tpfuse tune`'s summary: the reasons of the buckets the do-no-harm guard weighed, told from the
 entry's `guarded` field (not from the words of its reason)."""
 
 from __future__ import annotations
 
-from fusegate.cli.tune import _print_summary
-from fusegate.dispatch.table import DispatchTable, Entry
+from tpfuse.cli.tune import _print_summary
+from tpfuse.dispatch.table import DispatchTable, Entry
 
 TIMES = {"reference": {"median": 10.0, "p20": 9.0, "p80": 11.0, "n": 5}}
 

@@ -1,11 +1,11 @@
-"""Run `fusegate diagnose` through the real entry point (fusegate.cli.main.main), with the command
+"""Run `tpfuse diagnose` through the real entry point (tpfuse.cli.main.main), with the command
 table narrowed to diagnose so these tests do not depend on other subcommands' modules."""
 
 from __future__ import annotations
 
 import json
 
-from fusegate.cli import main as cli_main
+from tpfuse.cli import main as cli_main
 
 
 def run_cli(monkeypatch, capsys, *argv: str) -> tuple[int, str, str]:

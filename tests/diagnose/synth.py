@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import random
 
-from fusegate.diagnose.samples import GpuMeta, Recording, Sample
+from tpfuse.diagnose.samples import GpuMeta, Recording, Sample
 
 LIMIT_W = 700.0
 INTERVAL_S = 0.1

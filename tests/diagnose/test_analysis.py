@@ -8,8 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from fusegate.diagnose import analysis
-from fusegate.diagnose.samples import Recording, Sample
+from tpfuse.diagnose import analysis
+from tpfuse.diagnose.samples import Recording, Sample
 
 from .synth import BUSY, GAPS, IDLE, LIMIT_W, WAITING, make_recording
 

@@ -1,4 +1,4 @@
-"""`fusegate diagnose` on CPU: analysis of a saved recording (--from), the PNG, usage errors, and the
+"""`tpfuse diagnose` on CPU: analysis of a saved recording (--from), the PNG, usage errors, and the
 no-NVML path (real: this machine has nvidia-ml-py but no driver; simulated: pynvml missing)."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from fusegate.diagnose import analysis
-from fusegate.diagnose.samples import save_recording
+from tpfuse.diagnose import analysis
+from tpfuse.diagnose.samples import save_recording
 
 from .cli_helpers import run_cli, run_cli_json
 from .synth import BUSY, IDLE, WAITING, make_recording
@@ -59,7 +59,7 @@ def test_png_written_and_recording_resaved(monkeypatch, capsys, story_file, tmp_
     code, doc, _ = run_cli_json(monkeypatch, capsys, "--from", str(path), "--png", str(png), "--save", str(again))
     assert code == 0 and doc["png"] == str(png) and doc["saved"] == str(again)
     assert png.read_bytes()[:8] == PNG_MAGIC and png.stat().st_size > 10_000
-    from fusegate.diagnose.samples import load_recording
+    from tpfuse.diagnose.samples import load_recording
 
     assert load_recording(again) == rec
 
@@ -69,7 +69,7 @@ def test_png_without_matplotlib_exits_2_before_anything_runs(monkeypatch, capsys
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
     code, out, err = run_cli(monkeypatch, capsys, "--from", str(path), "--png", str(tmp_path / "p.png"))
     assert code == 2
-    assert "fusegate diagnose: --png needs matplotlib" in err and "fusegate[plot]" in err
+    assert "tpfuse diagnose: --png needs matplotlib" in err and "tpfuse[plot]" in err
     assert not (tmp_path / "p.png").exists() and out == ""
 
 
@@ -92,14 +92,14 @@ def test_failed_command_in_a_recording_exits_1(monkeypatch, capsys, tmp_path):
 def test_usage_errors_exit_2(monkeypatch, capsys, argv, match):
     code, _, err = run_cli(monkeypatch, capsys, *argv)
     assert code == 2
-    assert err.startswith("fusegate diagnose: ") and match in err
+    assert err.startswith("tpfuse diagnose: ") and match in err
 
 
 def test_unreadable_recording_exits_2(monkeypatch, capsys, tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
     code, _, err = run_cli(monkeypatch, capsys, "--from", str(bad))
-    assert code == 2 and "not a fusegate diagnose recording" in err
+    assert code == 2 and "not a tpfuse diagnose recording" in err
 
 
 def _nvml_initialises() -> bool:
@@ -117,7 +117,7 @@ def _nvml_initialises() -> bool:
 def test_no_driver_real_path_exits_2(monkeypatch, capsys):
     code, out, err = run_cli(monkeypatch, capsys, "--duration", "1")
     assert code == 2 and out == ""
-    assert "fusegate diagnose: NVML is not available (" in err
+    assert "tpfuse diagnose: NVML is not available (" in err
     assert "run on a machine with an NVIDIA driver" in err and "--from FILE" in err
     code, doc, _ = run_cli_json(monkeypatch, capsys, "--duration", "1")
     assert code == 2 and doc["exit_code"] == 2 and doc["error"].startswith("diagnose: NVML is not available")
@@ -133,8 +133,8 @@ def test_no_pynvml_exits_2_and_does_not_start_the_command(monkeypatch, capsys, t
 
 
 def test_live_status_line_shows_each_gpu():
-    from fusegate.diagnose.report import status_text
-    from fusegate.diagnose.samples import Sample
+    from tpfuse.diagnose.report import status_text
+    from tpfuse.diagnose.samples import Sample
 
     def sample(gpu, power, util):
         return Sample(t_s=1.0, gpu=gpu, power_w=power, power_limit_w=700.0, util_pct=util, mem_util_pct=3.0,

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from fusegate.diagnose.sampler import Sampler, open_nvml
+from tpfuse.diagnose.sampler import Sampler, open_nvml
 
 from .cli_helpers import run_cli_json
 

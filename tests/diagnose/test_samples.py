@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from fusegate.diagnose.samples import (FORMAT, SAMPLE_FIELDS, Recording, Sample, load_recording, recording_from_dict,
+from tpfuse.diagnose.samples import (FORMAT, SAMPLE_FIELDS, Recording, Sample, load_recording, recording_from_dict,
                                        recording_to_dict, save_recording)
 
 from .synth import BUSY, WAITING, make_recording
@@ -49,7 +49,7 @@ def test_reader_accepts_reordered_and_extra_fields():
 
 @pytest.mark.parametrize("content, match", [
     ("not json", "is not JSON"),
-    ('{"format": "something else"}', "not a fusegate diagnose recording"),
+    ('{"format": "something else"}', "not a tpfuse diagnose recording"),
     (json.dumps({"format": FORMAT, "version": 99}), "version 99"),
     (json.dumps({"format": FORMAT, "version": 1, "fields": ["t_s"], "rows": [], "gpus": []}), "lacks sample fields"),
     (json.dumps({"format": FORMAT, "version": 1, "fields": list(SAMPLE_FIELDS)}), "malformed"),

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from fusegate.diagnose.sampler import Sampler, open_nvml, process_tree
+from tpfuse.diagnose.sampler import Sampler, open_nvml, process_tree
 
 from support import fake_nvml
 from support.fake_nvml import FakeNvml
@@ -101,8 +101,8 @@ def test_table_and_live_status(nv, monkeypatch, capfd):
 
 
 def test_unstartable_command_exits_2(nv, monkeypatch, capfd):
-    code, _, err = run_cli(monkeypatch, capfd, "--", "/nonexistent/fusegate-test-binary")
-    assert code == 2 and "cannot start '/nonexistent/fusegate-test-binary'" in err
+    code, _, err = run_cli(monkeypatch, capfd, "--", "/nonexistent/tpfuse-test-binary")
+    assert code == 2 and "cannot start '/nonexistent/tpfuse-test-binary'" in err
     assert (nv.init_calls, nv.shutdown_calls) == (1, 1)
 
 

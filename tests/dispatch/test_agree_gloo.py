@@ -3,8 +3,8 @@
 - Dispatch tables: rank 0 holds a valid table, rank 1 one with a non-UTF-8 byte, rank 2 one with
   a wrong-typed field and a recomputed digest; then a rank whose load raises outright. Every rank
   ends with no table, the same note naming each rank's reason, and calls that still work.
-- Settings: FUSEGATE_DEBUG on one rank only, debug=True on one rank only, a bad FUSEGATE_DEBUG
-  or FUSEGATE_TIMEOUT_S value on one rank, different strategies: each raises ValueError on every rank, naming the ranks,
+- Settings: TPFUSE_DEBUG on one rank only, debug=True on one rank only, a bad TPFUSE_DEBUG
+  or TPFUSE_TIMEOUT_S value on one rank, different strategies: each raises ValueError on every rank, naming the ranks,
   and leaves the group usable; with debug on every rank, calls run and a shape mismatch is named.
 """
 
@@ -14,8 +14,8 @@ import os
 import pytest
 import torch
 
-from fusegate.spawn import run_ranks
-from fusegate.reference import all_reduce_ref, small_integer_inputs
+from tpfuse.spawn import run_ranks
+from tpfuse.reference import all_reduce_ref, small_integer_inputs
 
 from .test_table_faults import _resigned, _set, _table
 
@@ -37,15 +37,15 @@ def _outcome(make):
 def _tables(rank, root):
     import torch.distributed as dist
 
-    from fusegate import Communicator
-    from fusegate.group import agree_group_info
-    from fusegate.probe import probe
-    from fusegate.dispatch import agree
-    from fusegate.dispatch.table import fingerprint, save, table_path, versions_of
+    from tpfuse import Communicator
+    from tpfuse.group import agree_group_info
+    from tpfuse.probe import probe
+    from tpfuse.dispatch import agree
+    from tpfuse.dispatch.table import fingerprint, save, table_path, versions_of
 
     caps = probe()
     fp = fingerprint(agree_group_info(dist.group.WORLD, caps), caps)
-    os.environ["FUSEGATE_CACHE_DIR"] = os.path.join(root, f"rank{rank}")
+    os.environ["TPFUSE_CACHE_DIR"] = os.path.join(root, f"rank{rank}")
     path = save(_table(fp, versions_of(caps)), table_path(fp))
     if rank == 1:
         path.write_bytes(path.read_bytes().replace(b'"fastest"', b'"fast\xe9st"', 1))
@@ -67,21 +67,21 @@ def _tables(rank, root):
 
 
 def _settings(rank):
-    from fusegate import Communicator
+    from tpfuse import Communicator
 
     out = {}
-    os.environ["FUSEGATE_DEBUG"] = "1" if rank == 1 else "0"
+    os.environ["TPFUSE_DEBUG"] = "1" if rank == 1 else "0"
     out["env_on_one_rank"] = _outcome(Communicator)
-    os.environ.pop("FUSEGATE_DEBUG")
+    os.environ.pop("TPFUSE_DEBUG")
     out["arg_on_one_rank"] = _outcome(lambda: Communicator(debug=True if rank == 0 else None))
-    os.environ["FUSEGATE_DEBUG"] = "yes" if rank == 2 else "1"
+    os.environ["TPFUSE_DEBUG"] = "yes" if rank == 2 else "1"
     out["bad_value_on_one_rank"] = _outcome(Communicator)
-    os.environ.pop("FUSEGATE_DEBUG")
-    os.environ["FUSEGATE_TIMEOUT_S"] = "soon" if rank == 0 else "5"
+    os.environ.pop("TPFUSE_DEBUG")
+    os.environ["TPFUSE_TIMEOUT_S"] = "soon" if rank == 0 else "5"
     out["bad_timeout_on_one_rank"] = _outcome(Communicator)
-    os.environ.pop("FUSEGATE_TIMEOUT_S")
+    os.environ.pop("TPFUSE_TIMEOUT_S")
     out["strategies"] = _outcome(lambda: Communicator(strategy="ring" if rank == 0 else "reference"))
-    os.environ["FUSEGATE_DEBUG"] = "1"
+    os.environ["TPFUSE_DEBUG"] = "1"
     with Communicator() as comm:  # debug on every rank: calls run, then a mismatch is an error
         x = small_integer_inputs(rank, 3, H, torch.float32)
         out["debug_sum"] = comm.all_reduce(x)
@@ -113,10 +113,10 @@ def test_ranks_agree_at_construction_or_all_fail_alike(tmp_path):
     assert "rank 1: none (could not load the dispatch table: MemoryError: simulated)" in results[0]["raising"][1]
 
     expect = {
-        "env_on_one_rank": "ranks disagree on debug (ranks 0, 2: False; rank 1: True); set FUSEGATE_DEBUG",
-        "arg_on_one_rank": "ranks disagree on debug (rank 0: True; ranks 1, 2: False); set FUSEGATE_DEBUG",
-        "bad_value_on_one_rank": "Communicator: on rank 2: FUSEGATE_DEBUG='yes': use 1 (on) or 0 (off)",
-        "bad_timeout_on_one_rank": "Communicator: on rank 0: FUSEGATE_TIMEOUT_S='soon': give a number of seconds",
+        "env_on_one_rank": "ranks disagree on debug (ranks 0, 2: False; rank 1: True); set TPFUSE_DEBUG",
+        "arg_on_one_rank": "ranks disagree on debug (rank 0: True; ranks 1, 2: False); set TPFUSE_DEBUG",
+        "bad_value_on_one_rank": "Communicator: on rank 2: TPFUSE_DEBUG='yes': use 1 (on) or 0 (off)",
+        "bad_timeout_on_one_rank": "Communicator: on rank 0: TPFUSE_TIMEOUT_S='soon': give a number of seconds",
         "strategies": "ranks disagree on strategy (rank 0: 'ring'; ranks 1, 2: 'reference'); pass the same strategy=",
     }
     for case, text in expect.items():

@@ -6,11 +6,11 @@ import random
 
 import pytest
 
-from fusegate.dispatch.choice import choose, guarded
-from fusegate.spec import GroupInfo, Op, Problem, Verdict
-from fusegate.dispatch.table import DispatchTable, Entry
-from fusegate.tune.tuner import decide
-from fusegate.tune.verify import judge
+from tpfuse.dispatch.choice import choose, guarded
+from tpfuse.spec import GroupInfo, Op, Problem, Verdict
+from tpfuse.dispatch.table import DispatchTable, Entry
+from tpfuse.tune.tuner import decide
+from tpfuse.tune.verify import judge
 
 FUSED = {"oneshot", "twoshot"}
 
@@ -72,8 +72,8 @@ def test_explicit_override_is_honoured_with_a_warning_when_measurements_contradi
                    rejected={"twoshot": "failed correctness: rank 1: differs"})
     slow = choose(_problem(), ALL_OK, requested="ring", table=table, is_fused=is_fused)
     assert (slow.name, slow.source) == ("ring", "explicit") and "1.50x" in slow.warning
-    broken = choose(_problem(), ALL_OK, requested="twoshot", table=table, is_fused=is_fused, requested_by="FUSEGATE_STRATEGY")
-    assert broken.name == "twoshot" and "failed the correctness check" in broken.warning and "FUSEGATE_STRATEGY" in broken.reason
+    broken = choose(_problem(), ALL_OK, requested="twoshot", table=table, is_fused=is_fused, requested_by="TPFUSE_STRATEGY")
+    assert broken.name == "twoshot" and "failed the correctness check" in broken.warning and "TPFUSE_STRATEGY" in broken.reason
     close = choose(_problem(), ALL_OK, requested="oneshot", table=table, is_fused=is_fused)  # within the margin
     assert close.warning == ""
     with pytest.raises(ValueError, match="cannot run .* needs NCCL"):
@@ -99,7 +99,7 @@ def test_judge_keeps_equal_reverts_slower_and_widens_with_noise():
 
 
 def test_undecided_samples_ask_for_more_rounds_and_a_regression_must_be_shown():
-    from fusegate.tune.verify import settled
+    from tpfuse.tune.verify import settled
 
     rng = random.Random(7)
     base, again = [100.0] * 8, [100.0] * 8

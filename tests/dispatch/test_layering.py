@@ -1,7 +1,7 @@
 """Layering: the library never imports its CLI, and serving a call never imports the measuring side.
 
 Scans the imports (ast, so lazy imports inside functions count too) of every module under
-src/fusegate outside `fusegate.cli`. `fusegate/__main__.py` runs the CLI and is the one exception.
+src/tpfuse outside `tpfuse.cli`. `tpfuse/__main__.py` runs the CLI and is the one exception.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[2] / "src" / "fusegate"
+PACKAGE = Path(__file__).resolve().parents[2] / "src" / "tpfuse"
 
 
 def imported_modules(source: str, package: str) -> set[str]:
@@ -32,7 +32,7 @@ def imported_modules(source: str, package: str) -> set[str]:
 
 
 def imports_of(path: Path) -> set[str]:
-    package = ".".join(("fusegate", *path.relative_to(PACKAGE).parent.parts))
+    package = ".".join(("tpfuse", *path.relative_to(PACKAGE).parent.parts))
     return imported_modules(path.read_text(), package)
 
 
@@ -43,14 +43,14 @@ def library_modules() -> list[Path]:
 
 def test_the_scan_sees_lazy_and_relative_imports():
     source = "import os\nfrom . import table\ndef f():\n    from ..cli.main import UsageError\n"
-    assert imported_modules(source, "fusegate.dispatch") == {
-        "os", "fusegate.dispatch", "fusegate.dispatch.table", "fusegate.cli.main", "fusegate.cli.main.UsageError"}
-    assert "fusegate.kernels.custom_ops" in imports_of(PACKAGE / "strategies" / "oneshot.py")  # inside __init__
+    assert imported_modules(source, "tpfuse.dispatch") == {
+        "os", "tpfuse.dispatch", "tpfuse.dispatch.table", "tpfuse.cli.main", "tpfuse.cli.main.UsageError"}
+    assert "tpfuse.kernels.custom_ops" in imports_of(PACKAGE / "strategies" / "oneshot.py")  # inside __init__
 
 
 @pytest.mark.parametrize("path", library_modules(), ids=lambda p: str(p.relative_to(PACKAGE)))
 def test_no_library_module_imports_the_cli(path):
-    cli = sorted(name for name in imports_of(path) if name == "fusegate.cli" or name.startswith("fusegate.cli."))
+    cli = sorted(name for name in imports_of(path) if name == "tpfuse.cli" or name.startswith("tpfuse.cli."))
     assert not cli, f"{path.relative_to(PACKAGE)} imports {', '.join(cli)}; the library must not depend on its CLI"
 
 
@@ -60,5 +60,5 @@ RUN_TIME = [PACKAGE / "api.py", PACKAGE / "group.py", *sorted((PACKAGE / "dispat
 
 @pytest.mark.parametrize("path", RUN_TIME, ids=lambda p: str(p.relative_to(PACKAGE)))
 def test_the_run_time_does_not_import_the_measuring_side(path):
-    tune = sorted(name for name in imports_of(path) if name == "fusegate.tune" or name.startswith("fusegate.tune."))
+    tune = sorted(name for name in imports_of(path) if name == "tpfuse.tune" or name.startswith("tpfuse.tune."))
     assert not tune, f"{path.relative_to(PACKAGE)} imports {', '.join(tune)}; serving a call must not need tune/"

@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from fusegate.probe import probe
-from fusegate.spec import GroupInfo
-from fusegate.dispatch.table import (
+from tpfuse.probe import probe
+from tpfuse.spec import GroupInfo
+from tpfuse.dispatch.table import (
     SCHEMA_VERSION,
     DispatchTable,
     Entry,
@@ -53,7 +53,7 @@ def test_round_trip_keeps_every_field_and_digest(here, tmp_path):
     loaded, why = load(path, *here)
     assert why == "" and loaded == table and loaded.digest == table.digest
     raw = json.loads(path.read_text())
-    assert raw["schema"] == SCHEMA_VERSION and set(raw["versions"]) >= {"fusegate", "torch", "driver"}
+    assert raw["schema"] == SCHEMA_VERSION and set(raw["versions"]) >= {"tpfuse", "torch", "driver"}
     assert raw["entries"][0]["times_us"]["ring"]["median"] == 21.0
     assert path.name == f"dispatch-{table.fingerprint_digest[:16]}.json"
 
@@ -80,7 +80,7 @@ def test_merge_replaces_same_buckets_and_keeps_others(here):
     (lambda text: "not json at all", "corrupt"),
     (lambda text: text.replace('"choice": "reference"', '"choice": "ring"', 1), "digest mismatch"),  # edited
     (lambda text: json.dumps({k: v for k, v in json.loads(text).items() if k != "entries"}), "corrupt"),
-    (lambda text: json.dumps([1, 2]), "not a fusegate dispatch table"),
+    (lambda text: json.dumps([1, 2]), "not a tpfuse dispatch table"),
 ])
 def test_corrupt_files_are_reported_never_raised(here, tmp_path, damage, expect):
     path = save(_table(here), tmp_path / "t.json")
@@ -92,7 +92,7 @@ def test_corrupt_files_are_reported_never_raised(here, tmp_path, damage, expect)
 def test_stale_and_foreign_tables_are_ignored(here, tmp_path):
     fp, versions = here
     path = save(_table(here), tmp_path / "t.json")
-    for key in ("fusegate", "torch", "driver"):
+    for key in ("tpfuse", "torch", "driver"):
         table, why = load(path, fp, {**versions, key: "0.0-other"})
         assert table is None and why.endswith(f"running 0.0-other") and "stale" in why
     table, why = load(path, {**fp, "world_size": 4}, versions)

@@ -6,9 +6,9 @@ import json
 import os
 
 import pytest
-from fusegate.probe import probe
-from fusegate.spec import GroupInfo
-from fusegate.dispatch.table import MAX_TABLE_BYTES, DispatchTable, Entry, canonical_digest, fingerprint, load, save, versions_of
+from tpfuse.probe import probe
+from tpfuse.spec import GroupInfo
+from tpfuse.dispatch.table import MAX_TABLE_BYTES, DispatchTable, Entry, canonical_digest, fingerprint, load, save, versions_of
 
 
 @pytest.fixture(scope="module")

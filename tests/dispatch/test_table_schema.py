@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from fusegate.dispatch.table import (
+from tpfuse.dispatch.table import (
     SCHEMA_VERSION,
     DispatchTable,
     Entry,
@@ -17,11 +17,11 @@ from fusegate.dispatch.table import (
     save,
     table_path,
 )
-from fusegate.tune.tuner import decide
+from tpfuse.tune.tuner import decide
 
 FP = {"world_size": 2, "backend": "gloo", "device_type": "cpu", "num_hosts": 1, "shares_device": False,
       "peer_access": False, "cpu": ["test cpu", 2]}
-VERSIONS = {"fusegate": "0.0", "torch": "0.0", "driver": None, "cuda": None}
+VERSIONS = {"tpfuse": "0.0", "torch": "0.0", "driver": None, "cuda": None}
 TIMES = {"reference": {"median": 10.0, "p20": 9.0, "p80": 11.0, "n": 5},
          "oneshot": {"median": 9.0, "p20": 8.0, "p80": 10.0, "n": 5}}
 # The four reasons `decide` gives, and whether the guard weighed a fused candidate in each.
@@ -38,11 +38,11 @@ def is_fused(name: str) -> bool:
 
 
 def schema_1_text(reasons, *, choice="reference", best_unfused="reference") -> str:
-    """A schema-1 file as fusegate wrote it before `guarded` existed (no such field, valid digest)."""
+    """A schema-1 file as tpfuse wrote it before `guarded` existed (no such field, valid digest)."""
     entries = [{"op": "all_reduce_residual_rmsnorm", "dtype": "bfloat16", "hidden": 64, "tokens": 2 ** i,
                 "choice": choice, "reason": reason, "best_unfused": best_unfused, "times_us": TIMES,
                 "confirmed_us": {}, "rejected": {}} for i, reason in enumerate(reasons)]
-    raw = {"kind": "fusegate-dispatch-table", "schema": 1, "created": "2026-01-01T00:00:00+00:00",
+    raw = {"kind": "tpfuse-dispatch-table", "schema": 1, "created": "2026-01-01T00:00:00+00:00",
            "versions": VERSIONS, "fingerprint": FP, "fingerprint_digest": canonical_digest(FP),
            "settings": {"margin": 0.03}, "entries": entries}
     return json.dumps({**raw, "digest": canonical_digest(raw)})
@@ -120,7 +120,7 @@ def test_schema_2_needs_a_boolean_guarded_and_schema_1_has_none(tmp_path, edit, 
 def test_a_later_schema_is_stale(tmp_path):
     path = save(DispatchTable(VERSIONS, FP, (_entry(1, False),), {}, "", schema=3), tmp_path / "t.json")
     table, why = load(path, FP, VERSIONS)
-    assert table is None and "stale: schema 3, this fusegate reads schema 1 and 2" in why
+    assert table is None and "stale: schema 3, this tpfuse reads schema 1 and 2" in why
 
 
 @pytest.mark.parametrize("medians", [

@@ -1,6 +1,6 @@
 """The engines the integration tests run, installed outside the repository and outside site-packages.
 
-Cache: `$XDG_CACHE_HOME/fusegate-tests/engines/<engine>/` (default `~/.cache/fusegate-tests`),
+Cache: `$XDG_CACHE_HOME/tpfuse-tests/engines/<engine>/` (default `~/.cache/tpfuse-tests`),
 filled once with `pip install --no-deps --target` from `requirements-<engine>.txt` (exact pins:
 the engine and the few pure-Python modules its layers import on CPU). --no-deps keeps pip from
 ever installing a torch (both engines pin a newer, CUDA one); the engine code runs in a child
@@ -9,8 +9,8 @@ untouched. Tests skip with pip's error when the registry is unreachable.
 
     python tests/integrations/engine_env.py sglang vllm     # fill the cache ahead (CI does)
 
-Also here: a `fusegate` distribution stub whose entry points are read from pyproject.toml, put
-first on the child's path, so the engines discover this checkout's entry points however fusegate
+Also here: a `tpfuse` distribution stub whose entry points are read from pyproject.toml, put
+first on the child's path, so the engines discover this checkout's entry points however tpfuse
 itself was installed; and the torchvision stand-in sglang needs (see `TORCHVISION_SHIM`).
 """
 
@@ -29,7 +29,7 @@ ENGINES = ("sglang", "vllm")
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fusegate-tests" / "engines"
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tpfuse-tests" / "engines"
 
 
 def requirements(engine: str) -> Path:
@@ -63,11 +63,11 @@ def engine_dir(engine: str) -> tuple[Path | None, str]:
 
 
 def distribution_stub(where: Path) -> Path:
-    """A `fusegate` dist-info under `where` with pyproject.toml's entry points; returns `where`."""
+    """A `tpfuse` dist-info under `where` with pyproject.toml's entry points; returns `where`."""
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    info = where / "fusegate-0+checkout.dist-info"
+    info = where / "tpfuse-0+checkout.dist-info"
     info.mkdir(parents=True, exist_ok=True)
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fusegate\nVersion: 0+checkout\n")
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: tpfuse\nVersion: 0+checkout\n")
     lines = []
     for group, entries in project.get("entry-points", {}).items():
         lines.append(f"[{group}]")

@@ -1,4 +1,4 @@
-"""Child program of test_sglang.py: sglang 0.5.23's real code on 2 gloo ranks, with fusegate's plugin.
+"""Child program of test_sglang.py: sglang 0.5.23's real code on 2 gloo ranks, with tpfuse's plugin.
 
     python sglang_ranks.py OUT.pkl      (PYTHONPATH from engine_env.child_env)
 
@@ -40,16 +40,16 @@ def rank_main(rank: int, world_size: int) -> dict:
     from sglang.srt.plugins import load_plugins
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    import fusegate.integrations.runtime as runtime
-    import fusegate.integrations.sglang as plugin
+    import tpfuse.integrations.runtime as runtime
+    import tpfuse.integrations.sglang as plugin
 
     import logging
 
     out: dict = {"log": []}
     handler = logging.Handler()
     handler.emit = lambda record: out["log"].append(record.getMessage())
-    logging.getLogger("fusegate.integrations").addHandler(handler)
-    logging.getLogger("fusegate.integrations").setLevel(logging.INFO)
+    logging.getLogger("tpfuse.integrations").addHandler(handler)
+    logging.getLogger("tpfuse.integrations").setLevel(logging.INFO)
     load_plugins()
     load_plugins()  # sglang guards it; the plugin itself is idempotent as well
     plugin.plugin()
@@ -76,7 +76,7 @@ def rank_main(rank: int, world_size: int) -> dict:
     calls = []
     lookup = runtime.lookup
     runtime.lookup = lambda name: calls.append(name) or lookup(name)
-    from fusegate.reference import random_inputs, small_integer_inputs
+    from tpfuse.reference import random_inputs, small_integer_inputs
 
     norm = RMSNorm(H, eps=1e-6).to(torch.bfloat16)
     with torch.no_grad():
@@ -110,8 +110,8 @@ def rank_main(rank: int, world_size: int) -> dict:
 
 
 if __name__ == "__main__":
-    from fusegate.spawn import run_ranks
+    from tpfuse.spawn import run_ranks
 
-    results = run_ranks(rank_main, 2, timeout_s=300, env={"FUSEGATE_ENGINES": "sglang"})
+    results = run_ranks(rank_main, 2, timeout_s=300, env={"TPFUSE_ENGINES": "sglang"})
     with open(sys.argv[1], "wb") as f:
         pickle.dump(results, f)

@@ -1,4 +1,4 @@
-"""GPU tier: the engines' fused call, `fusegate::engine_all_reduce_residual_rmsnorm` keyed by the
+"""GPU tier: the engines' fused call, `tpfuse::engine_all_reduce_residual_rmsnorm` keyed by the
 group's name, prepared as the plugins prepare it, on 2 processes sharing one GPU with `oneshot`,
 captured in a CUDA graph and replayed.
 
@@ -11,27 +11,27 @@ not imported here: on the GPU machines they need their compiled extensions, buil
 import pytest
 import torch
 
-from fusegate.spawn import run_ranks
-from fusegate.reference import all_reduce_residual_rmsnorm_ref, small_integer_inputs
+from tpfuse.spawn import run_ranks
+from tpfuse.reference import all_reduce_residual_rmsnorm_ref, small_integer_inputs
 
 pytestmark = pytest.mark.gpu
 ENV = {"TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES": "1", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-       "FUSEGATE_STRATEGY": "oneshot", "FUSEGATE_TIMEOUT_S": "20"}
+       "TPFUSE_STRATEGY": "oneshot", "TPFUSE_TIMEOUT_S": "20"}
 M, H, DTYPE, STEPS = 24, 4096, torch.bfloat16, 4
 
 
 def _graph_rank(rank, world_size):
     import torch.distributed as dist
 
-    from fusegate.integrations import runtime
-    from fusegate.spec import Op
+    from tpfuse.integrations import runtime
+    from tpfuse.spec import Op
 
     torch.cuda.set_device(0)
     group = runtime.EngineGroup("tp:0", dist.new_group(list(range(world_size))),
                                 dist.new_group(list(range(world_size)), backend="gloo"), "cuda")
     runtime.prepare("vllm", group, hidden=H, dtype=DTYPE, max_tokens=64)
     chosen = runtime.lookup("tp:0").strategy_for(Op.ALL_REDUCE_RESIDUAL_RMSNORM, M, H, DTYPE).name
-    op = torch.ops.fusegate.engine_all_reduce_residual_rmsnorm
+    op = torch.ops.tpfuse.engine_all_reduce_residual_rmsnorm
     x, res, w = (torch.zeros(M, H, dtype=DTYPE, device="cuda") for _ in range(3))
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

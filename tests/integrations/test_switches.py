@@ -10,27 +10,27 @@ import types
 import pytest
 import torch
 
-from fusegate import env
-from fusegate.spawn import run_ranks
-from fusegate.reference import all_reduce_residual_rmsnorm_ref, small_integer_inputs
+from tpfuse import env
+from tpfuse.spawn import run_ranks
+from tpfuse.reference import all_reduce_residual_rmsnorm_ref, small_integer_inputs
 
 
 @pytest.mark.parametrize("value, want", [("", set()), ("0", set()), ("all", {"sglang", "vllm"}), ("1", {"sglang", "vllm"}),
                                          ("vllm", {"vllm"}), (" SGLang , vllm ", {"sglang", "vllm"})])
 def test_engines_switch(monkeypatch, value, want):
-    monkeypatch.setenv("FUSEGATE_ENGINES", value)
+    monkeypatch.setenv("TPFUSE_ENGINES", value)
     assert env.engines_enabled() == want
 
 
 def test_engines_switch_rejects_unknown_names(monkeypatch):
-    monkeypatch.setenv("FUSEGATE_ENGINES", "sglang,trtllm")
-    with pytest.raises(ValueError, match=r"FUSEGATE_ENGINES='sglang,trtllm': unknown engine\(s\) trtllm; use sglang, vllm or all"):
+    monkeypatch.setenv("TPFUSE_ENGINES", "sglang,trtllm")
+    with pytest.raises(ValueError, match=r"TPFUSE_ENGINES='sglang,trtllm': unknown engine\(s\) trtllm; use sglang, vllm or all"):
         env.engines_enabled()
 
 
 def test_plugins_are_inert_when_off(monkeypatch):
-    monkeypatch.delenv("FUSEGATE_ENGINES", raising=False)
-    from fusegate.integrations import sglang, sglang_legacy, vllm
+    monkeypatch.delenv("TPFUSE_ENGINES", raising=False)
+    from tpfuse.integrations import sglang, sglang_legacy, vllm
 
     before = set(sys.modules)
     sglang.plugin()
@@ -50,7 +50,7 @@ class NoOpEliminationPass:
 
 
 def test_vllm_pass_stands_down_where_vllm_fuses_itself():
-    from fusegate.integrations import vllm
+    from tpfuse.integrations import vllm
 
     manager = types.SimpleNamespace(passes=[NoOpEliminationPass(), AllReduceFusionPass(disabled=False)])
     vllm.add_pass(manager, config=None)  # returns before importing anything of vLLM
@@ -60,19 +60,19 @@ def test_vllm_pass_stands_down_where_vllm_fuses_itself():
 
 
 def test_doctor_rows(monkeypatch):
-    from fusegate.integrations import doctor
+    from tpfuse.integrations import doctor
 
     monkeypatch.setattr(doctor, "_version", lambda dist: {"sglang": "0.5.23"}.get(dist))
-    monkeypatch.setattr(doctor, "_entry_point", lambda group: "fusegate.integrations.sglang:plugin" if group == "sglang.srt.plugins" else None)
-    monkeypatch.setenv("FUSEGATE_ENGINES", "sglang")
+    monkeypatch.setattr(doctor, "_entry_point", lambda group: "tpfuse.integrations.sglang:plugin" if group == "sglang.srt.plugins" else None)
+    monkeypatch.setenv("TPFUSE_ENGINES", "sglang")
     rows = {r["engine"]: r for r in doctor.engine_rows(environ={})}
     assert rows["sglang"]["enabled"] and rows["sglang"]["would"].startswith("it replaces the fused allreduce")
     assert rows["vllm"]["installed"] is None and rows["vllm"]["would"] == "nothing: the engine is not installed here"
     rows = {r["engine"]: r for r in doctor.engine_rows(environ={"SGLANG_PLUGINS": "other"})}
-    assert not rows["sglang"]["enabled"] and "SGLANG_PLUGINS='other' does not list fusegate" in rows["sglang"]["would"]
-    monkeypatch.setenv("FUSEGATE_ENGINES", "")
+    assert not rows["sglang"]["enabled"] and "SGLANG_PLUGINS='other' does not list tpfuse" in rows["sglang"]["would"]
+    monkeypatch.setenv("TPFUSE_ENGINES", "")
     rows = {r["engine"]: r for r in doctor.engine_rows(environ={})}
-    assert rows["sglang"]["would"].startswith("nothing (inert); set FUSEGATE_ENGINES=sglang to enable")
+    assert rows["sglang"]["would"].startswith("nothing (inert); set TPFUSE_ENGINES=sglang to enable")
 
 
 def test_legacy_import_hook_patches_the_modules_as_they_import(monkeypatch, tmp_path):
@@ -84,10 +84,10 @@ def test_legacy_import_hook_patches_the_modules_as_they_import(monkeypatch, tmp_
     (pkg / "communicator.py").write_text("def apply_flashinfer_allreduce_fusion(batch_size):\n    return False\n")
     (pkg / "flashinfer_comm_fusion.py").write_text("def flashinfer_allreduce_residual_rmsnorm(*a, **k):\n    return None, None\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setenv("FUSEGATE_ENGINES", "sglang")
+    monkeypatch.setenv("TPFUSE_ENGINES", "sglang")
     for name in [m for m in sys.modules if m.split(".")[0] == "sglang"]:
         monkeypatch.delitem(sys.modules, name)
-    from fusegate.integrations import sglang_legacy
+    from tpfuse.integrations import sglang_legacy
 
     finders = list(sys.meta_path)
     try:
@@ -110,7 +110,7 @@ H = 64
 def _cpu_group_rank(rank, world_size):
     import torch.distributed as dist
 
-    from fusegate import Communicator
+    from tpfuse import Communicator
 
     data_group, cpu_group = dist.new_group([0, 1]), dist.new_group([0, 1], backend="gloo")
     seen = []

@@ -11,8 +11,8 @@ leaving NaN in the allocator's cache before an API call that allocates).
 import pytest
 import torch
 
-from fusegate.spawn import run_ranks
-from fusegate.reference import (
+from tpfuse.spawn import run_ranks
+from tpfuse.reference import (
     TOLERANCE,
     all_reduce_ref,
     all_reduce_residual_rmsnorm_ref,
@@ -40,7 +40,7 @@ EPILOGUE_CASES = [(h, torch.bfloat16) for h in HIDDENS] + [(h, d) for h in (100,
 
 @pytest.mark.parametrize("hidden, dtype", EPILOGUE_CASES)
 def test_epilogue_on_gpu(hidden, dtype):
-    from fusegate.kernels.epilogue import residual_rmsnorm
+    from tpfuse.kernels.epilogue import residual_rmsnorm
 
     for kind, tokens in (("int", 7), ("rand", 33), ("rand", 1)):
         make = small_integer_inputs if kind == "int" else random_inputs
@@ -60,10 +60,10 @@ def test_epilogue_on_gpu(hidden, dtype):
 
 
 def test_custom_op_under_torch_compile():
-    import fusegate.kernels.custom_ops  # noqa: F401  (registers torch.ops.fusegate.*)
+    import tpfuse.kernels.custom_ops  # noqa: F401  (registers torch.ops.tpfuse.*)
 
     def layer(s, res, w):
-        normed, new_res = torch.ops.fusegate.residual_rmsnorm(s * 2, res, w, 1e-6)
+        normed, new_res = torch.ops.tpfuse.residual_rmsnorm(s * 2, res, w, 1e-6)
         return normed + 1, new_res
 
     compiled = torch.compile(layer, fullgraph=True)
@@ -76,7 +76,7 @@ def test_custom_op_under_torch_compile():
 
 
 def _nccl_epilogue_rank(rank, world_size):
-    from fusegate import Communicator
+    from tpfuse import Communicator
 
     out = []
     with Communicator(strategy="nccl_epilogue") as comm:
@@ -119,7 +119,7 @@ def _inputs(kind, rank, i, m, h, dtype, device="cpu"):
 def _collective_rank(rank, world_size, name, dtype, rounds):
     import torch.distributed as dist
 
-    from fusegate import Communicator
+    from tpfuse import Communicator
 
     torch.cuda.set_device(0)
     outs = []
@@ -178,7 +178,7 @@ def test_collective_other_dtypes(name, dtype):
 def _graph_rank(rank, world_size, name):
     import torch.distributed as dist
 
-    from fusegate import Communicator
+    from tpfuse import Communicator
 
     torch.cuda.set_device(0)
     m, h, dtype = 24, 4096, torch.bfloat16
@@ -229,8 +229,8 @@ def test_cuda_graph_capture_and_replay(name):
 def _absent_rank(rank, world_size, name, absent):
     import torch.distributed as dist
 
-    from fusegate import Communicator
-    from fusegate.strategies.workspace import PeerTimeoutError
+    from tpfuse import Communicator
+    from tpfuse.strategies.workspace import PeerTimeoutError
 
     torch.cuda.set_device(0)
     outcome = None
@@ -249,7 +249,7 @@ def _absent_rank(rank, world_size, name, absent):
 
 @pytest.mark.parametrize("name", ["oneshot", "twoshot"])
 def test_absent_rank_times_out_with_its_name(name):
-    from fusegate.kernels.protocol import ERR_ABORTED, ERR_TIMEOUT
+    from tpfuse.kernels.protocol import ERR_ABORTED, ERR_TIMEOUT
 
     results = run_ranks(_absent_rank, 3, args=(name, 2), env=ENV, timeout_s=300)
     timed_out = {rank for rank in (0, 1) if results[rank][0] == ERR_TIMEOUT}

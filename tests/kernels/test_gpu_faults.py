@@ -10,8 +10,8 @@ import time
 import pytest
 import torch
 
-from fusegate.spawn import run_ranks
-from fusegate.reference import all_reduce_residual_rmsnorm_ref, small_integer_inputs
+from tpfuse.spawn import run_ranks
+from tpfuse.reference import all_reduce_residual_rmsnorm_ref, small_integer_inputs
 
 pytestmark = pytest.mark.gpu
 ENV = {"TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES": "1", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
@@ -21,7 +21,7 @@ H = 1024
 
 def _call(comm, value, tokens=4):
     """One allreduce of a constant `value` (exact in bf16): (result on the host, error or None)."""
-    from fusegate.strategies.workspace import PeerTimeoutError
+    from tpfuse.strategies.workspace import PeerTimeoutError
 
     x = torch.full((tokens, H), float(value), dtype=torch.bfloat16, device="cuda")
     try:
@@ -35,7 +35,7 @@ def _call(comm, value, tokens=4):
 def _straggler_rank(rank, world_size, name):
     import torch.distributed as dist
 
-    from fusegate import Communicator
+    from tpfuse import Communicator
 
     torch.cuda.set_device(0)
     seen = []
@@ -64,7 +64,7 @@ def test_straggler_after_timeout_gets_an_error_or_correct_data(name):
 
 
 def _skew_rank(rank, world_size, name):
-    from fusegate import Communicator
+    from tpfuse import Communicator
 
     torch.cuda.set_device(0)
     outs = []
@@ -89,7 +89,7 @@ def test_rank_skewed_by_one_call_still_sums_matching_calls(name):
 
 
 def _negative_zero_rank(rank, world_size, name):
-    from fusegate import Communicator
+    from tpfuse import Communicator
 
     torch.cuda.set_device(0)
     x = small_integer_inputs(rank, 5, H, torch.bfloat16, seed=3)
@@ -114,7 +114,7 @@ def test_negative_zero_payloads_are_delivered(name):
 
 
 def _after_capture_rank(rank, world_size, name):
-    from fusegate import Communicator
+    from tpfuse import Communicator
 
     torch.cuda.set_device(0)
     outs = []
@@ -152,7 +152,7 @@ def test_larger_eager_call_after_capture_takes_the_unfused_path(name):
 
 
 def _two_streams_rank(rank, world_size, name):
-    from fusegate import Communicator
+    from tpfuse import Communicator
 
     torch.cuda.set_device(0)
     streams = [torch.cuda.Stream(), torch.cuda.Stream()]

@@ -3,7 +3,7 @@
 TRITON_INTERPRET must be set before a kernel module is imported, so every kernel import happens
 inside the spawned workers (launch.run_ranks sets the environment first) and this module imports
 none. Peer buffers are shared-memory files mapped by every rank's process, the CPU stand-in for
-CUDA IPC (fusegate.strategies.workspace). x86 ordering is stronger than a GPU's: these tests check
+CUDA IPC (tpfuse.strategies.workspace). x86 ordering is stronger than a GPU's: these tests check
 the protocol's logic (slots, re-arming, extents, fixed order, timeouts), not memory ordering.
 Shapes are tiny (H <= 96, M <= 9) because the interpreter runs every program in Python.
 """
@@ -11,8 +11,8 @@ Shapes are tiny (H <= 96, M <= 9) because the interpreter runs every program in 
 import pytest
 import torch
 
-from fusegate.spawn import run_ranks
-from fusegate.reference import (
+from tpfuse.spawn import run_ranks
+from tpfuse.reference import (
     TOLERANCE,
     all_reduce_ref,
     all_reduce_residual_rmsnorm_ref,
@@ -35,8 +35,8 @@ def _nan_pair(like):
 # ---- epilogue ----------------------------------------------------------------------------------
 
 def _epilogue_rank(rank, world_size, cases):
-    from fusegate.kernels.custom_ops import residual_rmsnorm_op
-    from fusegate.kernels.epilogue import residual_rmsnorm
+    from tpfuse.kernels.custom_ops import residual_rmsnorm_op
+    from tpfuse.kernels.epilogue import residual_rmsnorm
 
     results = []
     for kind, dtype, m, h, with_res in cases:
@@ -70,9 +70,9 @@ def test_epilogue_matches_reference_in_interpreter():
 def _strategy(name, rank, world_size, **options):
     import torch.distributed as dist
 
-    from fusegate.strategies import get_strategy
-    from fusegate.strategies.base import StrategyContext
-    from fusegate.spec import GroupInfo
+    from tpfuse.strategies import get_strategy
+    from tpfuse.strategies.base import StrategyContext
+    from tpfuse.spec import GroupInfo
 
     info = GroupInfo(world_size=world_size, backend="gloo", device_type="cpu", devices=("cpu",) * world_size)
     ctx = StrategyContext(dist.group.WORLD, rank, world_size, info, None, torch.device("cpu"), dict(options))
@@ -80,8 +80,8 @@ def _strategy(name, rank, world_size, **options):
 
 
 def _calls_rank(rank, world_size, name, dtype, h, calls):
-    from fusegate.kernels.oneshot import oneshot_launch
-    from fusegate.kernels.twoshot import twoshot_launch
+    from tpfuse.kernels.oneshot import oneshot_launch
+    from tpfuse.kernels.twoshot import twoshot_launch
 
     launch = oneshot_launch if name == "oneshot" else twoshot_launch
     strategy = _strategy(name, rank, world_size, timeout_s=5.0)
@@ -98,7 +98,7 @@ def _calls_rank(rank, world_size, name, dtype, h, calls):
                      has_norm=mode != "ar", out=_nan_pair(x))
         out.append(got)
     # the same first call once more through the torch.library op, which finds the strategy by handle
-    from fusegate.kernels.custom_ops import all_reduce_residual_rmsnorm_op
+    from tpfuse.kernels.custom_ops import all_reduce_residual_rmsnorm_op
 
     m, kind, mode = calls[0]
     make = small_integer_inputs if kind == "int" else random_inputs
@@ -161,7 +161,7 @@ def test_four_ranks(name):
 def _poisoned(result) -> bool:
     """Whether a failed call's outputs are all NaN: the normed rows, or the quantized output's
     scales (and FP8 codes: e4m3 NaN is 0x7F / 0xFF)."""
-    from fusegate.quant import QuantOutput
+    from tpfuse.quant import QuantOutput
 
     if not isinstance(result, QuantOutput):
         return bool(torch.isnan(result[0]).all())
@@ -175,7 +175,7 @@ def _poisoned(result) -> bool:
 def _timeout_rank(rank, world_size, name, absent, quant=None):
     import torch.distributed as dist
 
-    from fusegate.strategies.workspace import PeerTimeoutError
+    from tpfuse.strategies.workspace import PeerTimeoutError
 
     # One program per rank: the interpreter runs a rank's programs one after another, so with
     # several, a later program's pushes would wait behind an earlier program's timeout and the
@@ -204,8 +204,8 @@ def _timeout_rank(rank, world_size, name, absent, quant=None):
                                          ("twoshot", "nvfp4")])
 def test_absent_rank_times_out_with_its_name(name, quant):
     """Survivors name the absent rank, return NaN (quantized output: NaN scales) and refuse the next call."""
-    from fusegate import quant as Q
-    from fusegate.kernels.protocol import ERR_ABORTED, ERR_TIMEOUT
+    from tpfuse import quant as Q
+    from tpfuse.kernels.protocol import ERR_ABORTED, ERR_TIMEOUT
 
     spec = {None: None, "fp8_per_token": Q.fp8_per_token(), "nvfp4": Q.nvfp4(2.0, swizzled=False)}[quant]
     results = run_ranks(_timeout_rank, 3, args=(name, 2, spec), env=INTERP, timeout_s=120)
@@ -272,9 +272,9 @@ def test_negative_zero_payloads_and_calls_that_do_not_fit(name):
 
 def _forced_split(rank, world_size, name, h, chunk):
     """(launcher, strategy, its workspace, a plan of 3 rows cut into `chunk`-element items)."""
-    from fusegate.kernels.oneshot import oneshot_launch
-    from fusegate.kernels.protocol import Plan
-    from fusegate.kernels.twoshot import twoshot_launch
+    from tpfuse.kernels.oneshot import oneshot_launch
+    from tpfuse.kernels.protocol import Plan
+    from tpfuse.kernels.twoshot import twoshot_launch
 
     strategy = _strategy(name, rank, world_size, timeout_s=5.0)
     strategy.prepare(hidden=h, dtype=torch.bfloat16, max_tokens=3)
@@ -320,7 +320,7 @@ def test_rows_split_over_chunks_match_the_reference(name):
 # ---- quantized output through the peer strategies ----------------------------------------------
 
 def _quant_specs():
-    from fusegate import quant as Q
+    from tpfuse import quant as Q
 
     return [Q.fp8_static(0.125), Q.fp8_per_token(with_normed=True), Q.fp8_per_group(16, layout="col"),
             Q.nvfp4(40.0, swizzled=True)]
@@ -355,7 +355,7 @@ def test_peer_strategies_quantized_output_equals_the_reference(name):
 
 def _check_quantized(name, results, xs, res, w, specs):
     """Every rank's packed QuantOutputs (`tests.test_quant_gloo._pack`) equal the reference's, byte for byte."""
-    from fusegate.reference import all_reduce_residual_rmsnorm_quant_ref
+    from tpfuse.reference import all_reduce_residual_rmsnorm_quant_ref
     from tests.test_quant_gloo import _pack
 
     for i, spec in enumerate(specs):
@@ -368,7 +368,7 @@ def _check_quantized(name, results, xs, res, w, specs):
 
 
 def _split_quant_specs():
-    from fusegate import quant as Q
+    from tpfuse import quant as Q
 
     return [Q.fp8_static(0.125), Q.fp8_per_token(with_normed=True), Q.fp8_per_token(scale_ub=0.004),
             Q.fp8_per_group(16, layout="col"), Q.fp8_per_group(32), Q.nvfp4(40.0, swizzled=True), Q.nvfp4(3.0)]
@@ -389,8 +389,8 @@ def _split_quant_rank(rank, world_size, name, h, chunk):
         outs.append(_pack(got))
         assert all(torch.equal(a, b) for a, b in zip(inputs, (x, res, w))), f"{spec.key} wrote into its inputs"
     # a plan whose chunks cut NVFP4's scale blocks is refused before any launch, with the fix
-    from fusegate import quant as Q
-    from fusegate.kernels.protocol import Plan
+    from tpfuse import quant as Q
+    from tpfuse.kernels.protocol import Plan
 
     try:
         launch(x, res, w, 1e-6, ws, timeout_s=5.0, max_programs=4, plan_programs=4, plan=Plan(32, -(-x.shape[1] // 32),
@@ -420,8 +420,8 @@ def test_split_rows_quantized_in_the_peer_kernel_equal_the_reference(name):
 def test_chunks_that_cut_scale_blocks_are_refused_by_the_kernels():
     """A plan whose chunks do not hold whole scale blocks is not quantized in the peer kernel: the
     strategy quantizes after the allreduce instead (`quantizes_in_kernel`)."""
-    from fusegate import quant as Q
-    from fusegate.kernels.protocol import Plan, make_plan, quantizes_in_kernel
+    from tpfuse import quant as Q
+    from tpfuse.kernels.protocol import Plan, make_plan, quantizes_in_kernel
 
     plan = Plan(chunk=128, num_chunks=2, items=2, num_warps=1)
     assert quantizes_in_kernel(plan, Q.fp8_per_group(128)) and not quantizes_in_kernel(plan, Q.fp8_per_group(256))

@@ -2,7 +2,7 @@
 
 import pytest
 
-from fusegate.kernels.protocol import (
+from tpfuse.kernels.protocol import (
     MAX_CHUNK_BYTES,
     MIN_CHUNK_BYTES,
     make_plan,

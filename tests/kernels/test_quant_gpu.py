@@ -8,8 +8,8 @@ capture, and nccl_epilogue on one NCCL rank. GPU tier (`gpu` marker): skipped wi
 import pytest
 import torch
 
-from fusegate import quant as Q
-from fusegate.reference import quantize_ref, random_inputs, residual_rmsnorm_quant_ref, small_integer_inputs
+from tpfuse import quant as Q
+from tpfuse.reference import quantize_ref, random_inputs, residual_rmsnorm_quant_ref, small_integer_inputs
 from tests.kernels.test_quant_interpreter import SPECS, _ordinal, _same, crafted_rows
 
 pytestmark = pytest.mark.gpu
@@ -29,8 +29,8 @@ def _cpu(result):
 
 @pytest.mark.parametrize("hw_fp8, hw_fp4", [(False, False), (True, False), (True, True)])
 def test_helpers_on_gpu_match_reference(hw_fp8, hw_fp4):
-    from fusegate.kernels.epilogue import hardware_fp4, hardware_fp8
-    from fusegate.kernels.quant import quantize
+    from tpfuse.kernels.epilogue import hardware_fp4, hardware_fp8
+    from tpfuse.kernels.quant import quantize
 
     if hw_fp8 and not hardware_fp8("cuda"):
         pytest.skip("this GPU has no e4m3 cvt (compute capability below 8.9)")
@@ -45,7 +45,7 @@ def test_helpers_on_gpu_match_reference(hw_fp8, hw_fp4):
 
 
 def test_reference_e4m3_equals_torch_cuda_conversion():
-    from fusegate.reference import _e4m3_codes
+    from tpfuse.reference import _e4m3_codes
 
     gen = torch.Generator().manual_seed(5)
     x = (torch.randn(1 << 20, generator=gen) * torch.exp2(torch.randint(-24, 10, (1 << 20,), generator=gen).float())).clamp(-448, 448)
@@ -54,7 +54,7 @@ def test_reference_e4m3_equals_torch_cuda_conversion():
 
 @pytest.mark.parametrize("hidden", [6144, 7168])
 def test_epilogue_at_model_shapes(hidden):
-    from fusegate.kernels.epilogue import residual_rmsnorm
+    from tpfuse.kernels.epilogue import residual_rmsnorm
 
     for spec in MODEL_SPECS:
         s, r = small_integer_inputs(0, 37, hidden, torch.bfloat16), small_integer_inputs(1, 37, hidden, torch.bfloat16)
@@ -72,7 +72,7 @@ def test_epilogue_at_model_shapes(hidden):
 
 
 def test_cuda_graph_replay_equals_eager():
-    from fusegate.kernels.epilogue import residual_rmsnorm
+    from tpfuse.kernels.epilogue import residual_rmsnorm
 
     s, r = random_inputs(0, 64, 6144, torch.bfloat16).cuda(), random_inputs(1, 64, 6144, torch.bfloat16).cuda()
     w = torch.ones(6144, dtype=torch.bfloat16, device="cuda")
@@ -106,7 +106,7 @@ def test_flashinfer_fp4_quantize_agrees():
 
 
 def _nccl_rank(rank, world_size):
-    from fusegate import Communicator
+    from tpfuse import Communicator
 
     out = []
     with Communicator(strategy="nccl_epilogue") as comm:
@@ -138,7 +138,7 @@ def _host(result):
 
 
 def test_nccl_epilogue_on_one_rank():
-    from fusegate.spawn import run_ranks
+    from tpfuse.spawn import run_ranks
 
     (got,) = run_ranks(_nccl_rank, 1, backend="nccl", timeout_s=300)
     x = small_integer_inputs(0, 9, 6144, torch.bfloat16)
@@ -167,7 +167,7 @@ def _shared_inputs(rank, m, h):
 
 
 def _shared_gpu_rank(rank, world_size, strategy):
-    from fusegate import Communicator
+    from tpfuse import Communicator
 
     torch.cuda.set_device(0)
     out = []
@@ -183,8 +183,8 @@ def _shared_gpu_rank(rank, world_size, strategy):
 def test_ranks_sharing_one_gpu_get_the_reference_bits(strategy):
     """CUDA tensors over gloo, two ranks on one GPU: the reference quantizer on the device, and the
     peer strategies quantizing inside their kernel (split rows exchange per-token absmax)."""
-    from fusegate.spawn import run_ranks
-    from fusegate.reference import all_reduce_residual_rmsnorm_quant_ref
+    from tpfuse.spawn import run_ranks
+    from tpfuse.reference import all_reduce_residual_rmsnorm_quant_ref
 
     results = run_ranks(_shared_gpu_rank, 2, args=(strategy,), env=SHARED_ENV, timeout_s=300)
     for k, (m, h) in enumerate(SHARED_SHAPES):
@@ -204,7 +204,7 @@ SHARED_ENV = {"TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES": "1", "TORCH_SYMM_MEM_D
 def _quant_graph_rank(rank, world_size, strategy):
     import torch.distributed as dist
 
-    from fusegate import Communicator
+    from tpfuse import Communicator
 
     torch.cuda.set_device(0)
     m, h = 16, 6144
@@ -236,8 +236,8 @@ def _quant_graph_rank(rank, world_size, strategy):
 
 @pytest.mark.parametrize("strategy", ["oneshot", "twoshot"])
 def test_quantized_peer_calls_replay_in_a_cuda_graph(strategy):
-    from fusegate.spawn import run_ranks
-    from fusegate.reference import all_reduce_residual_rmsnorm_quant_ref
+    from tpfuse.spawn import run_ranks
+    from tpfuse.reference import all_reduce_residual_rmsnorm_quant_ref
 
     m, h = 16, 6144
     results = run_ranks(_quant_graph_rank, 2, args=(strategy,), env=SHARED_ENV, timeout_s=300)

@@ -2,7 +2,7 @@
 
 Interpreter tier: kernels run in one spawned process with TRITON_INTERPRET=1 (set before any
 kernel module is imported, see test_interpreter.py); everything is compared here against
-`fusegate.reference`. The helper cases are crafted fp32 rows (ties, zeros, the range edges and
+`tpfuse.reference`. The helper cases are crafted fp32 rows (ties, zeros, the range edges and
 beyond, e4m3 and fp32 subnormals, NaN and inf, all-zero rows), so the software e4m3 / e2m1
 conversions are checked exactly where rounding is delicate.
 """
@@ -10,9 +10,9 @@ conversions are checked exactly where rounding is delicate.
 import pytest
 import torch
 
-from fusegate import quant as Q
-from fusegate.spawn import run_ranks
-from fusegate.reference import quantize_ref, random_inputs, residual_rmsnorm_quant_ref, small_integer_inputs
+from tpfuse import quant as Q
+from tpfuse.spawn import run_ranks
+from tpfuse.reference import quantize_ref, random_inputs, residual_rmsnorm_quant_ref, small_integer_inputs
 
 pytestmark = pytest.mark.interpreter
 
@@ -74,7 +74,7 @@ SPECS = [
 
 
 def _helpers_rank(rank, world_size):
-    from fusegate.kernels.quant import quantize
+    from tpfuse.kernels.quant import quantize
 
     y = crafted_rows()
     full = [tuple(_pack(t) for t in quantize(y, spec)) for spec in SPECS]
@@ -86,12 +86,12 @@ def _opchecks():
     ones in shape, stride and dtype, so torch.compile graphs see the right layouts."""
     from torch.library import opcheck
 
-    import fusegate.kernels.custom_ops  # noqa: F401  (registers the ops)
+    import tpfuse.kernels.custom_ops  # noqa: F401  (registers the ops)
 
     s, r, w = (small_integer_inputs(i, 3, 64, torch.bfloat16) for i in range(3))
     cases = [("fp8_per_group", 16, "col", None, False, None), ("nvfp4", 16, "swizzled", None, True, torch.tensor([2.0])),
              ("fp8_static", 0, "row", None, False, torch.tensor([0.5])), ("fp8_per_token", 0, "row", 1.0, False, None)]
-    return {c[0]: opcheck(torch.ops.fusegate.residual_rmsnorm_quant.default, (s, r, w[0], 1e-6) + c) for c in cases}
+    return {c[0]: opcheck(torch.ops.tpfuse.residual_rmsnorm_quant.default, (s, r, w[0], 1e-6) + c) for c in cases}
 
 
 # H = 96: rows shorter than their power-of-two block, so masked lanes and padded scale columns
@@ -144,8 +144,8 @@ def _cases():
 
 
 def _epilogue_rank(rank, world_size, cases):
-    from fusegate.kernels.custom_ops import residual_rmsnorm_quant_op
-    from fusegate.kernels.epilogue import residual_rmsnorm
+    from tpfuse.kernels.custom_ops import residual_rmsnorm_quant_op
+    from tpfuse.kernels.epilogue import residual_rmsnorm
 
     out = []
     for kind, dtype, m, with_res, i in cases:

@@ -27,7 +27,7 @@ def _ptx(cc: int, kind: int, group: int, swizzled: bool, hw: int) -> str:
         from triton.compiler import ASTSource
     except ImportError as exc:
         pytest.skip(f"Triton's compiler internals are not importable here: {exc}")
-    from fusegate.kernels.epilogue import residual_rmsnorm_quant_kernel
+    from tpfuse.kernels.epilogue import residual_rmsnorm_quant_kernel
 
     sig = dict(SIG, sc_ptr="*u8" if kind == 4 else "*fp32")
     names = list(sig)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fusegate.models.config import model_config
-from fusegate.models.layers import ColumnParallelLinear, RowParallelLinear, random_tensor
+from tpfuse.models.config import model_config
+from tpfuse.models.layers import ColumnParallelLinear, RowParallelLinear, random_tensor
 
 
 def test_glm5_preset_shapes():

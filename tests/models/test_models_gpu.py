@@ -5,15 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fusegate.spawn import run_ranks
-from fusegate.reference import TOLERANCE
+from tpfuse.spawn import run_ranks
+from tpfuse.reference import TOLERANCE
 
 pytestmark = pytest.mark.gpu
 STEPS = 3
 
 
 def test_runners_on_cuda_match_reference():
-    from fusegate.models.moe_runners import RUNNERS, RunnerProblem, admission, moe_experts_ref
+    from tpfuse.models.moe_runners import RUNNERS, RunnerProblem, admission, moe_experts_ref
 
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(40, 256, generator=gen)
@@ -37,7 +37,7 @@ def _gpu_rank(rank, world):
 
 
 def _decode_variants(rank, world, dtype_name):
-    from fusegate.bench.e2e import DecodeStep, E2ESpec, build_model, prompts
+    from tpfuse.bench.e2e import DecodeStep, E2ESpec, build_model, prompts
 
     spec = E2ESpec(preset="tiny", dtype=dtype_name, device="cuda", prompt_len=4, context=16, progress=False)
     model, device, dtype = build_model(spec, rank, world)
@@ -57,7 +57,7 @@ def _decode_variants(rank, world, dtype_name):
             logits.append(step.logits.float().cpu())
             tokens.append(step.ids.cpu())
         out[name] = (torch.stack(logits), torch.stack(tokens), step.allreduces)
-        from fusegate.spec import Op
+        from tpfuse.spec import Op
 
         op = Op.ALL_REDUCE_RESIDUAL_RMSNORM if fusion else Op.ALL_REDUCE
         out["strategy"][name] = model.comm.comm.strategy_for(op, 8, model.cfg.hidden, dtype).name

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fusegate.models import moe_runners
-from fusegate.models.moe_runners import RUNNERS, RunnerProblem, admission, choose, moe_experts_ref, runner_report
-from fusegate.probe import probe
+from tpfuse.models import moe_runners
+from tpfuse.models.moe_runners import RUNNERS, RunnerProblem, admission, choose, moe_experts_ref, runner_report
+from tpfuse.probe import probe
 
 # Norm-wise relative error against float64, by dtype: the expert GEMMs round their outputs to the
 # dtype twice (gate/up, down) plus the SwiGLU product; fp32 u = 6e-8, bf16 u = 2^-9 = 2e-3.
@@ -64,7 +64,7 @@ def test_missing_torch_op_is_refused(monkeypatch):
 
 
 def test_choose_picks_fastest_admitted_and_explains():
-    from fusegate.spec import Verdict
+    from tpfuse.spec import Verdict
 
     verdicts = {"loop": Verdict.no("x"), "dense": Verdict.yes(), "grouped_mm": Verdict.yes()}
     choice = choose(verdicts, {"loop": 1.0, "dense": 30.0, "grouped_mm": 20.0})

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fusegate.spawn import run_ranks
+from tpfuse.spawn import run_ranks
 
 pytestmark = pytest.mark.gloo
 
@@ -33,17 +33,17 @@ def _generate(model, ids, steps):
 
 
 def _build(cfg, group, rank, world, dtype, *, fusion=True):
-    import fusegate
-    from fusegate.models.decoder import TPDecoder
+    import tpfuse
+    from tpfuse.models.decoder import TPDecoder
 
-    comm = fusegate.Communicator(group, strategy="reference")
+    comm = tpfuse.Communicator(group, strategy="reference")
     return TPDecoder(cfg, comm, group=group, rank=rank, world_size=world, seed=3, dtype=dtype, fusion=fusion)
 
 
 def _parity_rank(rank, world):
     import torch.distributed as dist
 
-    from fusegate.models.config import model_config
+    from tpfuse.models.config import model_config
 
     cfg = model_config("tiny")
     ids = torch.randint(0, cfg.vocab, (BATCH, PROMPT), generator=torch.Generator().manual_seed(11))
@@ -59,7 +59,7 @@ def _parity_rank(rank, world):
                       "runner": {t: c.name for t, c in tp2.selector.choices.items()}}
         # The benchmark's DecodeStep (static buffers, advances ids and pos itself) must decode the
         # same sequence as the plain loop above: construction may not shift the start state.
-        from fusegate.bench.e2e import DecodeStep
+        from tpfuse.bench.e2e import DecodeStep
 
         tp2.fusion = True
         cache = tp2.new_cache(BATCH, CONTEXT)
@@ -124,7 +124,7 @@ def test_decode_step_matches_plain_decode_loop(parity):
 
 
 def test_two_allreduces_per_layer(parity):
-    from fusegate.models.config import model_config
+    from tpfuse.models.config import model_config
 
     layers = model_config("tiny").num_layers
     r = parity[0][torch.float32]

@@ -4,8 +4,8 @@ and the full measurement on two or more GPUs."""
 import pytest
 import torch
 
-from fusegate import timing
-from fusegate.probe import fabric
+from tpfuse import timing
+from tpfuse.probe import fabric
 
 
 def _gpus():
@@ -49,7 +49,7 @@ def test_copy_scatter_and_chase_kernels_compute_what_they_time(interpreted):
 
 @pytest.mark.skipif(_gpus() >= 2, reason="checks the refusal with fewer than 2 GPUs; this machine has more")
 def test_fewer_than_two_gpus_is_a_clear_error():
-    from fusegate.probe import probe
+    from tpfuse.probe import probe
 
     with pytest.raises(RuntimeError, match=f"needs 2 or more GPUs in this process, torch sees {_gpus()}"):
         fabric.measure_fabric(probe())
@@ -76,7 +76,7 @@ def test_kernels_on_one_gpu_against_torch_copy():
 
 @pytest.mark.multi_gpu
 def test_every_peer_pair_is_measured():
-    from fusegate.probe import probe
+    from tpfuse.probe import probe
 
     result = fabric.measure_fabric(probe(), nbytes=16 << 20, reps=5)
     count = torch.cuda.device_count()

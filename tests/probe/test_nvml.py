@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from fusegate.probe import probe
-from fusegate.probe.capabilities import GpuInfo
-from fusegate.probe.nvml import read_nvml
+from tpfuse.probe import probe
+from tpfuse.probe.capabilities import GpuInfo
+from tpfuse.probe.nvml import read_nvml
 from support.fake_nvml import FakeNvml
 
 

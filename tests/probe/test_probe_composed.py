@@ -7,10 +7,10 @@ from types import SimpleNamespace
 
 import pytest
 
-import fusegate.probe
-import fusegate.probe.links as links_module
-from fusegate.probe import probe
-from fusegate.probe.links import _loaded_libraries
+import tpfuse.probe
+import tpfuse.probe.links as links_module
+from tpfuse.probe import probe
+from tpfuse.probe.links import _loaded_libraries
 
 from support.fake_nvml import FakeNvml
 
@@ -32,7 +32,7 @@ def two_gpu_torch(monkeypatch):
         can_device_access_peer=lambda a, b: True, nccl=SimpleNamespace(version=lambda: (2, 27, 5)),
     )
     torch = SimpleNamespace(__version__="2.11.0+cu130", version=SimpleNamespace(cuda="13.0"), cuda=cuda, __file__="/nonexistent/torch/__init__.py")
-    monkeypatch.setattr(fusegate.probe, "_import_torch", lambda: torch)
+    monkeypatch.setattr(tpfuse.probe, "_import_torch", lambda: torch)
     return torch
 
 

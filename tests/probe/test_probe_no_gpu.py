@@ -14,8 +14,8 @@ import sys
 import pytest
 import torch
 
-from fusegate import __version__
-from fusegate.probe import probe
+from tpfuse import __version__
+from tpfuse.probe import probe
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="describes a machine where torch sees no CUDA GPU")
 
@@ -42,7 +42,7 @@ def test_cpu_is_described_with_real_cores_and_memory(caps):
 
 def test_versions_are_filled(caps):
     v = caps.versions
-    assert v.torch == torch.__version__ and v.python == platform.python_version() and v.fusegate == __version__
+    assert v.torch == torch.__version__ and v.python == platform.python_version() and v.tpfuse == __version__
     assert v.cuda_runtime == torch.version.cuda
     assert v.triton == importlib.metadata.version("triton")
 
@@ -76,9 +76,9 @@ def test_import_probes_nothing():
     """Importing the package, the probe package and the doctor command loads neither torch nor
     NVML nor Triton: the probe functions cannot have run."""
     code = (
-        "import sys, fusegate, fusegate.probe, fusegate.probe.capabilities, fusegate.cli.doctor;"
+        "import sys, tpfuse, tpfuse.probe, tpfuse.probe.capabilities, tpfuse.cli.doctor;"
         "heavy = [m for m in ('torch', 'pynvml', 'triton') if m in sys.modules];"
-        "probed = [m for m in ('fusegate.probe.nvml', 'fusegate.probe.links', 'fusegate.probe.gpus') if m in sys.modules];"
+        "probed = [m for m in ('tpfuse.probe.nvml', 'tpfuse.probe.links', 'tpfuse.probe.gpus') if m in sys.modules];"
         "print(heavy, probed)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

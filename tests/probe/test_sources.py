@@ -8,13 +8,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from fusegate.probe.capabilities import GpuInfo
-from fusegate.probe.cpu import cpu_model, mem_total_bytes, read_cpu
-from fusegate.probe.gpus import no_gpu_reason, parse_pci_bus_id, read_gpus
-from fusegate.probe.links import read_links
-from fusegate.probe.nvml import NvmlPair
-from fusegate.probe.optional import OptionalPackage, read_package
-from fusegate.probe.versions import cuda_version_string, driver_from_proc, nccl_version
+from tpfuse.probe.capabilities import GpuInfo
+from tpfuse.probe.cpu import cpu_model, mem_total_bytes, read_cpu
+from tpfuse.probe.gpus import no_gpu_reason, parse_pci_bus_id, read_gpus
+from tpfuse.probe.links import read_links
+from tpfuse.probe.nvml import NvmlPair
+from tpfuse.probe.optional import OptionalPackage, read_package
+from tpfuse.probe.versions import cuda_version_string, driver_from_proc, nccl_version
 
 X86_CPUINFO = "processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: Intel(R) Xeon(R) Platinum 8480+\n\nprocessor\t: 1\nmodel name\t: Intel(R) Xeon(R) Platinum 8480+\n"
 ARM_CPUINFO = "processor\t: 0\nBogoMIPS\t: 2000.00\nCPU implementer\t: 0x41\nCPU part\t: 0xd4f\n"
@@ -124,13 +124,13 @@ def test_version_helpers(tmp_path):
 
 
 def test_optional_package_missing_and_broken(tmp_path, monkeypatch):
-    missing = read_package(OptionalPackage("nothere", "fusegate_no_such_module", ("nothere",), "pip install nothere"))
+    missing = read_package(OptionalPackage("nothere", "tpfuse_no_such_module", ("nothere",), "pip install nothere"))
     assert (missing.available, missing.reason) == (False, "not installed (pip install nothere)")
-    (tmp_path / "fusegate_broken_pkg.py").write_text("raise OSError('libfoo.so: cannot open shared object file')\n")
+    (tmp_path / "tpfuse_broken_pkg.py").write_text("raise OSError('libfoo.so: cannot open shared object file')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    broken = read_package(OptionalPackage("broken", "fusegate_broken_pkg", ("broken",), "pip install broken", import_check=True))
+    broken = read_package(OptionalPackage("broken", "tpfuse_broken_pkg", ("broken",), "pip install broken", import_check=True))
     assert not broken.available
     assert broken.reason == "installed but import failed: OSError: libfoo.so: cannot open shared object file"
-    sys.modules.pop("fusegate_broken_pkg", None)
-    parentless = read_package(OptionalPackage("x", "fusegate_no_parent.sub", ("x",), "pip install x"))
+    sys.modules.pop("tpfuse_broken_pkg", None)
+    parentless = read_package(OptionalPackage("x", "tpfuse_no_parent.sub", ("x",), "pip install x"))
     assert parentless.reason == "not installed (pip install x)"

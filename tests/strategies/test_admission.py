@@ -8,11 +8,11 @@ import dataclasses
 import pytest
 import torch
 
-from fusegate.strategies import admission, get_strategy
-from fusegate.strategies.workspace import SENTINEL_BITS, PeerTimeoutError
-from fusegate.kernels.protocol import ERR_ABORTED, ERR_TIMEOUT
-from fusegate.probe.capabilities import Capabilities, CpuInfo, GpuInfo, Versions
-from fusegate.spec import GroupInfo, Op, Problem
+from tpfuse.strategies import admission, get_strategy
+from tpfuse.strategies.workspace import SENTINEL_BITS, PeerTimeoutError
+from tpfuse.kernels.protocol import ERR_ABORTED, ERR_TIMEOUT
+from tpfuse.probe.capabilities import Capabilities, CpuInfo, GpuInfo, Versions
+from tpfuse.spec import GroupInfo, Op, Problem
 
 NAMES = ["nccl_epilogue", "oneshot", "twoshot"]
 
@@ -87,6 +87,6 @@ def test_timeout_error_names_the_ranks_and_the_fix():
     text = str(exc)
     assert isinstance(exc, RuntimeError) and exc.ranks == [2, 3]
     assert text.startswith("oneshot: rank 0 waited 5 s for data from rank(s) 2, 3")
-    assert "Close the Communicator" in text and "FUSEGATE_TIMEOUT_S" in text
+    assert "Close the Communicator" in text and "TPFUSE_TIMEOUT_S" in text
     aborted = str(PeerTimeoutError("twoshot", 1, ERR_ABORTED, [0], row=0, call=3, timeout_s=5.0))
     assert aborted.startswith("twoshot: rank 1 stopped at call 3: rank(s) 0 gave up waiting first") and "NaN" in aborted

@@ -17,8 +17,8 @@ import time
 import pytest
 import torch
 
-from fusegate.spawn import RankFailure, run_ranks
-from fusegate.reference import all_reduce_ref, small_integer_inputs
+from tpfuse.spawn import RankFailure, run_ranks
+from tpfuse.reference import all_reduce_ref, small_integer_inputs
 
 pytestmark = pytest.mark.gloo
 
@@ -45,7 +45,7 @@ def _call(comm, x) -> tuple[str, float]:
 def _survivor_rank(rank, world_size, out_dir):
     import torch.distributed as dist
 
-    from fusegate import Communicator
+    from tpfuse import Communicator
 
     comms = {name: Communicator(dist.new_group(list(range(world_size))), timeout_s=TIMEOUT_S, **kwargs)
              for name, (kwargs, _) in CASES.items()}

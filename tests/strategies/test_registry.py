@@ -4,11 +4,11 @@ import dataclasses
 
 import pytest
 
-from fusegate.strategies import admission, get_strategy, register, strategy_names
-from fusegate.strategies.base import check_needs
-from fusegate.dispatch.choice import default_choice
-from fusegate.probe.capabilities import Capabilities, CpuInfo, GpuInfo, PackageStatus, Versions
-from fusegate.spec import GroupInfo, Needs, Op, Problem, Verdict
+from tpfuse.strategies import admission, get_strategy, register, strategy_names
+from tpfuse.strategies.base import check_needs
+from tpfuse.dispatch.choice import default_choice
+from tpfuse.probe.capabilities import Capabilities, CpuInfo, GpuInfo, PackageStatus, Versions
+from tpfuse.spec import GroupInfo, Needs, Op, Problem, Verdict
 
 
 def _caps(num_gpus=0, packages=()):
@@ -70,9 +70,9 @@ def test_unknown_strategy_lists_the_registered_ones():
 
 
 def test_a_strategy_that_fails_to_import_is_not_admitted_with_the_import_error(monkeypatch):
-    monkeypatch.setitem(__import__("fusegate.strategies", fromlist=["_REGISTRY"])._REGISTRY, "broken", "fusegate.no_such_module:X")
+    monkeypatch.setitem(__import__("tpfuse.strategies", fromlist=["_REGISTRY"])._REGISTRY, "broken", "tpfuse.no_such_module:X")
     verdict = admission(_problem(CPU_GROUP), _caps(), ["broken"])["broken"]
-    assert not verdict.ok and "cannot import fusegate.no_such_module:X" in verdict.reason
+    assert not verdict.ok and "cannot import tpfuse.no_such_module:X" in verdict.reason
     assert "broken" in strategy_names()
 
 
@@ -92,7 +92,7 @@ def test_problem_rejects_unknown_dtype():
 
 
 def test_a_former_strategy_name_selects_the_renamed_strategy():
-    from fusegate.strategies import RENAMED, canonical_name
+    from tpfuse.strategies import RENAMED, canonical_name
 
     assert RENAMED == {"nccl_fused": "nccl_epilogue"}
     assert get_strategy("nccl_fused") is get_strategy("nccl_epilogue")

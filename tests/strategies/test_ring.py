@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from fusegate.spawn import run_ranks
-from fusegate.reference import (
+from tpfuse.spawn import run_ranks
+from tpfuse.reference import (
     TOLERANCE,
     all_reduce_ref,
     all_reduce_residual_rmsnorm_ref,
@@ -26,7 +26,7 @@ def _weight(dtype, exact):
 
 
 def _ring_rank(rank, world_size):
-    from fusegate import Communicator
+    from tpfuse import Communicator
 
     out = {}
     with Communicator(strategy="ring") as comm:

@@ -1,2 +1,2 @@
 """Helpers shared by tests in several folders: the fake NVML and the test-only strategies that spawned
-ranks load through FUSEGATE_STRATEGIES as `support.<module>:<Class>` (tests/ is on their path)."""
+ranks load through TPFUSE_STRATEGIES as `support.<module>:<Class>` (tests/ is on their path)."""

@@ -1,10 +1,10 @@
-"""A strategy for the lifecycle tests only (registered through FUSEGATE_STRATEGIES): its first call
-records this rank's pid in $FUSEGATE_TEST_PID_DIR, then runs the reference allreduce for ever, so a
+"""A strategy for the lifecycle tests only (registered through TPFUSE_STRATEGIES): its first call
+records this rank's pid in $TPFUSE_TEST_PID_DIR, then runs the reference allreduce for ever, so a
 test can kill the parent, or one rank, while every rank is busy in collectives."""
 
 import os
 
-from fusegate.strategies.reference import ReferenceStrategy
+from tpfuse.strategies.reference import ReferenceStrategy
 
 
 class PidThenBlock(ReferenceStrategy):
@@ -12,7 +12,7 @@ class PidThenBlock(ReferenceStrategy):
     description = "test only: records the rank's pid, then allreduces until killed"
 
     def all_reduce(self, x):
-        path = os.path.join(os.environ["FUSEGATE_TEST_PID_DIR"], str(os.getpid()))
+        path = os.path.join(os.environ["TPFUSE_TEST_PID_DIR"], str(os.getpid()))
         with open(path + ".tmp", "w") as f:
             f.write(str(os.getpid()))
         os.replace(path + ".tmp", path)

@@ -2,7 +2,7 @@
 
 import torch.distributed as dist
 
-from fusegate.strategies.reference import ReferenceStrategy
+from tpfuse.strategies.reference import ReferenceStrategy
 
 
 class DropsLastRankStrategy(ReferenceStrategy):

@@ -164,7 +164,7 @@ class FakeNvml:
         return SimpleNamespace(gpu=int(util_pct(h[1])), memory=20)
 
     def nvmlDeviceGetComputeRunningProcesses(self, h):
-        from fusegate.diagnose.sampler import process_tree
+        from tpfuse.diagnose.sampler import process_tree
 
         if h[1] != 0:
             return []

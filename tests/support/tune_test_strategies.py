@@ -1,4 +1,4 @@
-"""Strategies that exist only for the tune/verify tests (registered through FUSEGATE_STRATEGIES).
+"""Strategies that exist only for the tune/verify tests (registered through TPFUSE_STRATEGIES).
 
 - `SequentialBroadcast`: the same sums as the reference (fp32, rank order 0..W-1, bit-identical on
   every rank), computed through W sequential broadcasts, repeated `PASSES` times: a real, correct
@@ -12,10 +12,10 @@
 import torch
 import torch.distributed as dist
 
-from fusegate.strategies.base import Strategy
-from fusegate.strategies.reference import ReferenceStrategy
-from fusegate.reference import accumulation_dtype, residual_rmsnorm_ref
-from fusegate.spec import Needs
+from tpfuse.strategies.base import Strategy
+from tpfuse.strategies.reference import ReferenceStrategy
+from tpfuse.reference import accumulation_dtype, residual_rmsnorm_ref
+from tpfuse.spec import Needs
 
 # Redundant passes: 8 x W broadcasts instead of one allreduce, so the slowdown (several times)
 # is far outside the CPU timing noise.

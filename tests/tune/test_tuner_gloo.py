@@ -1,6 +1,6 @@
 """tune and verify for real on 2 gloo ranks over CPU strategies, and the Communicator's table use.
 
-Spawned ranks find the test-only strategies through FUSEGATE_STRATEGIES (tests/support/tune_test_strategies.py,
+Spawned ranks find the test-only strategies through TPFUSE_STRATEGIES (tests/support/tune_test_strategies.py,
 imported from the tests directory, on the path spawned processes inherit).
 """
 
@@ -10,8 +10,8 @@ import warnings
 import pytest
 import torch
 
-from fusegate.spawn import run_ranks
-from fusegate.reference import all_reduce_residual_rmsnorm_ref, random_inputs
+from tpfuse.spawn import run_ranks
+from tpfuse.reference import all_reduce_residual_rmsnorm_ref, random_inputs
 
 from support.tune_test_strategies import PLUGINS
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.gloo
 
 H = 64
 BUCKETS = (1, 2, 4, 8)
-ENV = {"FUSEGATE_STRATEGIES": PLUGINS, "PYTHONPATH": os.path.dirname(os.path.dirname(__file__))}
+ENV = {"TPFUSE_STRATEGIES": PLUGINS, "PYTHONPATH": os.path.dirname(os.path.dirname(__file__))}
 
 
 def _weight():
@@ -27,14 +27,14 @@ def _weight():
 
 
 def _table_life_rank(rank, world_size, cache_root):
-    from fusegate import Communicator
-    from fusegate.dispatch.choice import DispatchWarning
-    from fusegate.spec import Op
-    from fusegate.dispatch.table import save, table_path
-    from fusegate.tune.tuner import TuneSpec, tune_in_group
+    from tpfuse import Communicator
+    from tpfuse.dispatch.choice import DispatchWarning
+    from tpfuse.spec import Op
+    from tpfuse.dispatch.table import save, table_path
+    from tpfuse.tune.tuner import TuneSpec, tune_in_group
 
     # One cache directory per rank, as on separate hosts, so ranks can hold different files.
-    os.environ["FUSEGATE_CACHE_DIR"] = os.path.join(cache_root, f"rank{rank}")
+    os.environ["TPFUSE_CACHE_DIR"] = os.path.join(cache_root, f"rank{rank}")
     out = {}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -87,7 +87,7 @@ def _table_life_rank(rank, world_size, cache_root):
 
 
 def test_tune_builds_one_table_that_every_rank_uses_or_every_rank_ignores(tmp_path):
-    from fusegate.dispatch.table import parse
+    from tpfuse.dispatch.table import parse
 
     results = run_ranks(_table_life_rank, 2, args=(str(tmp_path),), env=ENV, timeout_s=240)
     tables = [parse(r["table"]) for r in results]
@@ -107,7 +107,7 @@ def test_tune_builds_one_table_that_every_rank_uses_or_every_rank_ignores(tmp_pa
         table, choice = r["no_table"]
         assert table is None and (choice.name, choice.source) == ("reference", "default")
         assert len(r["no_table_warnings"]) == 1  # once, however many calls
-        assert "no dispatch table at" in r["no_table_warnings"][0] and "fusegate tune --world-size 2" in r["no_table_warnings"][0]
+        assert "no dispatch table at" in r["no_table_warnings"][0] and "tpfuse tune --world-size 2" in r["no_table_warnings"][0]
         assert r["loaded_digest"] == tables[0].digest
         expected = tables[0].lookup("all_reduce_residual_rmsnorm", "bfloat16", H, 5)
         assert expected.tokens == 8
@@ -122,13 +122,13 @@ def test_tune_builds_one_table_that_every_rank_uses_or_every_rank_ignores(tmp_pa
 
         gone, note = r["corrupt"]
         assert gone and "corrupt" in note
-        assert any("corrupt" in w and "fusegate tune" in w for w in r["corrupt_warnings"])
+        assert any("corrupt" in w and "tpfuse tune" in w for w in r["corrupt_warnings"])
         for got, want in zip(r["corrupt_result"], ref):
             assert (got.double() - want.double()).norm() / want.double().norm() < 8e-3
 
 
 def _verify_rank(rank, world_size):
-    from fusegate.tune.verify import verify_in_group
+    from tpfuse.tune.verify import verify_in_group
 
     slower = verify_in_group("slow_broadcast", baseline="reference", hiddens=(H,), buckets=(1, 8), rounds=20)
     # Default baseline: the fastest correct unfused strategy (never the one that is wrong on rank 1).

@@ -1,1 +1,0 @@
-"""The `fusegate` command line: one console script, one module per subcommand."""

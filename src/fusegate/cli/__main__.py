@@ -1,3 +1,0 @@
-from fusegate.cli.main import main
-
-raise SystemExit(main())

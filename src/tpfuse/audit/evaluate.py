@@ -1,0 +1,292 @@
+"""Abstract interpretation of one Python expression over the audited architectures.
+
+`Evaluator.eval(node)` maps an `ast` expression to an abstract value (values.py, arch.py): names
+are looked up in the local scope, then the module's globals through the `Resolver` (resolve.py),
+which follows imports inside the target and falls back to the seeds (predicates.py). Calls to
+functions defined in the target are inlined when their text mentions an architecture (one body at
+a time, bounded depth), so `_check_cuda_device_version(device_capability_majors=[10])` or a small
+`def is_sm120(): return get_device_capability() == (12, 0)` evaluate to the right set. Nothing is
+executed; anything the evaluator cannot decide is `UNKNOWN` (or an unknown `ArchBool`).
+"""
+
+from __future__ import annotations
+
+import ast
+import operator
+
+from tpfuse.audit.arch import ArchBool, ArchNum, compare
+from tpfuse.audit.predicates import ALWAYS, ASSUMED_CUDA_VERSION, SEED_GLOBALS, fallback
+from tpfuse.audit.values import UNKNOWN, Const, External, ModuleRef, Obj, Partial, SeedFn, UserFunc
+
+_BINOPS = {
+    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+    ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Div: operator.truediv,
+}
+
+
+def _map(fn, seq):
+    return tuple(map(_BUILTINS[fn.last] if isinstance(fn, External) else fn.value, seq.value))
+
+
+# Pure builtins applied to literals, as in `tuple(map(int, torch.version.cuda.split(".")[:2]))`.
+_BUILTINS = {
+    "int": lambda a, *r: int(a.value, *(x.value for x in r)) if isinstance(a, Const) else int(a),
+    "tuple": lambda a: tuple(a.value),
+    "list": lambda a: tuple(a.value),
+    "map": _map,
+    "frozenset": lambda a: frozenset(a.value),
+    "set": lambda a: frozenset(a.value),
+}
+
+
+def _norm_key(k):
+    return tuple(k) if isinstance(k, list) else k
+
+
+def to_bool(value) -> ArchBool:
+    """Truth value of an abstract value; unknown (None everywhere) when it cannot be told."""
+    if isinstance(value, ArchBool):
+        return value
+    if isinstance(value, Const):
+        return ArchBool.const(bool(value.value))
+    if isinstance(value, ArchNum):
+        return ArchBool(tuple(bool(v) for v in value.values))
+    return ArchBool.const(None)
+
+
+def ite(test: ArchBool, a, b):
+    """`a if test else b` for abstract values."""
+    if all(v is True for v in test.values):
+        return a
+    if all(v is False for v in test.values):
+        return b
+    if a == b:
+        return a
+    if isinstance(a, Const) and isinstance(b, Const) and None not in test.values and not isinstance(a.value, bool) and not isinstance(b.value, bool):
+        # `"a" if major >= 9 else ""`: a value per architecture, e.g. for f"{sm}{suffix}" == "90a"
+        return ArchNum(tuple(a.value if t else b.value for t in test.values))
+    if isinstance(a, (ArchBool, Const)) and isinstance(b, (ArchBool, Const)):
+        return test.and_(to_bool(a)).or_(test.not_().and_(to_bool(b)))
+    return UNKNOWN
+
+
+def seed_for(name: str):
+    """The seeded value of a bare name: ALWAYS, the seeded globals, then the helper fallback."""
+    if name in ALWAYS:
+        return ALWAYS[name]
+    if name in SEED_GLOBALS:
+        return SEED_GLOBALS[name]
+    return fallback(name)
+
+
+class Evaluator:
+    """Evaluates expressions of module `module` with local bindings `local` and `self.` attributes `attrs`."""
+
+    def __init__(self, resolver, module: str, local: dict | None = None, attrs: dict | None = None, depth: int = 0, overrides: dict | None = None):
+        self.overrides = overrides or {}
+        self.resolver = resolver
+        self.module = module
+        self.local = local
+        self.attrs = attrs
+        self.depth = depth
+
+    def eval(self, node):
+        if self.overrides and id(node) in self.overrides:
+            return self.overrides[id(node)]
+        method = getattr(self, "_" + type(node).__name__, None)
+        return method(node) if method else UNKNOWN
+
+    # -- leaves -------------------------------------------------------------------------
+    def _Constant(self, node):
+        return Const(node.value)
+
+    def _Tuple(self, node):
+        items = [self.eval(e) for e in node.elts]
+        if all(isinstance(i, Const) for i in items):
+            return Const(tuple(i.value for i in items))
+        if all(isinstance(i, (Const, ArchNum)) for i in items):  # (major, minor) after unpacking
+            return ArchNum.of(lambda a: tuple(i.at(a) if isinstance(i, ArchNum) else i.value for i in items))
+        return UNKNOWN
+
+    _List = _Set = _Tuple
+
+    def _Dict(self, node):
+        keys = [self.eval(k) if k is not None else UNKNOWN for k in node.keys]
+        values = [self.eval(v) for v in node.values]
+        if all(isinstance(x, Const) for x in keys + values):
+            try:
+                return Const({k.value: v.value for k, v in zip(keys, values)})
+            except TypeError:
+                return UNKNOWN
+        return UNKNOWN
+
+    def _JoinedStr(self, node):
+        """f"{major}{minor}" (FlashInfer's _match_sm_version) -> a string per architecture."""
+        parts = []
+        for value in node.values:
+            if isinstance(value, ast.FormattedValue):
+                if value.format_spec is not None or value.conversion not in (-1, ord("s")):
+                    return UNKNOWN
+                value = self.eval(value.value)
+            else:
+                value = self.eval(value)
+            if not isinstance(value, (Const, ArchNum)):
+                return UNKNOWN
+            parts.append(value)
+        if not any(isinstance(p, ArchNum) for p in parts):
+            return UNKNOWN
+        return ArchNum.of(lambda a: "".join(str(p.at(a) if isinstance(p, ArchNum) else p.value) for p in parts))
+
+    def _Name(self, node):
+        if self.local is not None and node.id in self.local:
+            return self.local[node.id]
+        return self.resolver.global_value(self.module, node.id)
+
+    def _Attribute(self, node):
+        if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls") and self.attrs is not None:
+            return self.attrs.get(node.attr, UNKNOWN)
+        return self.attribute(self.eval(node.value), node.attr)
+
+    def attribute(self, base, attr: str):
+        if isinstance(base, ModuleRef):
+            return self.resolver.module_attr(base.name, attr)
+        if isinstance(base, External):
+            if base.dotted.endswith("torch.version") or base.dotted == "version":
+                return Const(ASSUMED_CUDA_VERSION) if attr == "cuda" else Const(None) if attr == "hip" else UNKNOWN
+            return seed_for(attr) or External(f"{base.dotted}.{attr}")
+        if isinstance(base, Obj):
+            return base.attr(attr)
+        if isinstance(base, ArchNum) and attr in ("major", "minor"):
+            return base.map(lambda v: v[0 if attr == "major" else 1]) or UNKNOWN
+        return UNKNOWN
+
+    def _Slice(self, node):
+        parts = [self.eval(p) if p is not None else Const(None) for p in (node.lower, node.upper, node.step)]
+        return Const(slice(*(p.value for p in parts))) if all(isinstance(p, Const) for p in parts) else UNKNOWN
+
+    def _Subscript(self, node):
+        base, index = self.eval(node.value), self.eval(node.slice)
+        if isinstance(base, Const) and isinstance(index, Const):
+            try:
+                return Const(base.value[index.value])
+            except Exception:  # noqa: BLE001 - a literal subscript that fails is not a gate
+                return UNKNOWN
+        if isinstance(base, ArchNum) and isinstance(index, Const) and isinstance(index.value, int):
+            return base.map(lambda v: v[index.value]) or UNKNOWN
+        return UNKNOWN
+
+    # -- operators ----------------------------------------------------------------------
+    def _BinOp(self, node):
+        fn = _BINOPS.get(type(node.op))
+        left, right = self.eval(node.left), self.eval(node.right)
+        if fn is None:
+            return UNKNOWN
+        if isinstance(left, Const) and isinstance(right, Const):
+            try:
+                return Const(fn(left.value, right.value))
+            except Exception:  # noqa: BLE001 - a literal expression that raises is simply not a gate
+                return UNKNOWN
+        if isinstance(left, ArchNum) and isinstance(right, Const):
+            return left.map(lambda v: fn(v, right.value)) or UNKNOWN
+        if isinstance(left, Const) and isinstance(right, ArchNum):
+            return right.map(lambda v: fn(left.value, v)) or UNKNOWN
+        if isinstance(left, ArchNum) and isinstance(right, ArchNum):
+            try:
+                return ArchNum(tuple(fn(a, b) for a, b in zip(left.values, right.values)))
+            except Exception:  # noqa: BLE001
+                return UNKNOWN
+        return UNKNOWN
+
+    def _UnaryOp(self, node):
+        value = self.eval(node.operand)
+        if isinstance(node.op, ast.Not):
+            return to_bool(value).not_()
+        if isinstance(node.op, ast.USub) and isinstance(value, Const) and isinstance(value.value, (int, float)):
+            return Const(-value.value)
+        return UNKNOWN
+
+    def _BoolOp(self, node):
+        items = [self.eval(v) for v in node.values]
+        if isinstance(node.op, ast.Or) and isinstance(items[-1], ArchNum) and all(i is UNKNOWN or isinstance(i, External) for i in items[:-1]):
+            # `sm = sm or get_device_sm()`: a caller's value when given, otherwise the device's.
+            return items[-1]
+        result = to_bool(items[0])
+        for value in items[1:]:
+            value = to_bool(value)
+            result = result.and_(value) if isinstance(node.op, ast.And) else result.or_(value)
+        return result
+
+    def _Compare(self, node):
+        left = self.eval(node.left)
+        result = ArchBool.const(True)
+        for op, comp in zip(node.ops, node.comparators):
+            right = self.eval(comp)
+            result = result.and_(self._compare_pair(type(op).__name__, left, right))
+            left = right
+        return result
+
+    def _compare_pair(self, op: str, left, right) -> ArchBool:
+        if op in ("Is", "IsNot"):
+            return ArchBool.const(None)
+        if isinstance(left, ArchBool) and isinstance(right, Const) and op in ("Eq", "NotEq"):
+            same = left if bool(right.value) else left.not_()
+            return same if op == "Eq" else same.not_()
+        if isinstance(left, (ArchNum, Const)) and isinstance(right, (ArchNum, Const)):
+            lv = left if isinstance(left, ArchNum) else left.value
+            rv = right if isinstance(right, ArchNum) else right.value
+            return compare(op, lv, rv) or ArchBool.const(None)
+        return ArchBool.const(None)
+
+    def _IfExp(self, node):
+        return ite(to_bool(self.eval(node.test)), self.eval(node.body), self.eval(node.orelse))
+
+    # -- calls --------------------------------------------------------------------------
+    def _Call(self, node):
+        func_node = node.func
+        if isinstance(func_node, ast.Attribute):
+            base = self.eval(func_node.value) if not (isinstance(func_node.value, ast.Name) and func_node.value.id in ("self", "cls")) else UNKNOWN
+            if isinstance(base, Const) and isinstance(base.value, str) and func_node.attr == "split":
+                args = [self.eval(a) for a in node.args]
+                if all(isinstance(a, Const) for a in args):
+                    return Const(tuple(base.value.split(*(a.value for a in args))))
+            if isinstance(base, Const) and isinstance(base.value, dict) and func_node.attr == "get" and node.args:
+                key = self.eval(node.args[0])
+                default = self.eval(node.args[1]) if len(node.args) > 1 else Const(None)
+                if isinstance(key, ArchNum) and isinstance(default, Const):
+                    return key.map(lambda k: base.value.get(_norm_key(k), default.value)) or UNKNOWN
+            if isinstance(base, ArchNum):
+                if func_node.attr == "to_int":
+                    return base.map(lambda v: v[0] * 10 + v[1]) or UNKNOWN
+                return UNKNOWN
+            func = self.attribute(base, func_node.attr) if base is not UNKNOWN else UNKNOWN
+        else:
+            func = self.eval(func_node)
+        if func is UNKNOWN:
+            return UNKNOWN
+        args = [UNKNOWN if isinstance(a, ast.Starred) else self.eval(a) for a in node.args]
+        kwargs = {k.arg: self.eval(k.value) for k in node.keywords if k.arg}
+        return self.call(func, args, kwargs)
+
+    def call(self, func, args: list, kwargs: dict):
+        if isinstance(func, SeedFn):
+            return func.call(args, kwargs)
+        if isinstance(func, Partial):
+            return self.call(func.func, list(func.args) + args, {**func.kwargs, **kwargs})
+        if isinstance(func, UserFunc):
+            return self.resolver.call_user(func, args, kwargs, self.depth + 1)
+        if isinstance(func, External):
+            seed = seed_for(func.last)
+            if seed is not None:
+                return self.call(seed, args, kwargs)
+            if func.last in ("tuple", "int") and args and isinstance(args[0], ArchNum):
+                return args[0]
+            if func.last == "str" and args and isinstance(args[0], ArchNum):
+                return args[0].map(str) or UNKNOWN
+            if func.last in _BUILTINS and all(isinstance(a, (Const, External)) for a in args):
+                try:
+                    return Const(_BUILTINS[func.last](*args))
+                except Exception:  # noqa: BLE001
+                    return UNKNOWN
+        if isinstance(func, External) or func is UNKNOWN:
+            return UNKNOWN
+        return UNKNOWN

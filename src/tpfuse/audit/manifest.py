@@ -1,0 +1,287 @@
+"""Patch transactions: byte-exact backups and an intent record reach the disk before any target file changes.
+
+State lives outside the target (which may be a read-only site-packages tree), in
+`<state_dir>/<sha1(target root)[:12]>/`, where `state_dir` defaults to `$XDG_CACHE_HOME/tpfuse/patches`
+(`~/.cache/tpfuse/patches`):
+    backups/<relative path>   each original, byte for byte, with its permission bits
+    SHA256SUMS                `<sha256>  <relative path>` per backup (the `sha256sum -c` format)
+    manifest.json             the intent record: target, files (path, sha256 before/after, mode), "complete"
+
+Apply, each step durable (file and directory fsynced, durable.py) before the next: check every file
+(unchanged since the audit, writable: a file without the owner write bit counts as read-only even
+for root) -> backups -> SHA256SUMS -> manifest.json with "complete": false -> each target file
+replaced through a temp file beside it -> "complete": true. A kill at any instant therefore leaves
+one of two states. Before the manifest exists no target file has changed, and a leftover state
+directory holds only copies of the current files (the next apply or revert checks that and clears
+it). Once it exists every original is on disk with its checksum, and each target file is whole:
+its original or its patched bytes. `revert` works from both: a file that still hashes to its
+original is left alone, one that hashes to the patched bytes is restored, anything else was edited
+after patching and is overwritten only with `force`; the temp files beside the targets are removed;
+the manifest is deleted before the backups, so a revert killed midway is finished by running it again.
+A second apply refuses while a manifest exists. A manifest that cannot be read (unreadable, empty,
+truncated, missing keys) is never guessed at: the error names it, lists the backups SHA256SUMS
+verifies, and gives the command that restores them without it (`tpfuse revert ROOT --force`);
+patchstate.py reads and checks that state. One apply or revert runs at a time per target: each
+holds a flock on `<hash>.lock` beside the state directory, which the kernel drops if it is killed.
+
+Fault injection: `durable.fault_hook` is called at each step. Apply: `backup:<rel>`, `sums`, `intent`,
+per file `tmp-half:<rel>`, `tmp-written:<rel>`, `replaced:<rel>`, then `commit`. Revert: per file
+`tmp-half:revert:<rel>`, `tmp-written:revert:<rel>`, `restored:<rel>`, then `manifest-removed`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import json
+import os
+import stat
+from pathlib import Path
+
+from tpfuse.audit import durable
+from tpfuse.audit import patchstate as ps
+from tpfuse.audit.patchstate import ManifestError, load, sha256, state_dir_for
+from tpfuse.audit.target import SourceSkip, source_encoding
+
+__all__ = ["ManifestError", "apply", "load", "revert", "sha256", "state_dir_for"]
+
+
+def _check_writable(path: Path) -> str | None:
+    try:
+        st = path.stat()
+    except OSError as exc:
+        return str(exc)
+    if not st.st_mode & stat.S_IWUSR or not os.access(path, os.W_OK) or not os.access(path.parent, os.W_OK):
+        return "read-only"
+    return None
+
+
+def _encode(rel: str, text, original: bytes) -> bytes:
+    """New file bytes in the encoding the original declares (PEP 263), so every byte outside the edit stays."""
+    if isinstance(text, bytes):
+        return text
+    try:
+        return text.encode(source_encoding(original))
+    except SourceSkip as exc:
+        raise ManifestError(f"patch: {rel}: {exc}; nothing was written; fix its coding cookie") from None
+    except UnicodeEncodeError as exc:
+        raise ManifestError(f"patch: the edit of {rel} cannot be written in its encoding {exc.encoding} ({exc.reason}); nothing was written; patch it by hand") from None
+
+
+# -- apply ------------------------------------------------------------------------------------
+def _write_manifest(sdir: Path, manifest: dict) -> None:
+    durable.write(sdir / ps.MANIFEST, json.dumps(manifest, indent=2).encode(), 0o644)
+
+
+def _mkdir(path: Path) -> None:
+    """mkdir -p, fsyncing each new directory's parent so the entries survive a power cut too."""
+    missing = []
+    while not path.exists():
+        missing.append(path)
+        path = path.parent
+    for d in reversed(missing):
+        d.mkdir(exist_ok=True)
+        durable.fsync_dir(d.parent)
+
+
+def _refuse_pending(root: Path, sdir: Path, state_dir) -> None:
+    if ps.has_manifest(sdir):
+        manifest = ps.load_or_explain("patch", root, sdir, state_dir)
+        if manifest.get("complete", True):
+            raise ManifestError(f"patch: {root} already carries a tpfuse patch ({sdir / ps.MANIFEST}); run `{ps.revert_cmd(root, state_dir)}` first")
+        raise ManifestError(f"patch: an earlier `patch --apply` on {root} was interrupted and may have written some of its "
+                            f"{len(manifest['files'])} file(s) ({sdir / ps.MANIFEST}); run `{ps.revert_cmd(root, state_dir)}` to restore the originals first")
+    if sdir.exists():
+        differ = ps.leftover_differs(root, sdir)
+        if differ:
+            raise ManifestError(f"patch: {sdir} holds backups but no manifest, and {', '.join(differ)} differ from the files in {root}; "
+                                f"{ps.recovery('patch', root, sdir, state_dir)}")
+        ps.remove_state(sdir)  # an apply killed before its manifest: copies of the current files only
+
+
+@contextlib.contextmanager
+def _locked(cmd: str, root: Path, sdir: Path):
+    """One patch or revert at a time per target: a flock on a file beside its state directory."""
+    try:
+        fd = durable.lock(sdir.with_name(sdir.name + ".lock"))
+    except BlockingIOError:
+        raise ManifestError(f"{cmd}: another tpfuse patch or revert is running on {root}; wait for it to finish, then run this again") from None
+    except OSError as exc:
+        raise ManifestError(f"{cmd}: cannot create the patch state in {sdir.parent} ({exc.strerror or exc}); nothing was changed; "
+                            f"pass --state-dir DIR on a writable disk") from None
+    try:
+        yield
+    finally:
+        os.close(fd)
+
+
+def apply(root: Path, changes: dict, expected: dict, meta: dict, *, state_dir=None) -> Path:
+    """Write `changes` ({relative path: new text}) under `root` as one transaction; returns the manifest path.
+
+    `expected` maps each path to the sha256 its content had when audited. New text is encoded
+    with the encoding its file declares."""
+    root = Path(root).resolve()
+    sdir = ps.state_dir_for(root, state_dir)
+    with _locked("patch", root, sdir):
+        return _apply(root, sdir, changes, expected, meta, state_dir)
+
+
+def _apply(root: Path, sdir: Path, changes: dict, expected: dict, meta: dict, state_dir) -> Path:
+    _refuse_pending(root, sdir, state_dir)
+    originals, new_bytes, files = {}, {}, []
+    for rel, text in changes.items():
+        path = root / rel
+        try:
+            data = path.read_bytes()
+        except OSError as exc:
+            raise ManifestError(f"patch: {rel} cannot be read ({exc.strerror or exc}); nothing was written; audit again") from None
+        if ps.sha256(data) != expected.get(rel):
+            raise ManifestError(f"patch: {rel} changed since it was audited; run `tpfuse audit` again and re-select the gates")
+        if path.is_symlink():  # os.replace would put a file where the link was, and revert could not bring the link back
+            raise ManifestError(f"patch: {rel} is a symbolic link to {os.readlink(path)}; nothing was written; "
+                                f"patch the tree it points into instead (tpfuse patch {path.resolve().parent})")
+        problem = _check_writable(path)
+        if problem:
+            raise ManifestError(f"patch: {rel} is {problem}; nothing was written; make it writable (chmod u+w) or patch a copy")
+        originals[rel], new_bytes[rel] = data, _encode(rel, text, data)
+        files.append({"path": rel, "sha256_before": ps.sha256(data), "sha256_after": ps.sha256(new_bytes[rel]),
+                      "backup": str(sdir / ps.BACKUPS / rel), "mode": stat.S_IMODE(path.stat().st_mode)})
+    manifest = {"version": 2, "target": str(root), "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                **meta, "complete": False, "files": files}
+    try:
+        for entry in files:
+            backup = sdir / ps.BACKUPS / entry["path"]
+            _mkdir(backup.parent)
+            durable.write(backup, originals[entry["path"]], entry["mode"])
+            durable.checkpoint(f"backup:{entry['path']}")
+        durable.write(sdir / ps.SUMS, "".join(f"{e['sha256_before']}  {e['path']}\n" for e in files).encode(), 0o644)
+        durable.checkpoint("sums")
+        _write_manifest(sdir, manifest)
+        durable.checkpoint("intent")
+    except BaseException as exc:
+        ps.remove_state(sdir)
+        if not isinstance(exc, Exception):
+            raise
+        raise ManifestError(f"patch: writing the backups to {sdir} failed ({exc}); no target file was changed, nothing changed; "
+                            f"free space there or pass --state-dir DIR on a writable disk") from exc
+    done = 0
+    try:
+        for entry in files:
+            durable.write(root / entry["path"], new_bytes[entry["path"]], entry["mode"], step=entry["path"])
+            durable.checkpoint(f"replaced:{entry['path']}")
+            done += 1
+        manifest["complete"] = True
+        _write_manifest(sdir, manifest)
+        durable.checkpoint("commit")
+    except BaseException as exc:
+        what = f"{done + 1}/{len(files)} ({files[done]['path']})" if done < len(files) else "the manifest"
+        try:
+            undone = _undo(root, sdir, files)
+        except Exception as again:
+            raise ManifestError(f"patch: writing {what} failed ({exc}) and undoing it failed too ({again}); the originals are "
+                                f"safe in {sdir / ps.BACKUPS}; run `{ps.revert_cmd(root, state_dir)}`") from exc
+        if not isinstance(exc, Exception):
+            raise
+        raise ManifestError(f"patch: writing {what} failed ({exc}); restored the {undone} file(s) written, nothing changed") from exc
+    return sdir / ps.MANIFEST
+
+
+def _undo(root: Path, sdir: Path, files: list) -> int:
+    """Put back every file that holds its patched bytes; then drop the state. Returns how many."""
+    undone = 0
+    for entry in files:
+        path = root / entry["path"]
+        durable.remove(durable.tmp_path(path))
+        if ps.hash_or_none(path) == entry["sha256_after"]:
+            durable.write(path, (sdir / ps.BACKUPS / entry["path"]).read_bytes(), entry["mode"])
+            undone += 1
+    ps.remove_state(sdir)
+    return undone
+
+
+# -- revert -----------------------------------------------------------------------------------
+def revert(root: Path, *, force: bool = False, state_dir=None) -> list[dict]:
+    """Restore every patched file byte for byte; ManifestError if one changed after patching (unless `force`).
+
+    Rows: path, sha256 (of the original), was_changed (edited after patching), action ('restored' or
+    'already original'). An empty list: a leftover of an apply killed before it changed anything was cleared."""
+    root = Path(root).resolve()
+    sdir = ps.state_dir_for(root, state_dir)
+    if not sdir.exists():
+        raise ManifestError(f"revert: no tpfuse patch recorded for {root} (looked in {sdir}); nothing to revert")
+    with _locked("revert", root, sdir):
+        return _revert(root, sdir, force, state_dir)
+
+
+def _revert(root: Path, sdir: Path, force: bool, state_dir) -> list[dict]:
+    if not ps.has_manifest(sdir):
+        differ = ps.leftover_differs(root, sdir)
+        if not differ:
+            ps.remove_state(sdir)
+            return []
+        if not force:
+            raise ManifestError(f"revert: {sdir} holds backups but no manifest, and {', '.join(differ)} differ from the files in {root}; "
+                                f"{ps.recovery('revert', root, sdir, state_dir)}")
+        return _restore_backups(root, sdir, state_dir)
+    try:
+        manifest = ps.read_manifest(sdir / ps.MANIFEST)
+    except ps.Unreadable:
+        if not force:
+            ps.load_or_explain("revert", root, sdir, state_dir)  # raises with the recovery message
+        return _restore_backups(root, sdir, state_dir)
+    changed, rows = [], []
+    for entry in manifest["files"]:
+        rel = entry["path"]
+        backup = sdir / ps.BACKUPS / rel
+        if ps.hash_or_none(backup) != entry["sha256_before"]:
+            raise ManifestError(f"revert: the backup of {rel} ({backup}) is missing or does not match the manifest; nothing restored; "
+                                f"restore {rel} by hand (reinstall the engine for its original)")
+        current = ps.hash_or_none(root / rel)
+        if current not in (entry["sha256_before"], entry["sha256_after"]):
+            changed.append(rel)
+        rows.append({"path": rel, "sha256": entry["sha256_before"], "was_changed": rel in changed,
+                     "action": "already original" if current == entry["sha256_before"] else "restored"})
+    if changed and not force:
+        raise ManifestError(f"revert: {', '.join(changed)} changed after patching; nothing restored; pass --force to overwrite them with the originals")
+    for entry, row in zip(manifest["files"], rows):
+        path = root / entry["path"]
+        durable.remove(durable.tmp_path(path))
+        if row["action"] == "restored":
+            path.parent.mkdir(parents=True, exist_ok=True)
+            _restore(path, (sdir / ps.BACKUPS / entry["path"]).read_bytes(), entry.get("mode", 0o644), entry["path"], root, state_dir, force)
+            durable.checkpoint(f"restored:{entry['path']}")
+    ps.remove_state(sdir)
+    return rows
+
+
+def _restore(path: Path, data: bytes, mode: int, rel: str, root: Path, state_dir, force: bool) -> None:
+    """One file back from its backup; a write error keeps the patch state, so the same revert can finish the job."""
+    try:
+        durable.write(path, data, mode, step=f"revert:{rel}")
+    except OSError as exc:
+        raise ManifestError(f"revert: restoring {rel} failed ({exc}); the backups and the manifest are kept; make {path.parent} "
+                            f"writable and run `{ps.revert_cmd(root, state_dir, force=force)}` again") from None
+
+
+def _restore_backups(root: Path, sdir: Path, state_dir) -> list[dict]:
+    """`revert --force` without a readable manifest: every backup SHA256SUMS does not contradict goes back."""
+    rows = ps.backups(sdir)
+    corrupt = [rel for rel, st in rows if st == "corrupt"]
+    if corrupt:
+        raise ManifestError(f"revert: the backup(s) {', '.join(corrupt)} in {sdir / ps.BACKUPS} do not match {sdir / ps.SUMS}; nothing restored; "
+                            f"copy the intact ones back by hand (cp) and reinstall the engine for the others")
+    usable = [rel for rel, st in rows if st in ("verified", "unverified")]
+    if not usable:
+        raise ManifestError(f"revert: no backup is in {sdir / ps.BACKUPS}; nothing restored; reinstall the engine for the originals, then remove {sdir}")
+    out = []
+    for rel in usable:
+        backup, path = sdir / ps.BACKUPS / rel, root / rel
+        data = backup.read_bytes()
+        durable.remove(durable.tmp_path(path))
+        same = ps.hash_or_none(path) == ps.sha256(data)
+        if not same:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            _restore(path, data, stat.S_IMODE(backup.stat().st_mode), rel, root, state_dir, True)
+        out.append({"path": rel, "sha256": ps.sha256(data), "was_changed": False, "action": "already original" if same else "restored"})
+    ps.remove_state(sdir)
+    return out

@@ -1,0 +1,1 @@
+"""Benchmarks and their result rows (`tpfuse.bench.results`)."""

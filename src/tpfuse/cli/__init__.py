@@ -1,0 +1,1 @@
+"""The `tpfuse` command line: one console script, one module per subcommand."""

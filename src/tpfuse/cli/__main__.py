@@ -1,0 +1,3 @@
+from tpfuse.cli.main import main
+
+raise SystemExit(main())

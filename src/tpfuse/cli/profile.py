@@ -1,0 +1,136 @@
+"""`tpfuse profile`: per-stage time of the reference model's decode steps, fusion on and/or off.
+
+Profiles a few eager decode steps of the tpfuse.models decoder under torch.profiler and
+attributes GPU kernel time (CPU operator time on a CPU run) to stages: attention, MoE GEMMs, other
+GEMMs, allreduce/communication, norm, other; with kernel launches per step and estimated bytes.
+Prints a table (or `--json`), optionally writes a Chrome trace (--trace) and a PNG bar chart
+(--plot, needs matplotlib: `pip install tpfuse[plot]`), and with `--results PATH` appends one
+result row per stage to PATH (or PATH/profile.jsonl for a directory). Exit 0 when each step made 2 allreduces per layer, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from tpfuse.cli.main import EXIT_NEGATIVE, EXIT_OK, UsageError, dumps_json
+
+
+def add_parser(subparsers) -> None:
+    from tpfuse.cli.bench import add_model_arguments
+
+    p = subparsers.add_parser("profile", help="per-stage time breakdown of the reference model's decode steps",
+                              description=__doc__.split("\n\n")[0])
+    add_model_arguments(p)
+    p.add_argument("--batch", type=int, default=8, help="decode batch size (default 8)")
+    p.add_argument("--steps", type=int, default=5, help="profiled decode steps (default 5)")
+    p.add_argument("--fusion", choices=("on", "off", "both"), default="both", help="fused allreduce+norm (default both)")
+    p.add_argument("--trace", help="write a Chrome trace to this .json path (one per fusion mode with --fusion both)")
+    p.add_argument("--plot", help="write a PNG bar chart of the breakdown to this path")
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    from tpfuse.cli.bench import check_model, fusion_modes, make_spec, resolve_spec_ranks
+
+    from tpfuse.cli.preflight import check_positive
+
+    check_positive(batch=args.batch, steps=args.steps)
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise UsageError("--plot needs matplotlib; install it with `pip install tpfuse[plot]`") from None
+    spec = make_spec(args, batches=(args.batch,), fusion=fusion_modes(args.fusion), progress=False)
+    check_model(spec)
+    from tpfuse.bench.results import results_file
+    from tpfuse.cli.preflight import check_writable
+
+    for flag, path in (("--results", args.results and str(results_file(args.results, "profile.jsonl"))),
+                       ("--trace", args.trace), ("--plot", args.plot)):
+        if path:
+            check_writable(path, flag=flag)
+    from rich.console import Console
+
+    from tpfuse.bench.profile import profile_rank
+    from tpfuse.cli.ranks import describe_failure, spawn
+    from tpfuse.spawn import RankFailure
+
+    spec, ranks = resolve_spec_ranks(spec, args)
+    try:
+        with Console(stderr=True).status(f"profile: {args.steps} decode steps per fusion mode ...", spinner="dots"):
+            result = spawn(profile_rank, ranks.world_size, backend=ranks.backend,
+                           args=(spec, args.batch, args.steps, args.trace), timeout_s=1800)[0]
+    except RankFailure as exc:
+        print(f"tpfuse profile: {spec.tp} rank(s) failed: {describe_failure(exc)}", file=sys.stderr)
+        return EXIT_NEGATIVE
+    except RuntimeError as exc:
+        raise UsageError(str(exc)) from None
+    if args.plot:
+        from tpfuse.bench.profile import plot_stages
+
+        result["plot"] = plot_stages(result, args.plot)
+    if args.trace:
+        result["trace"] = args.trace
+    if args.results:
+        from tpfuse.bench.profile import profile_rows
+        from tpfuse.bench.results import append_rows, results_file
+
+        path = append_rows(results_file(args.results, "profile.jsonl"), profile_rows(spec, result))
+        result["results_file"] = str(path.resolve())
+    expected = 2 * result["config"]["num_layers"]
+    ok = all(sum(m["allreduces_per_step"].values()) == expected for m in result["modes"])
+    result["allreduce_count_ok"] = ok
+    if args.json:
+        print(dumps_json(result, default=str))
+    else:
+        _print(result)
+    return EXIT_OK if ok else EXIT_NEGATIVE
+
+
+def format_gbps(gbps: float) -> str:
+    """Three significant digits at any scale: a CPU run's 0.02 GB/s must not print as 0."""
+    if gbps >= 100:
+        return f"{gbps:.0f}"
+    return f"{gbps:.3g}" if gbps >= 0.001 else f"{gbps:.1e}"
+
+
+def _print(result: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from tpfuse.bench.profile import STAGE_TITLES, STAGES
+
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=160)
+    cfg = result["config"]
+    unit = "GPU" if result["device"] == "cuda" else "CPU"
+    what = "kernels" if result["device"] == "cuda" else "ops"
+    for mode in result["modes"]:
+        title = (f"profile: {cfg['name']} cut to {cfg['num_layers']} layers, {cfg['num_experts']} experts, batch "
+                 f"{result['batch']}, TP{result['world_size']}, fusion {'on' if mode['fusion'] else 'off'} "
+                 f"({mode['strategy']}, MoE runner {mode['moe_runner']}), {result['steps']} eager steps")
+        table = Table(title=title)
+        for col in ("stage", f"{unit} us/step", "share", f"{what}/step", "est. MB/step", "est. GB/s"):
+            table.add_column(col, justify="right" if col != "stage" else "left")
+        total = 0.0
+        for s in STAGES:
+            row = mode["stages"][s]
+            total += row["time_us_per_step"]
+            mb = "-" if row["bytes_per_step"] is None else f"{row['bytes_per_step'] / 1e6:.2f}"
+            gbps = "-" if row["gbps"] is None else format_gbps(row["gbps"])
+            table.add_row(STAGE_TITLES[s], f"{row['time_us_per_step']:.1f}", f"{100 * row['share']:.1f}%",
+                          f"{row['launches_per_step']:.1f}", mb, gbps)
+        table.add_row("total", f"{total:.1f}", "100%", "", "", "")
+        console.print(table)
+        console.print(f"allreduces per step: {sum(mode['allreduces_per_step'].values())} "
+                      f"(expected {2 * cfg['num_layers']}: 2 per layer)")
+    for key in ("trace", "plot", "results_file"):
+        if result.get(key):
+            console.print(f"{key.replace('_', ' ')}: {result[key]}", highlight=False, soft_wrap=True)
+    if not result.get("results_file"):
+        console.print("result rows not kept (pass --results PATH to keep them)", highlight=False)
+    per_mode = ", ".join(f"fusion {'on' if m['fusion'] else 'off'} "
+                         f"{sum(r['time_us_per_step'] for r in m['stages'].values()):.1f} us/step" for m in result["modes"])
+    console.print(f"profile: {per_mode}; allreduce count {'ok' if result['allreduce_count_ok'] else 'WRONG'}",
+                  highlight=False, soft_wrap=True)

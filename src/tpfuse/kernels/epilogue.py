@@ -1,0 +1,273 @@
+"""Fused residual-add + RMSNorm: one pass over x, residual and weight; writes normed and new_residual.
+
+    new_residual = round_dt(f32(s) + f32(residual))          # s itself when residual is None
+    normed       = round_dt(h * (1 / sqrt(sum(h^2) / H + eps)) * f32(weight)),  h = f32(new_residual)
+
+the rounding points of `tpfuse.reference.residual_rmsnorm_ref`. new_residual matches the
+reference bit for bit. normed differs from it only through the order of the H-term sum of squares
+(a tree here, sequential in torch), so it matches within `TOLERANCE`, and exactly whenever that
+sum is exact (small-integer inputs). 1/sqrt is computed correctly rounded (sqrt_rn, div_rn), not
+with the approximate rsqrt, for the same reason.
+
+Shapes: s, residual, normed, new_residual (M, H) contiguous; weight (H,). Any H up to 16384 (one
+program holds a whole row in registers: BLOCK_H = next power of two >= H, masked); bf16, fp16 and
+fp32. `residual_rmsnorm` is the validated launcher; `epilogue_row` is the per-row helper the fused
+collectives call. CUDA-graph safe: no host sync, no allocation except the outputs.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from tpfuse.kernels.protocol import MAX_HIDDEN  # one row in registers: 16384 fp32 over 16 warps = 32 a thread
+from tpfuse.kernels.quant import PAD_CHUNK, QuantBuffers, block_for, pad_programs, quantize_row, zero_scale_padding
+
+SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def interpreting() -> bool:
+    """True when kernels run in the Triton interpreter (no inline assembly there)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def round_like(y, like, SOFT_BF16: tl.constexpr):
+    """fp32 `y` rounded to nearest-even in `like`'s dtype.
+
+    The Triton 3.6 interpreter truncates fp32 -> bf16 casts (and its "rtne" mode does not carry
+    into the exponent), so with SOFT_BF16 the rounding is done on the bits, as torch does it on
+    CPU. GPUs use the native conversion (cvt.rn), which gives the same bits.
+    """
+    if SOFT_BF16 and like.dtype == tl.bfloat16:
+        u = y.to(tl.uint32, bitcast=True)
+        u = u + 0x7FFF + ((u >> 16) & 1)
+        r = (u >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        r = y.to(like.dtype)
+    return r
+
+
+@triton.jit
+def load_weight(w_ptr, cols, cmask, HAS_NORM: tl.constexpr):
+    """The RMSNorm weight as an fp32 row (zeros without norm, where w_ptr may be any tensor)."""
+    return tl.load(w_ptr + cols, mask=cmask & HAS_NORM, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def epilogue_row(
+    s, row, cols, mask, res_ptr, w, out_ptr, newres_ptr, H, eps,
+    HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr, SOFT_BF16: tl.constexpr,
+):
+    """Finish one row from its allreduce output `s` (already rounded to the data dtype).
+
+    `w` is the weight row already loaded in fp32 (see `load_weight`): loading it once per program,
+    before any row, takes its latency off the row's dependency chain (load, add, reduce, scale).
+    HAS_NORM=False stores s to `out_ptr` (the plain allreduce). Offsets are int64 so that
+    M x H may exceed 2^31 elements.
+    """
+    offs = row.to(tl.int64) * H + cols
+    if HAS_NORM:
+        y = normed_row(s, row, cols, mask, res_ptr, w, newres_ptr, H, eps, HAS_RES, SOFT_BF16)
+        tl.store(out_ptr + offs, round_like(y, s, SOFT_BF16), mask=mask)
+    else:
+        tl.store(out_ptr + offs, s, mask=mask)
+
+
+@triton.jit
+def normed_row(s, row, cols, mask, res_ptr, w, newres_ptr, H, eps, HAS_RES: tl.constexpr, SOFT_BF16: tl.constexpr):
+    """Store the row's new residual and return its normed values in fp32, before any rounding:
+    what `epilogue_row` rounds to the data dtype and `tpfuse.kernels.quant.quantize_row` quantizes."""
+    offs = row.to(tl.int64) * H + cols
+    if HAS_RES:
+        r = tl.load(res_ptr + offs, mask=mask, other=0.0)
+        nr = round_like(s.to(tl.float32) + r.to(tl.float32), s, SOFT_BF16)
+    else:
+        nr = s
+    tl.store(newres_ptr + offs, nr, mask=mask)
+    h = nr.to(tl.float32)
+    ms = tl.math.div_rn(tl.sum(h * h, axis=0), H.to(tl.float32))
+    inv = tl.math.div_rn(1.0, tl.math.sqrt_rn(ms + eps))
+    return h * inv * w
+
+
+@triton.jit
+def load_row(s_ptr, row, cols, cmask, M, H):
+    """(row `row` of the (M, H) input, its mask); rows >= M load zeros."""
+    # The row test is broadcast to a vector first: Triton 3.9's interpreter rejects a mask
+    # built from a vector & a scalar comparison (compiled, both forms give identical sm90 PTX).
+    mask = cmask & ((row + 0 * cols) < M)
+    return tl.load(s_ptr + row.to(tl.int64) * H + cols, mask=mask, other=0.0), mask
+
+
+@triton.jit(do_not_specialize=["M"])  # H stays specialised: its divisibility by 16 enables 128-bit accesses
+def residual_rmsnorm_kernel(
+    s_ptr, res_ptr, w_ptr, out_ptr, newres_ptr, M, H, eps,
+    BLOCK_H: tl.constexpr, ROWS: tl.constexpr, HAS_RES: tl.constexpr, SOFT_BF16: tl.constexpr,
+):
+    """Program p handles rows p*ROWS .. p*ROWS+ROWS-1 (the last program masks its tail)."""
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_H)
+    cmask = cols < H
+    w = load_weight(w_ptr, cols, cmask, True)
+    for i in tl.static_range(ROWS):
+        row = pid * ROWS + i
+        s, mask = load_row(s_ptr, row, cols, cmask, M, H)
+        epilogue_row(s, row, cols, mask, res_ptr, w, out_ptr, newres_ptr, H, eps, HAS_RES, True, SOFT_BF16)
+
+
+@triton.jit(do_not_specialize=["M", "s_row_stride", "s_col_stride"])
+def residual_rmsnorm_quant_kernel(
+    s_ptr, res_ptr, w_ptr, out_ptr, newres_ptr, M, H, eps,
+    q_ptr, q_row_stride, sc_ptr, s_row_stride, s_col_stride, param_ptr, scale_ub,
+    BLOCK_H: tl.constexpr, ROWS: tl.constexpr, HAS_RES: tl.constexpr, SOFT_BF16: tl.constexpr,
+    WITH_NORMED: tl.constexpr, KIND: tl.constexpr, GROUP: tl.constexpr, SWIZZLED: tl.constexpr,
+    HAS_UB: tl.constexpr, HW_CVT: tl.constexpr,
+):
+    """The epilogue with quantized output (`tpfuse.kernels.quant.quantize_row`); with swizzled
+    NVFP4 scales the programs after the row programs zero the scales of the padding rows."""
+    pid = tl.program_id(0)
+    row_programs = (M + ROWS - 1) // ROWS
+    if pid < row_programs:
+        cols = tl.arange(0, BLOCK_H)
+        cmask = cols < H
+        w = load_weight(w_ptr, cols, cmask, True)
+        for i in tl.static_range(ROWS):
+            row = pid * ROWS + i
+            s, mask = load_row(s_ptr, row, cols, cmask, M, H)
+            y = normed_row(s, row, cols, mask, res_ptr, w, newres_ptr, H, eps, HAS_RES, SOFT_BF16)
+            if WITH_NORMED:
+                tl.store(out_ptr + row.to(tl.int64) * H + cols, round_like(y, s, SOFT_BF16), mask=mask)
+            quantize_row(y, row, cols, cmask, M, H, q_ptr, q_row_stride, sc_ptr, s_row_stride, s_col_stride,
+                         param_ptr, scale_ub, KIND, GROUP, BLOCK_H, SWIZZLED, HAS_UB, HW_CVT)
+    elif SWIZZLED:
+        zero_scale_padding(sc_ptr, M, H, pid - row_programs, BLOCK_H // 16, PAD_CHUNK)
+
+
+def launch_config(hidden: int, itemsize: int, num_tokens: int) -> tuple[int, int, int]:
+    """(BLOCK_H, num_warps, rows per program), a pure function of the shape.
+
+    Up to 16 warps, one 128-bit access per thread per tensor and row, for one row's latency at
+    decode sizes and for bandwidth at prefill sizes; 4 warps from 256 to 2047 tokens, where more,
+    smaller programs fill the GPU better (H200, bench_epilogue.py sweep: 512 x 6144-8192 ran
+    about 10% faster with 4 warps than with 16, and 16 was best or tied at 1-64 and 4096-16384
+    tokens; benchmarks/results/epilogue.jsonl). 2 rows per program for short rows at prefill
+    sizes, so that programs are not too small to hide latency.
+    """
+    block = triton.next_power_of_2(hidden)
+    num_warps = max(1, min(16, block * itemsize // (16 * 32)))
+    if 256 <= num_tokens < 2048:
+        num_warps = min(num_warps, 4)
+    rows = 2 if (hidden <= 2048 and num_tokens >= 1024) else 1
+    return block, num_warps, rows
+
+
+def residual_rmsnorm(
+    s: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float = 1e-6,
+    *,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    config: tuple[int, int, int] | None = None,
+    quant=None,
+):
+    """(normed, new_residual) of `s` (M, H); see the module docstring. `out` reuses buffers.
+
+    With `quant` (a `tpfuse.quant.QuantSpec`) the normed rows are quantized in the same pass and
+    a `tpfuse.quant.QuantOutput` (out, scale, residual, normed) is returned instead."""
+    _check(s, residual, weight)
+    if quant is not None:
+        return _residual_rmsnorm_quant(s, residual, weight, eps, quant, config)
+    m, h = s.shape
+    normed, new_res = out if out is not None else (torch.empty_like(s), torch.empty_like(s))
+    if m == 0:
+        return normed, new_res
+    block, warps, rows = config or launch_config(h, s.element_size(), m)
+    grid = (triton.cdiv(m, rows),)
+    residual_rmsnorm_kernel[grid](
+        s, residual if residual is not None else s, weight, normed, new_res, m, h, float(eps),
+        BLOCK_H=block, ROWS=rows, HAS_RES=residual is not None, SOFT_BF16=interpreting(), num_warps=warps,
+    )
+    return normed, new_res
+
+
+def _residual_rmsnorm_quant(s, residual, weight, eps, quant, config):
+    from tpfuse.quant import QuantOutput
+    from tpfuse.validation import check_quant
+
+    m, h = s.shape
+    check_quant("residual_rmsnorm", quant, h, device=s.device)
+    buf = QuantBuffers(quant, m, h, s.device, hardware_fp8(s.device), hardware_fp4(s.device))
+    normed = torch.empty_like(s) if quant.with_normed else None
+    new_res = torch.empty_like(s)
+    block, warps, rows = config or launch_config(h, s.element_size(), m)
+    block = max(block, block_for(h, quant.kind))
+    if m:
+        grid = triton.cdiv(m, rows) + (pad_programs(m) if buf.swizzled else 0)
+        residual_rmsnorm_quant_kernel[(grid,)](
+            s, residual if residual is not None else s, weight, normed if normed is not None else s, new_res,
+            m, h, float(eps), buf.codes, buf.codes.stride(0), buf.scales, *buf.s_strides, buf.param,
+            buf.scale_ub, BLOCK_H=block, ROWS=rows, HAS_RES=residual is not None, SOFT_BF16=interpreting(),
+            WITH_NORMED=normed is not None, num_warps=warps, **_quant_constexprs(buf, block),
+        )
+    return QuantOutput(buf.out, buf.scale, new_res, normed)
+
+
+def _quant_constexprs(buf, block: int) -> dict:
+    kw = buf.constexprs(block)
+    del kw["BLOCK"]
+    return kw
+
+
+def hardware_fp8(device) -> bool:
+    """Whether kernels on `device` round to e4m3 with the hardware cvt (sm_89 and newer; never in
+    the interpreter, whose float8 cast does not round to nearest even). Same bits either way."""
+    device = torch.device(device)
+    if interpreting() or device.type != "cuda":
+        return False
+    return _capability_has_fp8_cvt(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def hardware_fp4(device) -> bool:
+    """Whether kernels on `device` convert to e2m1 with the hardware cvt (compute capability 10.0
+    and newer, `tpfuse.quant.FP4_CVT_MIN_CAPABILITY`). Same bits either way."""
+    device = torch.device(device)
+    if interpreting() or device.type != "cuda":
+        return False
+    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= _min_fp4()
+
+
+def _capability_has_fp8_cvt(index: int) -> bool:
+    from tpfuse.quant import FP8_CVT_MIN_CAPABILITY
+
+    return _capability(index) >= FP8_CVT_MIN_CAPABILITY
+
+
+def _min_fp4():
+    from tpfuse.quant import FP4_CVT_MIN_CAPABILITY
+
+    return FP4_CVT_MIN_CAPABILITY
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def _check(s: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor) -> None:
+    op = "residual_rmsnorm"
+    if s.dim() != 2 or not s.is_contiguous():
+        raise ValueError(f"{op}: s must be a contiguous (tokens, hidden) tensor, got shape {tuple(s.shape)}; use s.contiguous().view(-1, hidden)")
+    if s.dtype not in SUPPORTED:
+        raise TypeError(f"{op}: dtype {s.dtype} is not supported; use bfloat16, float16 or float32")
+    if s.shape[1] > MAX_HIDDEN:
+        raise ValueError(f"{op}: hidden size {s.shape[1]} exceeds {MAX_HIDDEN}; use the reference strategy")
+    if residual is not None and (residual.shape != s.shape or residual.dtype != s.dtype or not residual.is_contiguous()):
+        raise ValueError(f"{op}: residual must be contiguous with the shape and dtype of s {tuple(s.shape)} {s.dtype}")
+    if weight.shape != (s.shape[1],) or weight.dtype != s.dtype or not weight.is_contiguous():
+        raise ValueError(f"{op}: weight must be contiguous, shape ({s.shape[1]},) and dtype {s.dtype}")

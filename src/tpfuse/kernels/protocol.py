@@ -1,0 +1,149 @@
+"""The peer protocol's constants and its work plan, in one place (imports neither torch nor Triton).
+
+Kernels (`oneshot`, `twoshot`, `sync`), the workspace (`tpfuse.strategies.workspace`) and
+admission (`tpfuse.strategies.oneshot`) import these names; nothing else may restate them.
+
+Buffer of one rank (elements of the data dtype):
+
+    [header: HEADER_BYTES] [slot 0: num_regions x region] [slot 1: num_regions x region]
+
+- header: int32 word ABORT_WORD is the abort word: 0, or 1 + the rank that gave up. Peers set it
+  with a plain remote store (never an atomic), and every poll reads it, so one rank's failure stops
+  every rank's waits within one poll.
+- slots: call k uses slot k % NUM_SLOTS. A reader re-arms (refills with the sentinel) exactly
+  the elements it has just read, in the same call. Two slots are enough: a peer writes slot
+  k % 2 again only in call k + 2, which it can start only after it has read data this rank pushed
+  in call k + 1, after this rank's call k (its reads and re-arms included) finished on its stream.
+  Every rank of a call depends on every other through that call's data (one-shot directly;
+  two-shot through the owner of row 0, which needs every rank's scatter and feeds every rank).
+
+Device state (int32, local): [calls, arrivals]. `calls` is the epoch: slot = calls % 2, and the
+norm partials below are tagged with it. The program that arrives last advances it, so CUDA-graph
+replays see the right epoch without the host.
+
+Error words (int32, local): [code, ranks bitmask, row, call]. Codes: ERR_TIMEOUT (the ranks in the
+mask never delivered), ERR_ABORTED (the rank in the mask gave up first, so this call cannot
+complete), ERR_STALL (this rank's own programs did not all run within the timeout: the GPU was
+held by other work). The code is set once (compare-and-swap on local memory) and is sticky: the
+kernel of a failed workspace pushes nothing, waits for nothing and writes NaN.
+
+Work plan: a row of H elements is cut into chunks of `chunk` elements (a power of two, 512 to
+4096 bytes, one 16-byte vector per thread); item i = (row i // num_chunks, chunk i % num_chunks)
+is handled by program i % programs in every phase. When a row has several chunks, the RMSNorm's
+sum of squares is exchanged between programs as epoch-tagged partials (see `tpfuse.kernels.sync`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+NUM_SLOTS = 2
+STATE_CALLS, STATE_ARRIVE = 0, 1
+STATE_WORDS = 8
+ERR_CODE, ERR_RANKS, ERR_ROW, ERR_CALL = range(4)
+ERR_WORDS = 4
+ERR_TIMEOUT, ERR_ABORTED, ERR_STALL = 1, 2, 3
+HEADER_BYTES = 128  # keeps slot 0 128-byte aligned
+ABORT_WORD = 0  # int32 index in the header
+SENTINEL_BITS = {2: -(1 << 15), 4: -(1 << 31)}  # -0.0 by element size (tpfuse.kernels.sync)
+ALIGN_ELEMS = 64  # regions are multiples of 64 elements: 128-byte aligned for 16-bit data
+
+MAX_HIDDEN = 16384  # the largest row the kernels and the epilogue accept (epilogue: one row in registers)
+MAX_WORLD = 16  # the error record is a 31-bit rank mask; W is a compile-time constant
+# Per-rank input cap: TensorRT-LLM's custom allreduce workspace limit for TP <= 2 (16 MB,
+# customAllReduceUtils.h); each rank's buffer is NUM_SLOTS x regions x this.
+MAX_INPUT_BYTES = 16 * 1024 * 1024
+
+MIN_CHUNK_BYTES = 512  # one warp, one 16-byte vector per thread
+MAX_CHUNK_BYTES = 4096  # eight warps
+# Programs a plan aims to keep busy on one GPU: about one per SM of the GPUs this targets (H100 /
+# H200: 132, RTX PRO 6000: 188, A100: 108; a plan over more programs than SMs only queues them).
+PLAN_PROGRAMS_PER_GPU = 128
+# The plan's cost model, in bytes of data each cost is worth: a fixed cost per item a program
+# handles in sequence (loop step, index math, its norm partial), and per chunk of a split row (the
+# row's partials are awaited by all of its programs, so more chunks mean a wider wait). Chosen so
+# that the model picks what the emulated-peer chunk sweep on one H200 measured fastest
+# (benchmarks/results/peer_kernels_emulated_first.jsonl and the rows with `chunk_forced`:
+# 1 token x 6144 at W=8, 6 chunks of 1024 beat 12 of 512 and 3 of 2048; 16 and 64 tokens, 2048).
+ITEM_OVERHEAD_BYTES = 512
+PARTIAL_FANIN_BYTES = 512
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How one call's (tokens x hidden) input is cut into items; identical on every rank."""
+
+    chunk: int  # elements per item
+    num_chunks: int  # items per row
+    items: int  # tokens x num_chunks
+    num_warps: int
+
+    @property
+    def split(self) -> bool:
+        return self.num_chunks > 1
+
+
+def plan_programs(world_size: int, shares_device: bool) -> int:
+    """The parallelism a plan aims for: programs per GPU, split among the ranks that share it."""
+    return max(1, PLAN_PROGRAMS_PER_GPU // (world_size if shares_device else 1))
+
+
+@lru_cache(maxsize=4096)
+def make_plan(num_tokens: int, hidden: int, itemsize: int, programs: int) -> Plan:
+    """The chunk size with the least modelled cost: the work one program does in sequence, plus the
+    partials' fan-in of a split row (see ITEM_OVERHEAD_BYTES).
+
+    A pure function of the shape and `programs` (which `plan_programs` derives from agreed group
+    facts), so every rank makes the same plan. Ties go to the larger chunk (fewer partials).
+    """
+    best = None
+    chunk = MAX_CHUNK_BYTES // itemsize
+    while chunk * itemsize >= MIN_CHUNK_BYTES:
+        num_chunks = -(-hidden // chunk)
+        items = num_tokens * num_chunks
+        serial = -(-items // programs) * (chunk * itemsize + ITEM_OVERHEAD_BYTES)
+        if num_chunks > 1:
+            serial += num_chunks * PARTIAL_FANIN_BYTES
+        if best is None or serial < best[0]:
+            best = (serial, chunk, num_chunks)
+        chunk //= 2
+    _, chunk, num_chunks = best
+    return Plan(chunk, num_chunks, num_tokens * num_chunks, max(1, chunk * itemsize // MIN_CHUNK_BYTES))
+
+
+def region_elems_for(num_tokens: int, hidden: int, world_size: int, plan: Plan, *, twoshot: bool) -> int:
+    """Elements one region must hold for this call (one-shot: the input; two-shot: also one owner's chunks)."""
+    need = num_tokens * hidden
+    if twoshot:
+        need = max(need, -(-plan.items // world_size) * plan.chunk)
+    return need
+
+
+def round_region(elems: int) -> int:
+    return -(-int(elems) // ALIGN_ELEMS) * ALIGN_ELEMS
+
+
+def partials_len(region_elems: int, itemsize: int) -> int:
+    """int64 partials a workspace needs: two per item (the norm's sum of squares, and per-token
+    FP8's absmax), at most two items per chunk-sized piece of a region (a row's last chunk may be
+    partial), chunks being at least MIN_CHUNK_BYTES."""
+    items = 2 * region_elems // (MIN_CHUNK_BYTES // itemsize) + MAX_CHUNK_BYTES // MIN_CHUNK_BYTES
+    return 2 * items
+
+
+def partials_needed(plan, quant) -> int:
+    """Partials of a split row's call: norm partials, and absmax partials for per-token FP8."""
+    return plan.items * (2 if quant is not None and quant.kind == "fp8_per_token" else 1)
+
+
+def quantizes_in_kernel(plan, quant) -> bool:
+    """Whether the peer kernels can quantize this plan's chunks themselves (`quantize_chunk`): a
+    chunk must hold whole scale blocks (per-group FP8: GROUP columns; NVFP4: 64, so that the
+    row's last chunk also covers the padded scale columns). Plans' chunks are powers of two of at
+    least 128 elements, so every format of `tpfuse.quant` at group <= 128 qualifies."""
+    if quant.kind == "fp8_per_group":
+        return plan.chunk % quant.group == 0
+    if quant.kind == "nvfp4":
+        return plan.chunk % 64 == 0
+    return True

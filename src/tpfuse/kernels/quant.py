@@ -1,0 +1,373 @@
+"""Quantized stores for a fused epilogue: `@triton.jit` helpers over fp32 rows held in registers.
+
+A kernel that has normalised one row into fp32 registers calls `quantize_row` instead of storing
+the row in its data dtype; it writes the codes and the scales in the layouts of `tpfuse.quant`
+with the arithmetic of `tpfuse.reference.quantize_ref`, bit for bit. Formats (KIND constexpr):
+
+    KIND_FP8_STATIC = 1   q = e4m3(y * inv(scale)), scale from param_ptr
+    KIND_FP8_TOKEN  = 2   per-row scale; GROUP is ignored (the whole row)
+    KIND_FP8_GROUP  = 3   one scale per GROUP columns
+    KIND_NVFP4      = 4   e2m1 pairs, one e4m3 scale per 16 columns, global scale from param_ptr
+
+A peer kernel (one-shot, two-shot) calls it where it would store the normed row, e.g.
+
+    y = normed_row(s, row, cols, mask, res_ptr, w, newres_ptr, H, eps, HAS_RES, SOFT_BF16)
+    quantize_row(y, row, cols, cols < H, M, H, q_ptr, q_row_stride, s_ptr, s_row_stride,
+                 s_col_stride, param_ptr, scale_ub, KIND, GROUP, BLOCK_H, SWIZZLED, HAS_UB, HW_CVT)
+    # with SWIZZLED, pad_programs(M) extra programs (pid >= the row programs) each call
+    zero_scale_padding(s_ptr, M, H, pid - row_programs, BLOCK_H // 16, PAD_CHUNK)
+    # (a persistent, grid-strided kernel can instead spread chunk = 0 .. pad_programs(M) - 1
+    # over its programs; M must then be known to every program, as it is)
+
+with the buffers, strides and constexprs of a `QuantBuffers` (`constexprs(BLOCK_H)`), as
+`tpfuse.kernels.epilogue.residual_rmsnorm_quant_kernel` does. Every rank quantizes the same
+fp32 rows with the same code, so the outputs are identical on every rank.
+
+Conversions are built from integer operations on the fp32 bit patterns (`e4m3_code`,
+`e2m1_code`), so they run wherever Triton runs: the CPU interpreter, SM80, SM90. HW_CVT (bit
+flags, chosen by the launcher from the compute capability, `tpfuse.quant.conversion_path`)
+switches to the hardware instructions where they exist: bit 1, the e4m3 rounding by Triton's fp32
+-> float8e4nv cast (PTX cvt.rn.satfinite.e4m3x2.f32, sm_89 and newer); bit 2, the e2m1 pairs by
+inline cvt.rn.satfinite.e2m1x2.f32 (sm_100a-class, compute capability 10.0 and newer; never in the
+interpreter, which has no inline assembly). Same bits, fewer instructions: NaN lanes are patched
+to the software result, and both instructions round to nearest even and saturate. The e2m1 path
+is checked here only as far as it compiles and assembles for sm_100a (tests/kernels/test_quant_ptx.py);
+its bits on a Blackwell GPU are checked by the GPU tier there.
+Absolute maxima are taken over the bit patterns as integers (|y| bits, NaN above inf), so NaN
+propagates identically on GPUs (where a float max drops NaN) and in the interpreter (where it
+keeps it). No rounding step may be fused into an FMA: every product is rounded (stored to a
+register as fp32) before integer ops read its bits.
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+KIND_FP8_STATIC = 1
+KIND_FP8_TOKEN = 2
+KIND_FP8_GROUP = 3
+KIND_NVFP4 = 4
+KIND_BY_NAME = {"fp8_static": KIND_FP8_STATIC, "fp8_per_token": KIND_FP8_TOKEN, "fp8_per_group": KIND_FP8_GROUP, "nvfp4": KIND_NVFP4}
+
+# Globals read inside @triton.jit functions must be tl.constexpr instances.
+E4M3_MAX_BITS = tl.constexpr(0x43E00000)  # 448.0
+E2M1_MAX_BITS = tl.constexpr(0x40C00000)  # 6.0
+PAD_CHUNK = tl.constexpr(16)  # padding rows zeroed per store by zero_scale_padding
+NVFP4_MIN_BLOCK = 64  # BLOCK >= 64 so that the 16-column blocks of a row cover align4(H / 16) scales
+
+
+@triton.jit
+def round_bits(a, E_MIN32: tl.constexpr, M: tl.constexpr):
+    """Round-to-nearest-even code of non-negative fp32 bit patterns `a` (uint32, at most the
+    format's largest finite value) in a minifloat with M mantissa bits whose smallest normal
+    exponent is E_MIN32 - 127 (fp32-biased E_MIN32): e4m3 (121, 3), e2m1 (127, 1).
+
+    Normal results: rebias the exponent, round the 23 - M dropped bits (a carry moves into the
+    exponent by itself). Subnormal results: shift the significand with its implicit bit right by
+    the distance to the subnormal quantum, rounding the same way; a carry gives the smallest
+    normal's code, which is the right one."""
+    SH: tl.constexpr = 23 - M
+    one = tl.full(a.shape, 1, tl.uint32)
+    e = a >> 23
+    r = a - ((E_MIN32 - 1) << 23)
+    normal = (r + ((one << (SH - 1)) - 1) + ((r >> SH) & 1)) >> SH
+    sig = (a & 0x7FFFFF) | tl.where(e > 0, one << 23, 0 * one)
+    shift = tl.minimum((SH + E_MIN32) - tl.maximum(e, one), 31 * one)
+    sub = (sig + ((one << (shift - 1)) - 1) + ((sig >> shift) & 1)) >> shift
+    return tl.where(e >= E_MIN32, normal, sub)
+
+
+@triton.jit
+def e4m3_code(x, HW: tl.constexpr):
+    """float8_e4m3fn codes (uint32, 0..255) of fp32 `x`: RNE, saturating to +-448, NaN -> 0x7F."""
+    u = x.to(tl.uint32, bitcast=True)
+    sign = (u >> 24) & 0x80
+    a = u & 0x7FFFFFFF
+    is_nan = a > 0x7F800000
+    a = tl.minimum(a, E4M3_MAX_BITS)  # inf and NaN bits compare above 448's (NaN is patched below)
+    if HW:
+        clamped = (a | (sign << 24)).to(tl.float32, bitcast=True)
+        code = clamped.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.uint32)
+    else:
+        code = round_bits(a, 121, 3) | sign
+    return tl.where(is_nan, 0x7F, code)
+
+
+@triton.jit
+def e2m1_code(x):
+    """e2m1 codes (uint32, 0..15) of fp32 `x`: RNE, saturating to +-6, NaN -> 0x7."""
+    u = x.to(tl.uint32, bitcast=True)
+    a = u & 0x7FFFFFFF
+    code = round_bits(tl.minimum(a, E2M1_MAX_BITS), 127, 1) | ((u >> 28) & 0x8)
+    return tl.where(a > 0x7F800000, 0x7, code)
+
+
+@triton.jit
+def e2m1_pair_hw(lo, hi):
+    """(low, high) e2m1 codes of fp32 pairs by the hardware cvt (PTX cvt.rn.satfinite.e2m1x2.f32,
+    sm_100a-class targets; its first source goes to the high nibble). NaN lanes are set to 0x7 as
+    in `e2m1_code`, so the bits do not depend on what the instruction does with NaN."""
+    byte = tl.inline_asm_elementwise(
+        "{ .reg .b8 t; cvt.rn.satfinite.e2m1x2.f32 t, $2, $1; mov.b32 $0, {t, 0, 0, 0}; }",
+        "=r,f,f", [lo, hi], dtype=tl.uint32, is_pure=True, pack=1,
+    )
+    lo_nan = (lo.to(tl.uint32, bitcast=True) & 0x7FFFFFFF) > 0x7F800000
+    hi_nan = (hi.to(tl.uint32, bitcast=True) & 0x7FFFFFFF) > 0x7F800000
+    return tl.where(lo_nan, 0x7, byte & 0xF), tl.where(hi_nan, 0x7, (byte >> 4) & 0xF)
+
+
+@triton.jit
+def e4m3_value(code):
+    """fp32 value of non-negative e4m3 codes (uint32 0..0x7F; 0x7F is NaN), exactly."""
+    e = code >> 3
+    m = code & 7
+    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    v = tl.where(e > 0, normal, m.to(tl.float32) * 0.001953125)  # subnormal: m * 2^-9
+    return tl.where(code == 0x7F, float("nan"), v)
+
+
+@triton.jit
+def inverse(scale):
+    """0 where scale == 0, else the correctly rounded 1 / scale."""
+    return tl.where(scale == 0.0, 0.0, tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale))
+
+
+@triton.jit
+def quantize_row(
+    y, row, cols, cmask, M, H, q_ptr, q_row_stride, s_ptr, s_row_stride, s_col_stride, param_ptr, scale_ub,
+    KIND: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr, SWIZZLED: tl.constexpr,
+    HAS_UB: tl.constexpr, HW_CVT: tl.constexpr,
+):
+    """Quantize and store one row.
+
+    y: fp32 [BLOCK], the normalised row (any values in masked lanes); cols = tl.arange(0, BLOCK);
+    cmask = cols < H; row: the row index (scalar); M: rows that exist (row >= M stores nothing).
+    H: columns, a multiple of GROUP (16 for nvfp4). With SWIZZLED the launch must also zero the
+    padding rows' scales (`zero_scale_padding` from `pad_programs(M)` extra programs).
+    q_ptr: uint8 codes, row r at q_ptr + r * q_row_stride (H bytes, or H/2 for nvfp4).
+    s_ptr: scales: fp32 at s_ptr + r * s_row_stride + g * s_col_stride (token: g = 0; group: g =
+    column // GROUP; any strides, e.g. DeepGEMM's column-major (1, align4(M))); nvfp4: uint8
+    e4m3, linear at s_ptr + r * s_row_stride + g, or at the 128x4 offset with SWIZZLED (strides
+    ignored; the padded columns up to align4(H/16) are zeroed). param_ptr: fp32 static scale
+    (KIND 1) or global scale (KIND 4); unused otherwise. scale_ub: fp32 bound on dynamic scales,
+    used when HAS_UB. BLOCK: a power of two >= H (and >= 64 for nvfp4).
+    """
+    quantize_chunk(y, row, 0, M, H, q_ptr, q_row_stride, s_ptr, s_row_stride, s_col_stride, load_param(param_ptr, KIND),
+                   scale_ub, 0, KIND, GROUP, BLOCK, SWIZZLED, HAS_UB, HW_CVT, False)
+
+
+@triton.jit
+def load_param(param_ptr, KIND: tl.constexpr):
+    """The fp32 static scale (KIND 1) or global scale (KIND 4) at param_ptr; 0.0 for the other
+    formats (whose param_ptr may point anywhere). One scalar load: a kernel that can, loads it
+    early, off the dependency chain of its rows."""
+    if (KIND == 1) | (KIND == 4):
+        param = tl.load(param_ptr).to(tl.float32)
+    else:
+        param = 0.0
+    return param
+
+
+@triton.jit
+def abs_bits(y, mask):
+    """|y| as uint32 bit patterns (NaN above inf), 0 in masked lanes: maxima of these are absmax."""
+    return tl.where(mask, y.to(tl.uint32, bitcast=True) & 0x7FFFFFFF, 0)
+
+
+@triton.jit
+def quantize_chunk(
+    y, row, start, M, H, q_ptr, q_row_stride, s_ptr, s_row_stride, s_col_stride, param, scale_ub, row_amax,
+    KIND: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr, SWIZZLED: tl.constexpr,
+    HAS_UB: tl.constexpr, HW_CVT: tl.constexpr, ROW_AMAX: tl.constexpr,
+):
+    """Quantize and store columns start .. start + BLOCK - 1 of one row (`quantize_row` is the
+    chunk that starts at 0 and covers the row); what a kernel that holds a row in several chunks
+    (the peer kernels' split rows) calls once per chunk.
+
+    y: fp32 [BLOCK] (BLOCK a power of two). start: a multiple of BLOCK, and BLOCK a multiple of
+    GROUP for per-group FP8 and of 64 for NVFP4 (so a chunk holds whole scale blocks and the last
+    chunk of a row covers the padded scale columns up to align4(H/16)). Per-token FP8: with
+    ROW_AMAX the row's absolute maximum comes in as `row_amax` (uint32 bits, as `abs_bits` gives:
+    the maximum over the row's chunks), else the chunk must be the whole row; only the chunk that
+    starts at 0 stores the row's scale. `param`: the fp32 static or global scale (`load_param`).
+    Other arguments as `quantize_row`.
+    """
+    cols = tl.arange(0, BLOCK)
+    gcols = start + cols
+    mask = (gcols < H) & ((row + 0 * cols) < M)
+    if KIND == 1:
+        inv = inverse(param)
+        q = y * inv
+        tl.store(q_ptr + row.to(tl.int64) * q_row_stride + gcols, e4m3_code(q, HW_CVT & 1).to(tl.uint8), mask=mask)
+    else:
+        G: tl.constexpr = BLOCK if KIND == 2 else GROUP
+        NG: tl.constexpr = BLOCK // G
+        gidx = start // G + tl.arange(0, NG)  # this chunk's scale blocks, numbered along the row
+        if ROW_AMAX:
+            amax = (row_amax + 0 * gidx).to(tl.uint32).to(tl.float32, bitcast=True)
+        else:
+            amax = tl.max(tl.reshape(abs_bits(y, mask), [NG, G]), axis=1).to(tl.float32, bitcast=True)
+        y2 = tl.reshape(y, [NG, G])
+        srow = row + 0 * gidx
+        if KIND == 4:
+            gs = tl.zeros_like(amax) + param  # broadcast over the blocks
+            t = amax * 0.16666667163372040  # fp32(1/6), as FlashInfer's RECIPROCAL_6
+            sf_code = e4m3_code(gs * t, HW_CVT & 1)
+            sfv = e4m3_value(sf_code)
+            out_scale = tl.where(sfv == 0.0, 0.0, tl.math.div_rn(gs, sfv))
+            q2 = y2 * out_scale[:, None]
+            lo, hi = tl.split(tl.reshape(q2, [BLOCK // 2, 2]))
+            if HW_CVT & 2:
+                lo, hi = e2m1_pair_hw(lo, hi)
+            else:
+                lo, hi = e2m1_code(lo), e2m1_code(hi)
+            pcols = start // 2 + tl.arange(0, BLOCK // 2)
+            pmask = (pcols < H // 2) & ((row + 0 * pcols) < M)
+            tl.store(q_ptr + row.to(tl.int64) * q_row_stride + pcols, (lo | (hi << 4)).to(tl.uint8), mask=pmask)
+            k_real = H // 16
+            value = tl.where((gidx < k_real) & (srow < M), sf_code, 0).to(tl.uint8)
+            if SWIZZLED:
+                k4 = (k_real + 3) // 4
+                offs = ((srow // 128).to(tl.int64) * (k4 * 512) + (gidx // 4) * 512
+                        + (srow % 32) * 16 + ((srow % 128) // 32) * 4 + gidx % 4)
+                tl.store(s_ptr + offs, value, mask=(gidx < 4 * k4) & (srow < M))
+            else:
+                tl.store(s_ptr + srow.to(tl.int64) * s_row_stride + gidx, value, mask=(gidx < k_real) & (srow < M))
+        else:
+            scale = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
+            if HAS_UB:
+                scale = tl.where(scale > scale_ub, scale_ub, scale)
+            # a NaN scale is the canonical quiet NaN (0x7FC00000), as the reference's: GPU division
+            # returns 0x7FFFFFFF, the interpreter the input's pattern
+            scale = tl.where(amax != amax, tl.full(amax.shape, 0x7FC00000, tl.int32).to(tl.float32, bitcast=True), scale)
+            q2 = y2 * inverse(scale)[:, None]
+            codes = tl.reshape(e4m3_code(q2, HW_CVT & 1), [BLOCK]).to(tl.uint8)
+            tl.store(q_ptr + row.to(tl.int64) * q_row_stride + gcols, codes, mask=mask)
+            # per token: G = BLOCK may exceed H, and only the row's first chunk stores its scale
+            smask = (gidx < (H + G - 1) // G) & (srow < M) & ((KIND != 2) | ((start + 0 * gidx) == 0))
+            tl.store(s_ptr + row.to(tl.int64) * s_row_stride + gidx * s_col_stride, scale, mask=smask)
+
+
+def pad_programs(m: int) -> int:
+    """Extra programs a launch with 128x4-swizzled NVFP4 scales needs for `zero_scale_padding`."""
+    return -(-(-(-m // 128) * 128 - m) // PAD_CHUNK.value)
+
+
+@triton.jit
+def zero_scale_padding(s_ptr, M, H, chunk, NG: tl.constexpr, CHUNK: tl.constexpr):
+    """Zero the 128x4-swizzled NVFP4 scales of padding rows M + chunk * CHUNK .. + CHUNK - 1
+    (those below align128(M)), all columns up to align4(H / 16); NG: a power of two >=
+    align4(H / 16). The NVFP4 GEMMs read the whole padded tile, so a launch gives
+    `pad_programs(M)` extra programs, chunk = 0, 1, ..., one call each: on idle SMs at decode
+    sizes, they add no latency to the row programs."""
+    k4 = (H // 16 + 3) // 4
+    gidx = tl.arange(0, NG)
+    sf_m = (M + 127) // 128 * 128
+    rows = M + chunk * CHUNK + tl.arange(0, CHUNK)
+    offs = ((rows // 128).to(tl.int64) * (k4 * 512) + (rows % 32) * 16 + ((rows % 128) // 32) * 4)[:, None] \
+        + ((gidx // 4) * 512 + gidx % 4)[None, :]
+    mask = (rows < sf_m)[:, None] & (gidx < 4 * k4)[None, :]
+    tl.store(s_ptr + offs, tl.zeros([CHUNK, NG], tl.uint8), mask=mask)
+
+
+@triton.jit
+def quantize_rows_kernel(
+    y_ptr, M, H, q_ptr, s_ptr, s_row_stride, s_col_stride, param_ptr, scale_ub,
+    KIND: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr, SWIZZLED: tl.constexpr,
+    HAS_UB: tl.constexpr, HW_CVT: tl.constexpr,
+):
+    """Quantize rows (M, H) from memory (fp32, or 16-bit widened exactly), one row per program:
+    the helpers alone, for tests and as a standalone quantizer."""
+    row = tl.program_id(0)
+    if row < M:
+        cols = tl.arange(0, BLOCK)
+        cmask = cols < H
+        y = tl.load(y_ptr + row.to(tl.int64) * H + cols, mask=cmask & ((row + 0 * cols) < M), other=0.0).to(tl.float32)
+        q_stride = H // 2 if KIND == 4 else H
+        quantize_row(y, row, cols, cmask, M, H, q_ptr, q_stride, s_ptr, s_row_stride, s_col_stride, param_ptr,
+                     scale_ub, KIND, GROUP, BLOCK, SWIZZLED, HAS_UB, HW_CVT)
+    elif SWIZZLED:
+        zero_scale_padding(s_ptr, M, H, row - M, BLOCK // 16, PAD_CHUNK)
+
+
+def block_for(hidden: int, kind: str) -> int:
+    """BLOCK for `quantize_row`: the next power of two >= hidden (>= 64 for nvfp4)."""
+    block = triton.next_power_of_2(hidden)
+    return max(block, NVFP4_MIN_BLOCK) if kind == "nvfp4" else block
+
+
+class QuantBuffers:
+    """Outputs of one quantized call and the `quantize_row` arguments that address them."""
+
+    def __init__(self, quant, m: int, h: int, device, hw_fp8: bool, hw_fp4: bool = False) -> None:
+        import torch
+
+        self.kind = KIND_BY_NAME[quant.kind]
+        self.group = quant.group or 16
+        self.swizzled = quant.layout == "swizzled"
+        self.has_ub = quant.scale_ub is not None
+        self.scale_ub = float(quant.scale_ub) if self.has_ub else 0.0
+        # HW_CVT bits: 1 e4m3 cvt, 2 e2m1 cvt. Never in the interpreter: its float8 cast truncates
+        # and it has no inline assembly.
+        interpreted = os.environ.get("TRITON_INTERPRET", "0") == "1"
+        self.hw_cvt = 0 if interpreted else int(hw_fp8) | (2 if hw_fp4 else 0)
+        self.sf_m = m
+        if quant.kind == "nvfp4":
+            self.codes = torch.empty(m, h // 2, dtype=torch.uint8, device=device)
+            self.out = self.codes
+            k = h // 16
+            if self.swizzled:
+                self.sf_m = -(-m // 128) * 128
+                self.scales = torch.empty(self.sf_m, -(-k // 4) * 4, dtype=torch.uint8, device=device)
+            else:
+                self.scales = torch.empty(m, k, dtype=torch.uint8, device=device)
+            self.scale = self.scales.view(torch.float8_e4m3fn)
+            self.s_strides = (self.scales.stride(0), 1)
+        else:
+            self.codes = torch.empty(m, h, dtype=torch.uint8, device=device)
+            self.out = self.codes.view(torch.float8_e4m3fn)
+            if quant.kind == "fp8_static":
+                self.scales = None
+                self.s_strides = (0, 0)
+            elif quant.kind == "fp8_per_token":
+                self.scales = torch.empty(m, 1, dtype=torch.float32, device=device)
+                self.s_strides = (1, 0)
+            elif quant.layout == "col":  # DeepGEMM: (G, align4(M)) storage, an (M, G) view
+                storage = torch.empty(h // quant.group, -(-m // 4) * 4, dtype=torch.float32, device=device)
+                self.scales = storage.t()[:m]
+                self.s_strides = (1, storage.stride(0))
+            else:
+                self.scales = torch.empty(m, h // quant.group, dtype=torch.float32, device=device)
+                self.s_strides = (self.scales.stride(0), 1)
+            self.scale = self.scales
+        self.param = _param(quant.scale, device) if quant.kind in ("fp8_static", "nvfp4") else self.codes
+        if quant.kind == "fp8_static":
+            self.scale = self.param
+            self.scales = self.codes  # any tensor: the kernel stores no scales
+
+    def constexprs(self, block: int) -> dict:
+        return dict(KIND=self.kind, GROUP=self.group, BLOCK=block, SWIZZLED=self.swizzled, HAS_UB=self.has_ub, HW_CVT=self.hw_cvt)
+
+
+def _param(value, device):
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value
+    return torch.full((1,), float(value), dtype=torch.float32, device=device)  # filled on the device: capturable
+
+
+def quantize(y, quant, *, hw_fp8: bool = False, hw_fp4: bool = False):
+    """(codes, scale) of rows `y` (M, H; fp32, bf16 or fp16, contiguous) through the Triton
+    helpers, one row per program: the quantizer as a separate kernel."""
+    m, h = y.shape
+    buf = QuantBuffers(quant, m, h, y.device, hw_fp8, hw_fp4)
+    if m:
+        quantize_rows_kernel[(m + (pad_programs(m) if buf.swizzled else 0),)](
+            y, m, h, buf.codes, buf.scales, *buf.s_strides, buf.param, buf.scale_ub,
+            **buf.constexprs(block_for(h, quant.kind)),
+        )
+    return buf.out, buf.scale

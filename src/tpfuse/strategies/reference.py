@@ -1,0 +1,53 @@
+"""The `reference` strategy: torch.distributed all_reduce, then add and RMSNorm in plain torch.
+
+Runs wherever torch.distributed runs (gloo on CPU, NCCL on GPUs, across nodes). 16-bit inputs are
+reduced in fp32 (twice the bytes of a bf16 allreduce) so that the sum is accumulated in fp32 as
+the op's contract says; the epilogue is `tpfuse.reference.residual_rmsnorm_ref` itself, so this
+strategy matches the reference bit for bit whenever the fp32 sum is exact. Every rank receives the
+same reduced buffer from the collective, so every rank returns identical bits.
+
+Peer failure: over gloo the allreduce is waited on for at most `timeout_s` (Communicator option,
+default TPFUSE_TIMEOUT_S), then raises `PeerLostError`; later calls refuse at once
+(`tpfuse.strategies.host_wait`). Over NCCL, NCCL's watchdog and the group timeout apply.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from tpfuse.strategies.base import Strategy
+from tpfuse.strategies.host_wait import PeerGuard, goes_through_host, strategy_timeout_s
+from tpfuse.quant import KINDS
+from tpfuse.reference import accumulation_dtype, residual_rmsnorm_quant_ref, residual_rmsnorm_ref
+from tpfuse.spec import Needs
+
+
+class ReferenceStrategy(Strategy):
+    name = "reference"
+    description = "torch.distributed all_reduce (fp32 accumulation), then torch add + RMSNorm"
+    fused = False
+    needs = Needs(quant=KINDS)  # quantized output through tpfuse.reference.quantize_ref
+
+    def __init__(self, ctx) -> None:
+        super().__init__(ctx)
+        self._guard = PeerGuard(self.name, ctx.rank, strategy_timeout_s(ctx.options, self.name),
+                                bounded=goes_through_host(ctx.group, ctx.device))
+
+    def check(self) -> None:
+        self._guard.check()
+
+    def _reduced(self, x: torch.Tensor) -> torch.Tensor:
+        acc = x.to(accumulation_dtype(x.dtype), copy=True)
+        if self.ctx.world_size > 1:
+            self._guard.wait([dist.all_reduce(acc, group=self.ctx.group, async_op=True)], "the other ranks")
+        return acc
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return self._reduced(x).to(x.dtype)
+
+    def all_reduce_residual_rmsnorm(self, x, residual, weight, eps, *, quant=None):
+        s = self._reduced(x).to(x.dtype)
+        if quant is not None:
+            return residual_rmsnorm_quant_ref(s, residual, weight, eps, quant)
+        return residual_rmsnorm_ref(s, residual, weight, eps)

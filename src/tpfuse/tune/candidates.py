@@ -1,0 +1,76 @@
+"""Candidates for one problem: the admitted strategies, their instances, and their timed calls.
+
+`CandidatePool` creates each strategy instance once for a whole tune or verify run (bound to the
+caller's group), prepares it for every hidden size before any timing, and closes them all in
+registry order at the end (close may be collective for strategies holding peer buffers, so every
+rank closes the same instances in the same order).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from tpfuse.strategies import admission, get_strategy
+from tpfuse.strategies.base import Strategy, StrategyContext
+from tpfuse.reference import random_inputs
+from tpfuse.spec import Op, Problem, Verdict
+
+
+def admitted(problem: Problem, caps, names: list[str] | None = None) -> tuple[list[str], dict[str, Verdict]]:
+    """(admitted names in registry order, every verdict) for `problem`."""
+    verdicts = admission(problem, caps, names)
+    return [n for n, v in verdicts.items() if v.ok], verdicts
+
+
+class CandidatePool:
+    def __init__(self, *, group, rank: int, world_size: int, info, caps, device: torch.device, options: dict | None = None) -> None:
+        self.group, self.rank, self.world_size, self.info, self.caps, self.device = group, rank, world_size, info, caps, device
+        self._ctx = StrategyContext(group=group, rank=rank, world_size=world_size, problem_group=info,
+                                    caps=caps, device=device, options=dict(options or {}))
+        self._instances: dict[str, Strategy] = {}
+        self._prepared: set[tuple] = set()
+
+    @classmethod
+    def for_group(cls, group=None, *, device=None, options: dict | None = None) -> "CandidatePool":
+        """Collective: a pool bound to `group` (default WORLD) with its agreed facts and this rank's
+        probe. `device`: where tensors live (default: CUDA for NCCL groups, else CPU)."""
+        import torch.distributed as dist
+
+        from tpfuse.group import agree_group_info, device_type_of
+        from tpfuse.probe import probe
+
+        group = group if group is not None else dist.group.WORLD
+        device_type = torch.device(device).type if device is not None else device_type_of(group)
+        dev = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+        caps = probe()
+        info = agree_group_info(group, caps, device_type=device_type)
+        return cls(group=group, rank=dist.get_rank(group), world_size=dist.get_world_size(group), info=info, caps=caps,
+                   device=dev, options=options)
+
+    def get(self, name: str, *, hidden: int, dtype: torch.dtype, max_tokens: int) -> Strategy:
+        instance = self._instances.get(name)
+        if instance is None:
+            instance = self._instances[name] = get_strategy(name)(self._ctx)
+        key = (name, hidden, dtype, max_tokens)
+        if key not in self._prepared:
+            instance.prepare(hidden=hidden, dtype=dtype, max_tokens=max_tokens)
+            self._prepared.add(key)
+        return instance
+
+    def close(self) -> None:
+        for instance in self._instances.values():
+            instance.close()
+        self._instances.clear()
+
+
+def timed_call(instance: Strategy, op: Op, *, rank: int, num_tokens: int, hidden: int, dtype: torch.dtype,
+               device: torch.device) -> Callable[[], object]:
+    """A no-argument call of `op` on fixed random inputs (never zeros) of this rank."""
+    x = random_inputs(rank, num_tokens, hidden, dtype, seed=21, device=device)
+    if op == Op.ALL_REDUCE:
+        return lambda: instance.all_reduce(x)
+    residual = random_inputs(10_000, num_tokens, hidden, dtype, seed=22, device=device)
+    weight = (1 + 0.1 * torch.randn(hidden, generator=torch.Generator().manual_seed(23))).to(dtype).to(device)
+    return lambda: instance.all_reduce_residual_rmsnorm(x, residual, weight, 1e-6)
