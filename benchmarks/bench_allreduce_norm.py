@@ -18,7 +18,7 @@ all_reduce, then tpfuse's epilogue kernel) and `flashinfer_trtllm` (trtllm_allre
 where they set up and run; otherwise the reason is recorded. Never multicast: every rank runs with NCCL_NVLS_ENABLE=0,
 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and NVSHMEM_DISABLE_NVLS=1.
 
-Method, per (hidden, tokens): (1) correctness first (`tpfuse.verification`'s exact case:
+Method, per (hidden, tokens): (1) correctness first (`tpfuse.correctness`'s exact case:
 rank-tagged small-integer inputs, outputs poisoned with NaN): tpfuse strategies must equal
 `reference.all_reduce_residual_rmsnorm_ref` bit for bit, other providers too or else stay within
 `reference.TOLERANCE` of the float64 reference (the row's `check` says which); a provider failing
@@ -172,9 +172,9 @@ def third_party(spec: SweepSpec, group, rank: int, world_size: int, hidden: int,
 
 
 def check_provider(factory, case, ctx, *, exact_only: bool) -> str:
-    """The check note of one provider (`tpfuse.verification.run_case` on poisoned outputs);
+    """The check note of one provider (`tpfuse.correctness.run_case` on poisoned outputs);
     CheckFailed when wrong."""
-    from tpfuse.verification import run_case
+    from tpfuse.correctness import run_case
 
     group, rank, world_size, device = ctx
     check = run_case(lambda x, residual, weight: factory(x, residual, weight)(), case, rank=rank,
@@ -199,7 +199,7 @@ def sweep_bucket(spec, ctx, hidden: int, tokens: int, factories: dict, not_timed
 
     from tpfuse.reference import random_inputs
     from tpfuse.timing import time_interleaved
-    from tpfuse.verification import Case
+    from tpfuse.correctness import Case
 
     group, rank, world_size, device = ctx
     dtype = getattr(torch, spec.dtype)
@@ -240,7 +240,7 @@ def rank_main(rank: int, world_size: int, spec: SweepSpec):
     from tpfuse import Communicator
     from tpfuse.strategies import admission, strategy_names
     from tpfuse.spec import Op, Problem
-    from tpfuse.spawned import share_cpu_threads
+    from tpfuse.rank_setup import share_cpu_threads
 
     share_cpu_threads(world_size, spec.device)
     group = dist.group.WORLD
@@ -290,8 +290,8 @@ def rank_main(rank: int, world_size: int, spec: SweepSpec):
 
 
 def build_rows(results: list[dict], spec: SweepSpec, world_size: int, peer_gbps: float | None) -> list:
-    """Result rows (tpfuse.bench.results) of every timed provider, with ratios and the floor."""
-    from tpfuse.bench.results import make_row
+    """Result rows (tpfuse.results) of every timed provider, with ratios and the floor."""
+    from tpfuse.results import make_row
     from tpfuse.spec import DTYPE_BYTES
 
     timing = {"nccl": f"CUDA graph replayed {spec.reps}x per sample, CUDA events", "cpu-smoke": "eager, perf_counter",
@@ -387,7 +387,7 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from tpfuse.bench.results import append_rows
+    from tpfuse.results import append_rows
     from tpfuse.cli.main import UsageError
     from tpfuse.cli.ranks import resolve_ranks
     from tpfuse.dispatch.table import token_buckets

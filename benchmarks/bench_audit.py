@@ -29,7 +29,7 @@ sys.path.insert(0, str(REPO / "tests"))  # the PyPI fetch/cache helper and the c
 
 from audit.sglang_source import SGLANG_VERSION, sglang_source  # noqa: E402
 
-from tpfuse.bench.results import append_rows, make_row  # noqa: E402
+from tpfuse.results import append_rows, make_row  # noqa: E402
 
 
 def _timed(cmd: list, core: int) -> dict:

@@ -25,7 +25,7 @@ import sys
 
 import torch
 
-from tpfuse.bench.results import append_rows, make_row
+from tpfuse.results import append_rows, make_row
 from tpfuse.timing import copy_bandwidth, graph_timer, sample_rounds
 
 TOKENS = (1, 8, 64, 512, 4096, 16384)

@@ -26,7 +26,7 @@ a time. Every row carries `"emulated": true` in `extra`.
 
 The graph here forks W streams and joins them inside one capture, which `tpfuse.timing.capture`
 (one stream) does not do, so the capture and its replay timer are this file's own; the statistics
-of every row are `tpfuse.timing.summary`'s (through `tpfuse.bench.results.make_row`).
+of every row are `tpfuse.timing.summary`'s (through `tpfuse.results.make_row`).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tpfuse.bench.results import append_rows, make_row
+from tpfuse.results import append_rows, make_row
 
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 WORLDS = (1, 2, 4, 8)

@@ -29,7 +29,7 @@ import torch
 
 from bench_epilogue import copy_rows, time_providers  # same directory
 from tpfuse import quant as Q
-from tpfuse.bench.results import append_rows, make_row
+from tpfuse.results import append_rows, make_row
 
 TOKENS = (1, 8, 64, 256, 1024, 4096, 16384)
 HIDDENS = (6144, 7168)

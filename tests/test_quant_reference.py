@@ -22,7 +22,7 @@ from tpfuse.reference import (
     small_integer_inputs,
     swizzle_128x4,
 )
-from tpfuse.spec import GroupInfo, Op, Problem
+from tpfuse.spec import GroupFacts, Op, Problem
 from tpfuse.validation import check_quant
 
 E4M3_VALUES = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).double()
@@ -135,7 +135,7 @@ def _caps(cc):
     return Capabilities((gpu,), (), Versions("3.11", "0.1.0"), (), CpuInfo("cpu", 2, None), nvml="test")
 
 
-NCCL = GroupInfo(world_size=2, backend="nccl", device_type="cuda", devices=("GPU-0", "GPU-1"), peer_access=True)
+NCCL = GroupFacts(world_size=2, backend="nccl", device_type="cuda", devices=("GPU-0", "GPU-1"), peer_access=True)
 
 
 @pytest.mark.parametrize("kind", Q.KINDS)

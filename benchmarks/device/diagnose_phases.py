@@ -14,7 +14,7 @@ import argparse
 import json
 import statistics
 
-from tpfuse.bench.results import append_rows, make_row
+from tpfuse.results import append_rows, make_row
 from tpfuse.diagnose.samples import load_recording
 
 # NVML's power on Ampere and newer is a 1 s moving average (NVML API reference), and utilisation

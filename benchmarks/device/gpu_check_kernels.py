@@ -55,7 +55,7 @@ def _functional_rank(rank, world_size, name, shapes, calls):
 
 
 def functional_check(out_dir: Path) -> list[str]:
-    from tpfuse.bench.results import append_rows, make_row
+    from tpfuse.results import append_rows, make_row
     from tpfuse.spawn import run_ranks
     from tpfuse.reference import all_reduce_residual_rmsnorm_ref, small_integer_inputs
 

@@ -12,7 +12,7 @@ _LAZY = {
     "Capabilities": "tpfuse.probe.capabilities",
     "Op": "tpfuse.spec",
     "Problem": "tpfuse.spec",
-    "GroupInfo": "tpfuse.spec",
+    "GroupFacts": "tpfuse.spec",
     "Verdict": "tpfuse.spec",
     "Needs": "tpfuse.spec",
     "Strategy": "tpfuse.strategies.base",

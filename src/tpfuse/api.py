@@ -29,7 +29,7 @@ from tpfuse.strategies.base import Strategy, StrategyContext
 from tpfuse.strategies.host_wait import PeerGuard, goes_through_host, strategy_timeout_s
 from tpfuse.dispatch.agree import agreed_table
 from tpfuse.dispatch.choice import CONSERVATIVE_DEFAULT, Choice, choose, is_fused, warn_once
-from tpfuse.group import agree_group_info, agree_settings, device_type_of
+from tpfuse.group import agree_group_facts, agree_settings, device_type_of
 from tpfuse.spec import Op, Problem, dtype_name
 from tpfuse.validation import SUPPORTED_DTYPES, as_rows, check_all_reduce, check_quant, check_residual_rmsnorm
 
@@ -88,7 +88,7 @@ class Communicator:
             self._debug_guard = PeerGuard("Communicator", self.rank, strategy_timeout_s(options, "Communicator"),
                                           bounded=host)
         self.caps = probe()
-        self.info = agree_group_info(self.group, self.caps, device_type=device_type, handshake_group=self.cpu_group)
+        self.facts = agree_group_facts(self.group, self.caps, device_type=device_type, handshake_group=self.cpu_group)
         self.device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
         self._instances: dict[str, Strategy] = {}
         self._choices: dict[tuple, Choice] = {}
@@ -96,7 +96,7 @@ class Communicator:
         # Collective: every rank loads its dispatch table and all agree on its digest, or all
         # use none (tpfuse.dispatch.agree). Loaded once; `tpfuse tune` output applies to new
         # Communicators.
-        self.table, self.table_note = agreed_table(self.cpu_group, self.info, self.caps)
+        self.table, self.table_note = agreed_table(self.cpu_group, self.facts, self.caps)
 
     # ---- public ops -------------------------------------------------------------------------
 
@@ -151,14 +151,14 @@ class Communicator:
                              "largest number of tokens a call will have")
         for tokens in token_buckets(max_tokens):
             for op in Op:
-                problem = Problem(op, tokens, hidden, dtype_name(dtype), self.info)
+                problem = Problem(op, tokens, hidden, dtype_name(dtype), self.facts)
                 self._strategy(problem)
         for instance in self._instances.values():
             instance.prepare(hidden=hidden, dtype=dtype, max_tokens=max_tokens)
 
     def strategy_for(self, op: Op, num_tokens: int, hidden: int, dtype: torch.dtype, *, has_residual: bool = True) -> Choice:
         """Which strategy a call of this shape would use, and why."""
-        return self._choose(Problem(Op(op), num_tokens, hidden, dtype_name(dtype), self.info, has_residual))
+        return self._choose(Problem(Op(op), num_tokens, hidden, dtype_name(dtype), self.facts, has_residual))
 
     def check(self) -> None:
         """Synchronise and raise the first device-side failure of any earlier call (e.g.
@@ -198,7 +198,7 @@ class Communicator:
             raise RuntimeError("Communicator: used after close(); create a new Communicator")
         if self.debug:
             self._check_ranks_agree(op, rows)
-        return Problem(op, rows.shape[0], rows.shape[1], dtype_name(rows.dtype), self.info, has_residual, quant)
+        return Problem(op, rows.shape[0], rows.shape[1], dtype_name(rows.dtype), self.facts, has_residual, quant)
 
     def _choose(self, problem: Problem) -> Choice:
         key = (problem.op, problem.num_tokens, problem.hidden, problem.dtype, problem.has_residual, problem.quant)
@@ -234,7 +234,7 @@ class Communicator:
                 group=self.group,
                 rank=self.rank,
                 world_size=self.world_size,
-                problem_group=self.info,
+                facts=self.facts,
                 caps=self.caps,
                 device=self.device,
                 options=dict(self.options),

@@ -1,10 +1,10 @@
 """Agreeing on a process group's facts once, so that every rank admits and chooses alike.
 
-`agree_group_info` runs one all_gather_object at Communicator construction (a collective: every
+`agree_group_facts` runs one all_gather_object at Communicator construction (a collective: every
 rank of the group must call it). Each rank reports its host, its device and which of the other
 ranks' GPUs it can map; the result is identical on every rank.
 
-`expected_group_info` applies the same rules to the probe instead of to ranks: the GroupInfo that
+`expected_group_facts` applies the same rules to the probe instead of to ranks: the GroupFacts that
 local ranks launched a given way would agree on, known before any rank exists (the CLI's checks
 before spawning; `representative_problem` for `tpfuse doctor`).
 
@@ -21,7 +21,7 @@ import socket
 import torch
 import torch.distributed as dist
 
-from tpfuse.spec import GroupInfo, Op, Problem
+from tpfuse.spec import GroupFacts, Op, Problem
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -77,8 +77,8 @@ def device_type_of(group) -> str:
     return "cuda" if "nccl" in backend else "cpu"
 
 
-def agree_group_info(group, caps=None, *, device_type: str | None = None, handshake_group=None) -> GroupInfo:
-    """Collective: the GroupInfo of `group`, identical on every rank.
+def agree_group_facts(group, caps=None, *, device_type: str | None = None, handshake_group=None) -> GroupFacts:
+    """Collective: the GroupFacts of `group`, identical on every rank.
 
     `device_type` defaults to "cuda" for NCCL groups and "cpu" otherwise; "cuda" with a gloo
     group describes ranks that hold CUDA tensors but talk over gloo (e.g. sharing one GPU).
@@ -112,7 +112,7 @@ def agree_group_info(group, caps=None, *, device_type: str | None = None, handsh
         dist.all_gather_object(rows, _peer_row(me["index"], list(devices)), group=handshake_group)
         peer_access = all(all(row) for row in rows)
         native_atomics = peer_access and _all_native_atomics(caps, [e["index"] for e in everyone])
-    return GroupInfo(
+    return GroupFacts(
         world_size=world_size,
         backend=backend,
         device_type=device_type,
@@ -137,33 +137,33 @@ def _all_native_atomics(caps, indices: list[int]) -> bool:
     return True
 
 
-def expected_group_info(caps, world_size: int, *, backend: str, device_type: str) -> GroupInfo:
-    """The GroupInfo `world_size` local ranks would agree on here (the rules of `agree_group_info`,
+def expected_group_facts(caps, world_size: int, *, backend: str, device_type: str) -> GroupFacts:
+    """The GroupFacts `world_size` local ranks would agree on here (the rules of `agree_group_facts`,
     computed from the probe `caps` instead of from ranks): gloo CPU ranks when `device_type` is
     "cpu", gloo ranks sharing GPU 0 for ("gloo", "cuda"), else NCCL over the first `world_size` GPUs."""
     if device_type == "cpu":
-        return GroupInfo(world_size=world_size, backend="gloo", device_type="cpu", devices=("cpu",) * world_size)
+        return GroupFacts(world_size=world_size, backend="gloo", device_type="cpu", devices=("cpu",) * world_size)
     if backend == "gloo":  # ranks sharing GPU 0
         gpu = caps.gpus[0]
-        return GroupInfo(world_size=world_size, backend="gloo", device_type="cuda",
+        return GroupFacts(world_size=world_size, backend="gloo", device_type="cuda",
                          devices=(gpu.uuid or "cuda0",) * world_size, peer_access=True, native_atomics=True,
                          shares_device=world_size > 1)
     gpus = caps.gpus[:world_size]
     pairs = [caps.link(a.index, b.index) for a in gpus for b in gpus if a.index != b.index]
     peer = all(link is not None and link.peer_access for link in pairs)
     atomics = peer and all(link.native_atomics for link in pairs)
-    return GroupInfo(world_size=world_size, backend="nccl", device_type="cuda",
+    return GroupFacts(world_size=world_size, backend="nccl", device_type="cuda",
                      devices=tuple(g.uuid or f"cuda{g.index}" for g in gpus), peer_access=peer, native_atomics=atomics)
 
 
 def representative_problem(op: Op, num_tokens: int, hidden: int, dtype: str, caps, *, world_size: int, backend: str,
                            device_type: str, quant: str | None = None) -> Problem:
     """The Problem a call of `op` on `world_size` local ranks launched this way would pose here, with
-    the group they would agree on (`expected_group_info`): what admission is asked about before any
+    the group they would agree on (`expected_group_facts`): what admission is asked about before any
     rank exists."""
     if device_type == "cuda" and backend == "nccl" and world_size > len(caps.gpus):
         raise ValueError(f"representative_problem: {world_size} NCCL ranks need as many GPUs, the probe found "
                          f"{len(caps.gpus)}; use world_size <= {len(caps.gpus)} or gloo ranks sharing a GPU")
-    group = expected_group_info(caps, world_size, backend=backend, device_type=device_type)
-    return Problem(op, num_tokens, hidden, dtype, group, has_residual=op is Op.ALL_REDUCE_RESIDUAL_RMSNORM,
+    facts = expected_group_facts(caps, world_size, backend=backend, device_type=device_type)
+    return Problem(op, num_tokens, hidden, dtype, facts, has_residual=op is Op.ALL_REDUCE_RESIDUAL_RMSNORM,
                    quant=quant)

@@ -1,6 +1,6 @@
 """`tpfuse selftest`: every admitted strategy, on N local ranks, against the reference.
 
-The cases and their checks are `tpfuse.verification`'s, per strategy, op and dtype:
+The cases and their checks are `tpfuse.correctness`'s, per strategy, op and dtype:
 - exact: rank-tagged small-integer inputs, outputs bit for bit equal to the reference
   (all_reduce output, new_residual, normed), with and without a residual;
 - random: standard-normal inputs at model hidden sizes, norm-wise relative error against the
@@ -15,7 +15,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import asdict, dataclass
 
-from tpfuse.verification import Case
+from tpfuse.correctness import Case
 
 # Hidden sizes of the model presets (glm5, deepseek-v3, qwen3-235b, llama3-70b), for random cases.
 MODEL_HIDDEN = (6144, 7168, 4096, 8192)
@@ -52,10 +52,10 @@ def default_cases(*, num_tokens: int = 4) -> list[Case]:
 
 def run_case(comm, strategy: str, case: Case, *, repeats: int) -> CaseResult:
     """Run one case on this rank (a collective: every rank calls it with the same case): the
-    check (`tpfuse.verification.run_case`), then `repeats` timed calls (`tpfuse.timing`)."""
+    check (`tpfuse.correctness.run_case`), then `repeats` timed calls (`tpfuse.timing`)."""
     from tpfuse.timing import time_interleaved
-    from tpfuse.verification import case_inputs, op_call
-    from tpfuse.verification import run_case as check_case
+    from tpfuse.correctness import case_inputs, op_call
+    from tpfuse.correctness import run_case as check_case
 
     fn = op_call(comm, case.op)
     check = check_case(fn, case, rank=comm.rank, world_size=comm.world_size, device=comm.device)
@@ -77,10 +77,10 @@ def rank_main(rank: int, world_size: int, cases: list[Case], repeats: int, devic
     from tpfuse import Communicator
     from tpfuse.strategies import admission, strategy_names
     from tpfuse.spec import Op, Problem
-    from tpfuse.spawned import progress_bar
+    from tpfuse.rank_setup import progress_bar
 
     probe_comm = Communicator(device=device)
-    info, caps = probe_comm.info, probe_comm.caps
+    facts, caps = probe_comm.facts, probe_comm.caps
     probe_comm.close()
     results: list[CaseResult] = []
     skipped: dict[str, str] = {}
@@ -88,7 +88,7 @@ def rank_main(rank: int, world_size: int, cases: list[Case], repeats: int, devic
     for name in only or strategy_names():
         admitted_cases = []
         for case in cases:
-            problem = Problem(Op(case.op), case.num_tokens, case.hidden, case.dtype, info, case.has_residual)
+            problem = Problem(Op(case.op), case.num_tokens, case.hidden, case.dtype, facts, case.has_residual)
             verdict = admission(problem, caps, [name])[name]
             if verdict.ok:
                 admitted_cases.append(case)

@@ -4,7 +4,7 @@ Everything here is a frozen dataclass or an enum and imports nothing heavy, so a
 dispatch and the dispatch table can be reasoned about (and tested) without a GPU.
 
 A `Problem` is rank-identical by construction: it is built from the call's shape and from a
-`GroupInfo` that the Communicator agrees on across ranks at construction. Admission and choice
+`GroupFacts` that the Communicator agrees on across ranks at construction. Admission and choice
 are pure functions of (Problem, Capabilities), so every rank reaches the same decision, which a
 collective needs: a rank that picks another strategy than its peers deadlocks the group.
 """
@@ -45,7 +45,7 @@ class Verdict:
 
 
 @dataclass(frozen=True)
-class GroupInfo:
+class GroupFacts:
     """What the ranks of one process group agreed on at Communicator construction.
 
     `peer_access` is True when every pair of ranks can map each other's device memory (CUDA peer
@@ -63,7 +63,7 @@ class GroupInfo:
     shares_device: bool = False
 
     @classmethod
-    def single_process(cls, device_type: str = "cpu", backend: str = "gloo") -> "GroupInfo":
+    def single_process(cls, device_type: str = "cpu", backend: str = "gloo") -> "GroupFacts":
         return cls(world_size=1, backend=backend, device_type=device_type, devices=(device_type,))
 
 
@@ -75,7 +75,7 @@ class Problem:
     num_tokens: int
     hidden: int
     dtype: str
-    group: GroupInfo
+    facts: GroupFacts
     has_residual: bool = True
     quant: str | None = None  # quantized-output format (tpfuse.quant.KINDS), None for none
 
@@ -85,7 +85,7 @@ class Problem:
 
     @property
     def world_size(self) -> int:
-        return self.group.world_size
+        return self.facts.world_size
 
     @property
     def itemsize(self) -> int:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tpfuse.bench.results import read_rows
+from tpfuse.results import read_rows
 
 pytestmark = pytest.mark.gloo
 

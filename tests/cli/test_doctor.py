@@ -102,7 +102,7 @@ def test_json_has_the_same_content_and_nothing_else_on_stdout(capsys, needs_cuda
     assert report["runtime_packages"]["numpy"]["installed"] is True
     assert report["probe"]["cpu"]["num_cores"] == os.cpu_count()
     assert report["problem"]["hidden"] == 4096 and report["problem"]["dtype"] == "float16"
-    assert report["problem"]["group"]["world_size"] == 3
+    assert report["problem"]["facts"]["world_size"] == 3
     assert list(report["admission"]) == strategies.strategy_names()
     assert report["admission"]["reference"] == {"admitted": True, "reason": "all needs met"}
     if not report["probe"]["gpus"]:
@@ -168,16 +168,16 @@ def args(**overrides):
 
 
 def test_gpu_group_is_nccl_over_all_gpus_with_their_peer_facts():
-    group = problem_of(args(), fake_gpu_caps(), Op.ALL_REDUCE_RESIDUAL_RMSNORM).group
+    group = problem_of(args(), fake_gpu_caps(), Op.ALL_REDUCE_RESIDUAL_RMSNORM).facts
     assert (group.world_size, group.backend, group.device_type) == (2, "nccl", "cuda")
     assert group.devices == ("uuid-0", "uuid-1") and group.peer_access and group.native_atomics
-    assert not problem_of(args(), fake_gpu_caps(atomics=False), Op.ALL_REDUCE).group.native_atomics
+    assert not problem_of(args(), fake_gpu_caps(atomics=False), Op.ALL_REDUCE).facts.native_atomics
 
 
 def test_world_size_above_gpu_count_needs_shared_gpu():
     with pytest.raises(UsageError, match=r"3 ranks but 2 GPU\(s\); NCCL needs one GPU per rank. Pass --shared-gpu"):
         problem_of(args(world_size=3), fake_gpu_caps(), Op.ALL_REDUCE)
-    group = problem_of(args(world_size=4, shared_gpu=True), fake_gpu_caps(), Op.ALL_REDUCE).group
+    group = problem_of(args(world_size=4, shared_gpu=True), fake_gpu_caps(), Op.ALL_REDUCE).facts
     assert (group.world_size, group.backend, group.device_type, group.peer_access, group.shares_device) == (
         4, "gloo", "cuda", True, True)
     assert group.devices == ("uuid-0",) * 4

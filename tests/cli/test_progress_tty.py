@@ -1,6 +1,6 @@
 """Long commands show a progress bar when stderr is a terminal, and end with one summary line.
 
-(Without a terminal there is no bar: `tpfuse.spawned.progress_bar` checks isatty; the
+(Without a terminal there is no bar: `tpfuse.rank_setup.progress_bar` checks isatty; the
 in-process tests of each command run that way.)"""
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ import pytest
 
 from tpfuse.cli.main import UsageError, build_parser, main
 from tpfuse.cli.ranks import Ranks, resolve_ranks
-from tpfuse.group import expected_group_info, representative_problem
+from tpfuse.group import expected_group_facts, representative_problem
 from tpfuse.spec import Op
 
 SPAWNING = (["selftest"], ["tune", "--hidden", "64"], ["verify", "--strategy", "ring", "--hidden", "64"],
@@ -96,9 +96,9 @@ def test_representative_problem_groups_follow_the_launch_rules():
     caps = probe()
     problem = representative_problem(Op.ALL_REDUCE, 4, 64, "float32", caps, world_size=3, backend="gloo",
                                      device_type="cpu")
-    assert (problem.group, problem.has_residual) == (
-        expected_group_info(caps, 3, backend="gloo", device_type="cpu"), False)
-    assert (problem.group.world_size, problem.group.backend, problem.group.devices) == (3, "gloo", ("cpu",) * 3)
+    assert (problem.facts, problem.has_residual) == (
+        expected_group_facts(caps, 3, backend="gloo", device_type="cpu"), False)
+    assert (problem.facts.world_size, problem.facts.backend, problem.facts.devices) == (3, "gloo", ("cpu",) * 3)
     assert representative_problem(Op.ALL_REDUCE_RESIDUAL_RMSNORM, 4, 64, "float32", caps, world_size=2,
                                   backend="gloo", device_type="cpu").has_residual
     with pytest.raises(ValueError, match="representative_problem: 9 NCCL ranks need as many GPUs"):

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tpfuse.bench.results import read_rows
+from tpfuse.results import read_rows
 from tpfuse.cli.main import main
 from tpfuse.probe import probe
 from tpfuse.dispatch.table import load, versions_of

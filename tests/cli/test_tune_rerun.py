@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from tpfuse.bench.results import read_rows
+from tpfuse.results import read_rows
 from tpfuse.cli.main import main
 
 pytestmark = pytest.mark.gloo

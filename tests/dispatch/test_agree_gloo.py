@@ -38,13 +38,13 @@ def _tables(rank, root):
     import torch.distributed as dist
 
     from tpfuse import Communicator
-    from tpfuse.group import agree_group_info
+    from tpfuse.group import agree_group_facts
     from tpfuse.probe import probe
     from tpfuse.dispatch import agree
     from tpfuse.dispatch.table import fingerprint, save, table_path, versions_of
 
     caps = probe()
-    fp = fingerprint(agree_group_info(dist.group.WORLD, caps), caps)
+    fp = fingerprint(agree_group_facts(dist.group.WORLD, caps), caps)
     os.environ["TPFUSE_CACHE_DIR"] = os.path.join(root, f"rank{rank}")
     path = save(_table(fp, versions_of(caps)), table_path(fp))
     if rank == 1:

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from tpfuse.dispatch.choice import choose, guarded
-from tpfuse.spec import GroupInfo, Op, Problem, Verdict
+from tpfuse.spec import GroupFacts, Op, Problem, Verdict
 from tpfuse.dispatch.table import DispatchTable, Entry
 from tpfuse.tune.tuner import decide
 from tpfuse.tune.verify import judge
@@ -30,8 +30,8 @@ def _table(choice, times, rejected=None, margin=0.03, tokens=8):
 
 
 def _problem(tokens=5):
-    info = GroupInfo(world_size=2, backend="gloo", device_type="cpu")
-    return Problem(Op.ALL_REDUCE_RESIDUAL_RMSNORM, tokens, 64, "bfloat16", info)
+    facts = GroupFacts(world_size=2, backend="gloo", device_type="cpu")
+    return Problem(Op.ALL_REDUCE_RESIDUAL_RMSNORM, tokens, 64, "bfloat16", facts)
 
 
 ALL_OK = {n: Verdict.yes() for n in ("nccl_epilogue", "reference", "ring", "oneshot", "twoshot")}

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from tpfuse.probe import probe
-from tpfuse.spec import GroupInfo
+from tpfuse.spec import GroupFacts
 from tpfuse.dispatch.table import (
     SCHEMA_VERSION,
     DispatchTable,
@@ -23,8 +23,8 @@ from tpfuse.dispatch.table import (
 @pytest.fixture(scope="module")
 def here():
     caps = probe()
-    info = GroupInfo(world_size=2, backend="gloo", device_type="cpu", devices=("cpu", "cpu"))
-    return fingerprint(info, caps), versions_of(caps)
+    facts = GroupFacts(world_size=2, backend="gloo", device_type="cpu", devices=("cpu", "cpu"))
+    return fingerprint(facts, caps), versions_of(caps)
 
 
 def _entry(tokens, choice="reference", hidden=64, op="all_reduce_residual_rmsnorm"):

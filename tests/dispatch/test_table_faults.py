@@ -7,15 +7,15 @@ import os
 
 import pytest
 from tpfuse.probe import probe
-from tpfuse.spec import GroupInfo
+from tpfuse.spec import GroupFacts
 from tpfuse.dispatch.table import MAX_TABLE_BYTES, DispatchTable, Entry, canonical_digest, fingerprint, load, save, versions_of
 
 
 @pytest.fixture(scope="module")
 def here():
     caps = probe()
-    info = GroupInfo(world_size=2, backend="gloo", device_type="cpu", devices=("cpu", "cpu"))
-    return fingerprint(info, caps), versions_of(caps)
+    facts = GroupFacts(world_size=2, backend="gloo", device_type="cpu", devices=("cpu", "cpu"))
+    return fingerprint(facts, caps), versions_of(caps)
 
 
 def _table(fp, versions) -> DispatchTable:

@@ -1,7 +1,7 @@
 """The real Triton kernels on CPU through TRITON_INTERPRET=1, one spawned process per rank.
 
 TRITON_INTERPRET must be set before a kernel module is imported, so every kernel import happens
-inside the spawned workers (launch.run_ranks sets the environment first) and this module imports
+inside the spawned workers (tpfuse.spawn.run_ranks sets the environment first) and this module imports
 none. Peer buffers are shared-memory files mapped by every rank's process, the CPU stand-in for
 CUDA IPC (tpfuse.strategies.workspace). x86 ordering is stronger than a GPU's: these tests check
 the protocol's logic (slots, re-arming, extents, fixed order, timeouts), not memory ordering.
@@ -72,10 +72,10 @@ def _strategy(name, rank, world_size, **options):
 
     from tpfuse.strategies import get_strategy
     from tpfuse.strategies.base import StrategyContext
-    from tpfuse.spec import GroupInfo
+    from tpfuse.spec import GroupFacts
 
-    info = GroupInfo(world_size=world_size, backend="gloo", device_type="cpu", devices=("cpu",) * world_size)
-    ctx = StrategyContext(dist.group.WORLD, rank, world_size, info, None, torch.device("cpu"), dict(options))
+    facts = GroupFacts(world_size=world_size, backend="gloo", device_type="cpu", devices=("cpu",) * world_size)
+    ctx = StrategyContext(dist.group.WORLD, rank, world_size, facts, None, torch.device("cpu"), dict(options))
     return get_strategy(name)(ctx)
 
 

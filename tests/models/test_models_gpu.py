@@ -37,7 +37,7 @@ def _gpu_rank(rank, world):
 
 
 def _decode_variants(rank, world, dtype_name):
-    from tpfuse.bench.e2e import DecodeStep, E2ESpec, build_model, prompts
+    from tpfuse.e2e.decode import DecodeStep, E2ESpec, build_model, prompts
 
     spec = E2ESpec(preset="tiny", dtype=dtype_name, device="cuda", prompt_len=4, context=16, progress=False)
     model, device, dtype = build_model(spec, rank, world)

@@ -59,7 +59,7 @@ def _parity_rank(rank, world):
                       "runner": {t: c.name for t, c in tp2.selector.choices.items()}}
         # The benchmark's DecodeStep (static buffers, advances ids and pos itself) must decode the
         # same sequence as the plain loop above: construction may not shift the start state.
-        from tpfuse.bench.e2e import DecodeStep
+        from tpfuse.e2e.decode import DecodeStep
 
         tp2.fusion = True
         cache = tp2.new_cache(BATCH, CONTEXT)

@@ -12,7 +12,7 @@ from tpfuse.strategies import admission, get_strategy
 from tpfuse.strategies.workspace import SENTINEL_BITS, PeerTimeoutError
 from tpfuse.kernels.protocol import ERR_ABORTED, ERR_TIMEOUT
 from tpfuse.probe.capabilities import Capabilities, CpuInfo, GpuInfo, Versions
-from tpfuse.spec import GroupInfo, Op, Problem
+from tpfuse.spec import GroupFacts, Op, Problem
 
 NAMES = ["nccl_epilogue", "oneshot", "twoshot"]
 
@@ -23,9 +23,9 @@ def _caps(num_gpus):
     return Capabilities(gpus, (), Versions("3.11", "0.1.0"), (), CpuInfo("cpu", 2, None), nvml="test")
 
 
-NCCL = GroupInfo(world_size=4, backend="nccl", device_type="cuda", devices=tuple(f"GPU-{i}" for i in range(4)), peer_access=True)
-SHARED = GroupInfo(world_size=2, backend="gloo", device_type="cuda", devices=("GPU-0", "GPU-0"), peer_access=True, shares_device=True)
-CPU = GroupInfo(world_size=2, backend="gloo", device_type="cpu", devices=("cpu", "cpu"))
+NCCL = GroupFacts(world_size=4, backend="nccl", device_type="cuda", devices=tuple(f"GPU-{i}" for i in range(4)), peer_access=True)
+SHARED = GroupFacts(world_size=2, backend="gloo", device_type="cuda", devices=("GPU-0", "GPU-0"), peer_access=True, shares_device=True)
+CPU = GroupFacts(world_size=2, backend="gloo", device_type="cpu", devices=("cpu", "cpu"))
 
 
 def _problem(group, tokens=8, hidden=6144, dtype="bfloat16", op=Op.ALL_REDUCE_RESIDUAL_RMSNORM):

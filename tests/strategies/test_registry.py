@@ -8,7 +8,7 @@ from tpfuse.strategies import admission, get_strategy, register, strategy_names
 from tpfuse.strategies.base import check_needs
 from tpfuse.dispatch.choice import default_choice
 from tpfuse.probe.capabilities import Capabilities, CpuInfo, GpuInfo, PackageStatus, Versions
-from tpfuse.spec import GroupInfo, Needs, Op, Problem, Verdict
+from tpfuse.spec import GroupFacts, Needs, Op, Problem, Verdict
 
 
 def _caps(num_gpus=0, packages=()):
@@ -19,8 +19,8 @@ def _caps(num_gpus=0, packages=()):
     return Capabilities(gpus, (), Versions("3.11", "0.1.0"), tuple(packages), CpuInfo("cpu", 2, None), nvml="test")
 
 
-CPU_GROUP = GroupInfo(world_size=2, backend="gloo", device_type="cpu", devices=("cpu", "cpu"))
-GPU_GROUP = GroupInfo(world_size=2, backend="nccl", device_type="cuda", devices=("GPU-0", "GPU-1"), peer_access=True)
+CPU_GROUP = GroupFacts(world_size=2, backend="gloo", device_type="cpu", devices=("cpu", "cpu"))
+GPU_GROUP = GroupFacts(world_size=2, backend="nccl", device_type="cuda", devices=("GPU-0", "GPU-1"), peer_access=True)
 
 
 def _problem(group, hidden=6144, tokens=8, dtype="bfloat16"):

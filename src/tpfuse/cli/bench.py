@@ -78,7 +78,7 @@ def _no_subcommand(p) -> int:
 def make_spec(args, **extra):
     """The E2ESpec the flags ask for, after the checks that need no torch (the world size is checked
     again by `check_model`, and resolved with the device by `resolve_spec_ranks`)."""
-    from tpfuse.bench.e2e import E2ESpec
+    from tpfuse.e2e.decode import E2ESpec
     from tpfuse.cli.preflight import check_positive, check_world_size
 
     check_world_size(args.world_size)
@@ -131,21 +131,21 @@ def run(args) -> int:
                      min_seconds=args.min_seconds, graphs=not args.no_graphs, progress=True)
     check_model(spec)
     if args.results:
-        from tpfuse.bench.results import results_file
+        from tpfuse.results import results_file
         from tpfuse.cli.preflight import check_writable
 
         check_writable(str(results_file(args.results, "e2e.jsonl")), flag="--results")
     import time
 
-    from tpfuse.bench.e2e import e2e_rows, run_e2e
-    from tpfuse.bench.results import append_rows, results_file
-    from tpfuse.cli.ranks import describe_failure, spawn
+    from tpfuse.e2e.decode import e2e_rows, run_e2e
+    from tpfuse.results import append_rows, results_file
+    from tpfuse.cli.ranks import describe_failure, run_cli_ranks
     from tpfuse.spawn import RankFailure
 
     spec, _ = resolve_spec_ranks(spec, args)
     started = time.perf_counter()
     try:
-        result = run_e2e(spec, launch=spawn)
+        result = run_e2e(spec, runner=run_cli_ranks)
     except RuntimeError as exc:
         if isinstance(exc, RankFailure):
             print(f"tpfuse bench e2e: {spec.tp} rank(s) failed: {describe_failure(exc)}", file=sys.stderr)
@@ -175,7 +175,7 @@ def _print_table(result: dict, path: str | None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from tpfuse.bench.results import percentiles
+    from tpfuse.results import percentiles
 
     cfg = result["config"]
     title = (f"bench e2e: {cfg['name']} cut to {cfg['num_layers']} layers ({cfg['first_dense_layers']} dense), "

@@ -153,7 +153,7 @@ def build_report(args):
         "probe": caps.to_dict(),
         "problem": {
             "op": problem.op.value, "num_tokens": problem.num_tokens, "hidden": problem.hidden,
-            "dtype": problem.dtype, "quant": problem.quant, "group": dataclasses.asdict(problem.group),
+            "dtype": problem.dtype, "quant": problem.quant, "facts": dataclasses.asdict(problem.facts),
         },
         "admission": {name: {"admitted": v.ok, "reason": v.reason} for name, v in verdicts.items()},
         "moe_runners": moe_runner_section(caps),
@@ -190,7 +190,7 @@ def render(caps, report: dict, console) -> None:
         console.print(table)
     for note in caps.notes:
         line(f"note: {note}")
-    p, g = report["problem"], report["problem"]["group"]
+    p, g = report["problem"], report["problem"]["facts"]
     line(
         f"Strategy admission for {p['op']}{', ' + p['quant'] + ' output' if p.get('quant') else ''}, "
         f"{p['num_tokens']} tokens x {p['hidden']} hidden, {p['dtype']}, world size "

@@ -93,17 +93,17 @@ def check_positive(**flags: int | None) -> None:
 def admission_here(names: Iterable[str], problems: Iterable[tuple], *, world_size: int, backend: str,
                    device: str) -> dict[str, dict]:
     """{strategy: {problem tuple: Verdict}} for `problems` given as (op, num_tokens, hidden, dtype, has_residual)."""
-    from tpfuse.group import expected_group_info
+    from tpfuse.group import expected_group_facts
     from tpfuse.probe import probe
     from tpfuse.strategies import admission
     from tpfuse.spec import Op, Problem
 
     caps = probe()
-    group = expected_group_info(caps, world_size, backend=backend, device_type=device)
+    facts = expected_group_facts(caps, world_size, backend=backend, device_type=device)
     names = list(names)
     out: dict[str, dict] = {name: {} for name in names}
     for op, num_tokens, hidden, dtype, has_residual in problems:
-        verdicts = admission(Problem(Op(op), num_tokens, hidden, dtype, group, has_residual), caps, names)
+        verdicts = admission(Problem(Op(op), num_tokens, hidden, dtype, facts, has_residual), caps, names)
         for name in names:
             out[name][(op, num_tokens, hidden, dtype, has_residual)] = verdicts[name]
     return out

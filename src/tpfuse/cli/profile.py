@@ -42,7 +42,7 @@ def run(args) -> int:
             raise UsageError("--plot needs matplotlib; install it with `pip install tpfuse[plot]`") from None
     spec = make_spec(args, batches=(args.batch,), fusion=fusion_modes(args.fusion), progress=False)
     check_model(spec)
-    from tpfuse.bench.results import results_file
+    from tpfuse.results import results_file
     from tpfuse.cli.preflight import check_writable
 
     for flag, path in (("--results", args.results and str(results_file(args.results, "profile.jsonl"))),
@@ -51,14 +51,14 @@ def run(args) -> int:
             check_writable(path, flag=flag)
     from rich.console import Console
 
-    from tpfuse.bench.profile import profile_rank
-    from tpfuse.cli.ranks import describe_failure, spawn
+    from tpfuse.e2e.profile import profile_rank
+    from tpfuse.cli.ranks import describe_failure, run_cli_ranks
     from tpfuse.spawn import RankFailure
 
     spec, ranks = resolve_spec_ranks(spec, args)
     try:
         with Console(stderr=True).status(f"profile: {args.steps} decode steps per fusion mode ...", spinner="dots"):
-            result = spawn(profile_rank, ranks.world_size, backend=ranks.backend,
+            result = run_cli_ranks(profile_rank, ranks.world_size, backend=ranks.backend,
                            args=(spec, args.batch, args.steps, args.trace), timeout_s=1800)[0]
     except RankFailure as exc:
         print(f"tpfuse profile: {spec.tp} rank(s) failed: {describe_failure(exc)}", file=sys.stderr)
@@ -66,14 +66,14 @@ def run(args) -> int:
     except RuntimeError as exc:
         raise UsageError(str(exc)) from None
     if args.plot:
-        from tpfuse.bench.profile import plot_stages
+        from tpfuse.e2e.profile import plot_stages
 
         result["plot"] = plot_stages(result, args.plot)
     if args.trace:
         result["trace"] = args.trace
     if args.results:
-        from tpfuse.bench.profile import profile_rows
-        from tpfuse.bench.results import append_rows, results_file
+        from tpfuse.e2e.profile import profile_rows
+        from tpfuse.results import append_rows, results_file
 
         path = append_rows(results_file(args.results, "profile.jsonl"), profile_rows(spec, result))
         result["results_file"] = str(path.resolve())
@@ -98,7 +98,7 @@ def _print(result: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from tpfuse.bench.profile import STAGE_TITLES, STAGES
+    from tpfuse.e2e.profile import STAGE_TITLES, STAGES
 
     console = Console()
     if not console.is_terminal:

@@ -9,7 +9,7 @@ adds the flags):
 - `--shared-gpu`: gloo with CUDA tensors, all ranks on the current GPU; a functional check of the
   GPU code paths on one GPU, timings not representative.
 
-`spawn(fn, N, ...)` is `tpfuse.spawn.run_ranks` with `fn` run through `rank_entry`, which makes
+`run_cli_ranks(fn, N, ...)` is `tpfuse.spawn.run_ranks` with `fn` run through `rank_entry`, which makes
 the rank print tpfuse's warnings as one plain line (the library's `warnings.warn` would show the
 file, the line number and the caller's source line). `describe_failure` turns a `RankFailure`
 into one line per distinct error, naming the ranks; the full tracebacks go to the debug log
@@ -94,7 +94,7 @@ def rank_entry(rank: int, world_size: int, fn: Callable[..., Any], *args: Any) -
     return fn(rank, world_size, *args)
 
 
-def spawn(fn: Callable[..., Any], world_size: int, *, backend: str, args: tuple = (), timeout_s: float,
+def run_cli_ranks(fn: Callable[..., Any], world_size: int, *, backend: str, args: tuple = (), timeout_s: float,
           env: dict[str, str] | None = None) -> list[Any]:
     from tpfuse.spawn import run_ranks
 

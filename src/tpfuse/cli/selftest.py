@@ -53,7 +53,7 @@ def _check_args(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     _check_args(args)
     from tpfuse.cli.preflight import reject_not_admitted
-    from tpfuse.cli.ranks import describe_failure, spawn
+    from tpfuse.cli.ranks import describe_failure, run_cli_ranks
     from tpfuse.selftest import default_cases, merge_ranks, rank_main
 
     ranks = ranks_of(args, default_world_size=DEFAULT_WORLD_SIZE)
@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     env = {"TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES": "1"} if ranks.shared_gpu else {}
     try:
-        per_rank = spawn(rank_main, ranks.world_size, backend=ranks.backend, timeout_s=args.timeout,
+        per_rank = run_cli_ranks(rank_main, ranks.world_size, backend=ranks.backend, timeout_s=args.timeout,
                          args=(cases, args.repeats, ranks.device, args.strategy, not args.json), env=env)
     except RankFailure as exc:
         print(f"tpfuse selftest: {ranks.world_size} {ranks.backend} rank(s) failed: {describe_failure(exc)}",

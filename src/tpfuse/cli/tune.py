@@ -20,7 +20,7 @@ import os
 
 from tpfuse.cli.args import add_output_args, add_rank_args, add_shape_args, check_rank_args, hiddens, ranks_of
 from tpfuse.cli.preflight import check_positive, check_writable
-from tpfuse.spawned import progress_bar, share_cpu_threads
+from tpfuse.rank_setup import progress_bar, share_cpu_threads
 
 
 def add_parser(subparsers) -> None:
@@ -70,7 +70,7 @@ def _check_args(args) -> tuple[tuple[int, ...], tuple[str, ...], tuple[str, ...]
         raise UsageError(f"--margin is a fraction in [0, 1), e.g. 0.03; got {args.margin}")
     check_positive(rounds=args.rounds, confirm_rounds=args.confirm_rounds)
     if args.results:
-        from tpfuse.bench.results import results_file
+        from tpfuse.results import results_file
 
         check_writable(str(results_file(args.results, "tune.jsonl")), flag="--results")
     if not args.no_save:  # before measuring (and before torch): a read-only cache fails now, not after the run
@@ -112,7 +112,7 @@ def run(args) -> int:
     import time
 
     from tpfuse.cli.main import UsageError, dumps_json
-    from tpfuse.cli.ranks import describe_failure, spawn
+    from tpfuse.cli.ranks import describe_failure, run_cli_ranks
     from tpfuse.dispatch.table import CacheDirError, parse, save, token_buckets
 
     sizes, ops, strategies = _check_args(args)
@@ -133,7 +133,7 @@ def run(args) -> int:
     env = {"TPFUSE_CACHE_DIR": os.path.abspath(args.cache_dir)} if args.cache_dir else {}
     started = time.perf_counter()
     try:
-        results = spawn(_tune_rank, world_size, backend=backend, env=env, timeout_s=args.timeout,
+        results = run_cli_ranks(_tune_rank, world_size, backend=backend, env=env, timeout_s=args.timeout,
                         args=(spec, device, args.fresh, not args.json))
     except RankFailure as exc:
         raise UsageError(f"tuning on {world_size} {backend} rank(s) failed: {describe_failure(exc)}") from None
@@ -145,7 +145,7 @@ def run(args) -> int:
     except CacheDirError as exc:
         raise UsageError(str(exc)) from None
     if args.results:
-        from tpfuse.bench.results import append_rows, results_file
+        from tpfuse.results import append_rows, results_file
         from tpfuse.tune.results import rows_from_table
 
         append_rows(results_file(args.results, "tune.jsonl"), rows_from_table(measured, backend=backend, device=device))

@@ -13,7 +13,7 @@ environment errors, among them a --strategy or --baseline admitted for none of t
 from __future__ import annotations
 
 from tpfuse.cli.args import add_output_args, add_rank_args, add_shape_args, check_rank_args, hiddens, ranks_of
-from tpfuse.spawned import progress_bar, share_cpu_threads
+from tpfuse.rank_setup import progress_bar, share_cpu_threads
 
 
 def add_parser(subparsers) -> None:
@@ -50,7 +50,7 @@ def run(args) -> int:
     from tpfuse.strategies import canonical_name, strategy_names
     from tpfuse.cli.main import EXIT_NEGATIVE, EXIT_OK, UsageError, dumps_json
     from tpfuse.cli.preflight import reject_not_admitted
-    from tpfuse.cli.ranks import describe_failure, spawn
+    from tpfuse.cli.ranks import describe_failure, run_cli_ranks
     from tpfuse.dispatch.table import token_buckets
 
     sizes = hiddens(args, "verify")
@@ -67,7 +67,7 @@ def run(args) -> int:
     if args.max_rounds is not None and args.max_rounds < args.rounds:
         raise UsageError(f"--max-rounds {args.max_rounds} is below --rounds {args.rounds}; give at least --rounds")
     if args.results:
-        from tpfuse.bench.results import results_file
+        from tpfuse.results import results_file
         from tpfuse.cli.preflight import check_writable
 
         check_writable(str(results_file(args.results, "verify.jsonl")), flag="--results")
@@ -83,7 +83,7 @@ def run(args) -> int:
 
     started = time.perf_counter()
     try:
-        results = spawn(_verify_rank, world_size, backend=backend, timeout_s=args.timeout,
+        results = run_cli_ranks(_verify_rank, world_size, backend=backend, timeout_s=args.timeout,
                         args=(args.strategy, args.baseline, sizes, buckets, args.dtype, args.op, args.margin,
                               args.rounds, args.max_rounds, device, not args.json))
     except RankFailure as exc:
@@ -92,7 +92,7 @@ def run(args) -> int:
     report.update(world_size=world_size, backend=backend, device=device, dtype=args.dtype,
                   seconds=round(time.perf_counter() - started, 2))
     if args.results:
-        from tpfuse.bench.results import append_rows, results_file
+        from tpfuse.results import append_rows, results_file
         from tpfuse.tune.results import rows_from_verify
 
         append_rows(results_file(args.results, "verify.jsonl"), rows_from_verify(report))

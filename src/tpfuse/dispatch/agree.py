@@ -20,10 +20,10 @@ import torch.distributed as dist
 from tpfuse.dispatch.table import DispatchTable, fingerprint, load, table_path, versions_of
 
 
-def agreed_table(group, info, caps, *, path: str | Path | None = None) -> tuple[DispatchTable | None, str]:
+def agreed_table(group, facts, caps, *, path: str | Path | None = None) -> tuple[DispatchTable | None, str]:
     """(table, "") when every rank holds the same valid table, else (None, why) on every rank."""
     try:
-        fp = fingerprint(info, caps)
+        fp = fingerprint(facts, caps)
         where = Path(path) if path is not None else table_path(fp)
         table, why = load(where, fp, versions_of(caps))
     except Exception as exc:  # noqa: BLE001 - a rank that raised here would leave its peers in the gather below

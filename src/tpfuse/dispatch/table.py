@@ -84,17 +84,17 @@ def canonical_digest(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-def fingerprint(info, caps) -> dict:
+def fingerprint(facts, caps) -> dict:
     """What makes measurements transferable: the group's shape and the hardware it runs on."""
     fp = {
-        "world_size": info.world_size,
-        "backend": info.backend,
-        "device_type": info.device_type,
-        "num_hosts": info.num_hosts,
-        "shares_device": info.shares_device,
-        "peer_access": info.peer_access,
+        "world_size": facts.world_size,
+        "backend": facts.backend,
+        "device_type": facts.device_type,
+        "num_hosts": facts.num_hosts,
+        "shares_device": facts.shares_device,
+        "peer_access": facts.peer_access,
     }
-    if info.device_type == "cuda":
+    if facts.device_type == "cuda":
         fp["gpus"] = [[g.name, list(g.compute_capability), g.sm_count, g.memory_bytes] for g in caps.gpus]
         fp["links"] = [[link.a, link.b, link.kind, link.peer_access] for link in caps.links if link.a != link.b]
     else:

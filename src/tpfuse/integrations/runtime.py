@@ -105,8 +105,8 @@ def plan_text(engine: str, group: EngineGroup, comm, hidden: int, dtype: torch.d
             runs[-1][1] = tokens
         else:
             runs.append([tokens, tokens, choice.name, choice.reason])
-    head = (f"tpfuse: {engine} group {group.name} (world size {comm.world_size}, {comm.info.backend}, "
-            f"{comm.info.device_type}) takes allreduce + residual + RMSNorm, hidden {hidden} {str(dtype).removeprefix('torch.')}:")
+    head = (f"tpfuse: {engine} group {group.name} (world size {comm.world_size}, {comm.facts.backend}, "
+            f"{comm.facts.device_type}) takes allreduce + residual + RMSNorm, hidden {hidden} {str(dtype).removeprefix('torch.')}:")
     lines = [f"  tokens {a}-{b}: {name} ({reason})" if a != b else f"  tokens {a}: {name} ({reason})" for a, b, name, reason in runs]
     return "\n".join([head, *lines])
 

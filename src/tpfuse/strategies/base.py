@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
-from tpfuse.spec import Needs, Problem, Verdict
+from tpfuse.spec import GroupFacts, Needs, Problem, Verdict
 
 if TYPE_CHECKING:
     import torch
@@ -29,7 +29,7 @@ class StrategyContext:
     group: "dist.ProcessGroup"
     rank: int
     world_size: int
-    problem_group: Any  # tpfuse.spec.GroupInfo
+    facts: GroupFacts
     caps: "Capabilities"
     device: "torch.device"
     options: dict = field(default_factory=dict)
@@ -83,7 +83,7 @@ class Strategy(ABC):
 
 def check_needs(needs: Needs, problem: Problem, caps: "Capabilities") -> Verdict:
     """Check declared needs against the problem's group facts and probed capabilities."""
-    group = problem.group
+    facts = problem.facts
     if problem.op not in needs.ops:
         return Verdict.no(f"does not implement {problem.op.value}")
     if problem.quant is not None and problem.quant not in needs.quant:
@@ -91,15 +91,15 @@ def check_needs(needs: Needs, problem: Problem, caps: "Capabilities") -> Verdict
                           + (f" (implements {', '.join(needs.quant)})" if needs.quant else " (no quantized output)"))
     if problem.dtype not in needs.dtypes:
         return Verdict.no(f"dtype {problem.dtype} not supported (supports {', '.join(needs.dtypes)})")
-    if needs.cuda and group.device_type != "cuda":
-        return Verdict.no(f"needs CUDA tensors; this group runs on {group.device_type}")
+    if needs.cuda and facts.device_type != "cuda":
+        return Verdict.no(f"needs CUDA tensors; this group runs on {facts.device_type}")
     if needs.cuda and not caps.has_gpu:
         return Verdict.no("needs a CUDA GPU; the probe found none")
-    if needs.nccl and group.backend != "nccl":
-        return Verdict.no(f"needs the NCCL process-group backend; this group uses {group.backend}")
-    if needs.single_host and group.num_hosts != 1:
-        return Verdict.no(f"needs all ranks on one host; the group spans {group.num_hosts} hosts")
-    if needs.peer_access and not group.peer_access:
+    if needs.nccl and facts.backend != "nccl":
+        return Verdict.no(f"needs the NCCL process-group backend; this group uses {facts.backend}")
+    if needs.single_host and facts.num_hosts != 1:
+        return Verdict.no(f"needs all ranks on one host; the group spans {facts.num_hosts} hosts")
+    if needs.peer_access and not facts.peer_access:
         return Verdict.no(
             "needs peer access between every pair of ranks' GPUs (or one shared GPU); "
             "at least one pair cannot map the other's memory"

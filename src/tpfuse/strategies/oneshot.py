@@ -85,7 +85,7 @@ class PeerStrategy(Strategy):
         self.timeout_s = float(ctx.options.get("timeout_s") or env.spin_timeout_s())
         self.max_programs = int(ctx.options.get("max_programs") or self._default_programs())
         self._max_tokens = ctx.options.get("max_tokens")
-        self.plan_programs = plan_programs(ctx.world_size, bool(getattr(ctx.problem_group, "shares_device", False)))
+        self.plan_programs = plan_programs(ctx.world_size, bool(ctx.facts.shares_device))
         self._workspaces: dict = {}
         self._fallback: Strategy | None = None
         self._prepare_tokens = 0
@@ -96,7 +96,7 @@ class PeerStrategy(Strategy):
         if self.ctx.device.type != "cuda":
             return 4
         sms = torch.cuda.get_device_properties(self.ctx.device).multi_processor_count
-        sharing = self.ctx.world_size if getattr(self.ctx.problem_group, "shares_device", False) else 1
+        sharing = self.ctx.world_size if self.ctx.facts.shares_device else 1
         return max(1, sms // sharing)
 
     def _launcher(self) -> Callable:
@@ -133,7 +133,7 @@ class PeerStrategy(Strategy):
             group=self.ctx.group, rank=self.ctx.rank, world_size=self.ctx.world_size, device=self.ctx.device,
             dtype=dtype, region_elems=max(self._need(t, hidden, dtype) for t in range(1, tokens + 1)),
             num_regions=self.ctx.world_size + self.extra_regions, timeout_s=self.timeout_s, where=self.name,
-            shares_device=bool(getattr(self.ctx.problem_group, "shares_device", False)),
+            shares_device=bool(self.ctx.facts.shares_device),
         )
         self._workspaces[dtype] = ws
         return ws
@@ -143,7 +143,7 @@ class PeerStrategy(Strategy):
         if self._fallback is None:
             from tpfuse.strategies import get_strategy
 
-            name = "nccl_epilogue" if self.ctx.problem_group.backend == "nccl" else "reference"
+            name = "nccl_epilogue" if self.ctx.facts.backend == "nccl" else "reference"
             self._fallback = get_strategy(name)(self.ctx)
         return self._fallback
 

@@ -1,7 +1,7 @@
 """Measuring: tune (measure and choose per bucket into a dispatch table) and verify (A/B).
 
 Heavy imports (torch) happen in the submodules, not here. Timing is `tpfuse.timing`'s protocol
-and verify-before-time is `tpfuse.verification.check_candidate`, shared with selftest and the
+and verify-before-time is `tpfuse.correctness.check_candidate`, shared with selftest and the
 benchmarks.
 - `candidates`: admitted strategies, their instances and timed calls;
 - `tuner`: `tune_in_group(TuneSpec(...))`, collective, inside an existing process group;

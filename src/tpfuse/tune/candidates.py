@@ -25,9 +25,9 @@ def admitted(problem: Problem, caps, names: list[str] | None = None) -> tuple[li
 
 
 class CandidatePool:
-    def __init__(self, *, group, rank: int, world_size: int, info, caps, device: torch.device, options: dict | None = None) -> None:
-        self.group, self.rank, self.world_size, self.info, self.caps, self.device = group, rank, world_size, info, caps, device
-        self._ctx = StrategyContext(group=group, rank=rank, world_size=world_size, problem_group=info,
+    def __init__(self, *, group, rank: int, world_size: int, facts, caps, device: torch.device, options: dict | None = None) -> None:
+        self.group, self.rank, self.world_size, self.facts, self.caps, self.device = group, rank, world_size, facts, caps, device
+        self._ctx = StrategyContext(group=group, rank=rank, world_size=world_size, facts=facts,
                                     caps=caps, device=device, options=dict(options or {}))
         self._instances: dict[str, Strategy] = {}
         self._prepared: set[tuple] = set()
@@ -38,15 +38,15 @@ class CandidatePool:
         probe. `device`: where tensors live (default: CUDA for NCCL groups, else CPU)."""
         import torch.distributed as dist
 
-        from tpfuse.group import agree_group_info, device_type_of
+        from tpfuse.group import agree_group_facts, device_type_of
         from tpfuse.probe import probe
 
         group = group if group is not None else dist.group.WORLD
         device_type = torch.device(device).type if device is not None else device_type_of(group)
         dev = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
         caps = probe()
-        info = agree_group_info(group, caps, device_type=device_type)
-        return cls(group=group, rank=dist.get_rank(group), world_size=dist.get_world_size(group), info=info, caps=caps,
+        facts = agree_group_facts(group, caps, device_type=device_type)
+        return cls(group=group, rank=dist.get_rank(group), world_size=dist.get_world_size(group), facts=facts, caps=caps,
                    device=dev, options=options)
 
     def get(self, name: str, *, hidden: int, dtype: torch.dtype, max_tokens: int) -> Strategy:

@@ -1,4 +1,4 @@
-"""Benchmark rows (`tpfuse.bench.results`) from what tune and verify measured.
+"""Benchmark rows (`tpfuse.results`) from what tune and verify measured.
 
 Every figure that tune or verify prints can be kept as rows in `benchmarks/results/*.jsonl`
 (`--results PATH` on both commands): one row per (bucket, strategy) with the median, p20 and p80
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from tpfuse.bench.results import ResultRow, make_row
+from tpfuse.results import ResultRow, make_row
 
 
 def _row(op, strategy, shape, dtype, world_size, stats, **extra) -> ResultRow:

@@ -5,7 +5,7 @@ process group, so an engine can tune in place; `tpfuse tune` spawns local ranks 
 
 Per (op, hidden, token bucket):
 1. admission (`tpfuse.strategies.admission`) on the group's agreed facts;
-2. verify before timing (`verification.check_candidate`): a candidate that fails on any rank is
+2. verify before timing (`correctness.check_candidate`): a candidate that fails on any rank is
    rejected on every rank and never timed;
 3. first pass: every passing candidate, `rounds` interleaved samples (`timing.time_interleaved`,
    max over ranks), medians;
@@ -31,7 +31,7 @@ from tpfuse.dispatch.table import DEFAULT_MARGIN, DispatchTable, Entry, fingerpr
 from tpfuse.spec import Op, Problem
 from tpfuse.timing import summary, time_interleaved
 from tpfuse.tune.candidates import CandidatePool, admitted, timed_call
-from tpfuse.verification import check_candidate
+from tpfuse.correctness import check_candidate
 
 ALL_OPS = (Op.ALL_REDUCE_RESIDUAL_RMSNORM.value, Op.ALL_REDUCE.value)
 
@@ -100,7 +100,7 @@ def tune_in_group(spec: TuneSpec, *, group=None, device=None, progress: Callable
     ranks sharing a GPU). `progress(description)` is called once per finished bucket.
     """
     pool = CandidatePool.for_group(group, device=device, options=options)
-    group, rank, world_size, info, caps, dev = pool.group, pool.rank, pool.world_size, pool.info, pool.caps, pool.device
+    group, rank, world_size, facts, caps, dev = pool.group, pool.rank, pool.world_size, pool.facts, pool.caps, pool.device
     dtype = getattr(torch, spec.dtype)
     max_tokens = max(spec.buckets)
     entries = []
@@ -109,22 +109,22 @@ def tune_in_group(spec: TuneSpec, *, group=None, device=None, progress: Callable
             op = Op(op_name)
             for hidden in spec.hiddens:
                 for num_tokens in sorted(spec.buckets):
-                    entries.append(_tune_bucket(spec, pool, op, hidden, num_tokens, dtype, max_tokens, info, caps,
+                    entries.append(_tune_bucket(spec, pool, op, hidden, num_tokens, dtype, max_tokens, facts, caps,
                                                 group, rank, world_size, dev))
                     if progress is not None:
                         progress(f"{op_name} {num_tokens}x{hidden}: {entries[-1].choice}")
     finally:
         pool.close()
     settings = {"margin": spec.margin, "rounds": spec.rounds, "confirm_rounds": spec.confirm_rounds}
-    table = DispatchTable(versions_of(caps), fingerprint(info, caps), tuple(entries), settings, now_iso())
+    table = DispatchTable(versions_of(caps), fingerprint(facts, caps), tuple(entries), settings, now_iso())
     # Rank 0's table on every rank: same timestamp and bits, hence the same digest everywhere.
     box = [table.to_json() if rank == 0 else None]
     dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
     return parse(box[0])
 
 
-def _tune_bucket(spec, pool, op, hidden, num_tokens, dtype, max_tokens, info, caps, group, rank, world_size, dev) -> Entry:
-    problem = Problem(op, num_tokens, hidden, spec.dtype, info, has_residual=op == Op.ALL_REDUCE_RESIDUAL_RMSNORM)
+def _tune_bucket(spec, pool, op, hidden, num_tokens, dtype, max_tokens, facts, caps, group, rank, world_size, dev) -> Entry:
+    problem = Problem(op, num_tokens, hidden, spec.dtype, facts, has_residual=op == Op.ALL_REDUCE_RESIDUAL_RMSNORM)
     names, verdicts = admitted(problem, caps, list(spec.strategies) if spec.strategies else None)
     rejected = {n: f"not admitted: {v.reason}" for n, v in verdicts.items() if not v.ok}
     passing = []

@@ -2,7 +2,7 @@
 
 Collective: every rank of `group` calls it with the same arguments.
 
-Per (hidden, token bucket): correctness first (`verification.check_candidate`, for the candidate
+Per (hidden, token bucket): correctness first (`correctness.check_candidate`, for the candidate
 and the baseline); a candidate that fails anywhere is REVERT for that bucket. Then `rounds`
 interleaved rounds of three timed calls, order rotated per round: the candidate A, the baseline B
 and the baseline again B' (same instance). B' against B measures the noise of the machine itself.
@@ -41,7 +41,7 @@ from tpfuse.dispatch.table import DEFAULT_MARGIN
 from tpfuse.spec import Op, Problem
 from tpfuse.timing import summary, time_interleaved
 from tpfuse.tune.candidates import CandidatePool, admitted, timed_call
-from tpfuse.verification import check_candidate
+from tpfuse.correctness import check_candidate
 
 # 1.58 * IQR / sqrt(n): half-width of the notch around a median (McGill, Tukey, Larsen 1978),
 # a rank-based ~95% interval that needs no normality assumption.
@@ -120,7 +120,7 @@ def verify_in_group(strategy: str, *, hiddens: tuple[int, ...], buckets: tuple[i
         raise ValueError(f"verify: rounds must be >= 2 to measure noise, got {rounds}")
     max_rounds = max(rounds, max_rounds if max_rounds is not None else 4 * rounds)
     pool = CandidatePool.for_group(group, device=device, options=options)
-    group, rank, world_size, info, caps, dev = pool.group, pool.rank, pool.world_size, pool.info, pool.caps, pool.device
+    group, rank, world_size, facts, caps, dev = pool.group, pool.rank, pool.world_size, pool.facts, pool.caps, pool.device
     torch_dtype = getattr(torch, dtype)
     the_op = Op(op)
     max_tokens = max(buckets)
@@ -131,12 +131,12 @@ def verify_in_group(strategy: str, *, hiddens: tuple[int, ...], buckets: tuple[i
 
     try:
         if baseline is None:
-            baseline = _best_unfused(strategy, the_op, hiddens[0], max_tokens, dtype, info, caps, pool, call, group, rank,
+            baseline = _best_unfused(strategy, the_op, hiddens[0], max_tokens, dtype, facts, caps, pool, call, group, rank,
                                      world_size, dev, rounds)
         results = []
         for hidden in hiddens:
             for num_tokens in sorted(buckets):
-                results.append(_verify_bucket(strategy, baseline, the_op, hidden, num_tokens, dtype, torch_dtype, info, caps,
+                results.append(_verify_bucket(strategy, baseline, the_op, hidden, num_tokens, dtype, torch_dtype, facts, caps,
                                               pool, call, group, rank, world_size, dev, margin, rounds, max_rounds, warmup, max_tokens))
                 if progress is not None:
                     progress(f"{num_tokens}x{hidden}: {results[-1].verdict}")
@@ -145,10 +145,10 @@ def verify_in_group(strategy: str, *, hiddens: tuple[int, ...], buckets: tuple[i
     return VerifyReport(strategy, baseline, margin, tuple(results))
 
 
-def _best_unfused(strategy, op, hidden, num_tokens, dtype, info, caps, pool, call, group, rank, world_size, dev, rounds) -> str:
+def _best_unfused(strategy, op, hidden, num_tokens, dtype, facts, caps, pool, call, group, rank, world_size, dev, rounds) -> str:
     """The fastest admitted unfused strategy that also passes the correctness check (a wrong
     baseline would make any candidate look good)."""
-    names, _ = admitted(Problem(op, num_tokens, hidden, dtype, info), caps)
+    names, _ = admitted(Problem(op, num_tokens, hidden, dtype, facts), caps)
     options = []
     for name in (n for n in names if not is_fused(n) and n != strategy):
         instance = pool.get(name, hidden=hidden, dtype=getattr(torch, dtype), max_tokens=num_tokens)
@@ -165,9 +165,9 @@ def _best_unfused(strategy, op, hidden, num_tokens, dtype, info, caps, pool, cal
     return min(options, key=lambda n: statistics.median(samples[n]))
 
 
-def _verify_bucket(strategy, baseline, op, hidden, num_tokens, dtype, torch_dtype, info, caps, pool, call, group, rank,
+def _verify_bucket(strategy, baseline, op, hidden, num_tokens, dtype, torch_dtype, facts, caps, pool, call, group, rank,
                    world_size, dev, margin, rounds, max_rounds, warmup, max_tokens) -> BucketVerdict:
-    problem = Problem(op, num_tokens, hidden, dtype, info)
+    problem = Problem(op, num_tokens, hidden, dtype, facts)
     _, verdicts = admitted(problem, caps, list(dict.fromkeys([strategy, baseline])))
     for name in (strategy, baseline):
         if not verdicts[name].ok:

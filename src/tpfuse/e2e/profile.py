@@ -175,7 +175,7 @@ def profile_rank(rank: int, world_size: int, spec, batch: int, steps: int, trace
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from tpfuse.bench.e2e import DecodeStep, build_model, prompts
+    from tpfuse.e2e.decode import DecodeStep, build_model, prompts
 
     model, device, dtype = build_model(spec, rank, world_size)
     model.prepare(batch * spec.prompt_len, token_counts=(batch,))
@@ -252,7 +252,7 @@ def plot_stages(result: dict, path: str) -> str:
 
 def profile_rows(spec, result: dict) -> list:
     """One result row per (fusion mode, stage): the sample is that stage's time per step."""
-    from tpfuse.bench.results import make_row
+    from tpfuse.results import make_row
 
     cfg = result["config"]
     rows = []

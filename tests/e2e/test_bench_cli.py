@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tpfuse.bench.results import read_rows
+from tpfuse.results import read_rows
 from tpfuse.cli.main import main
 
 

@@ -1,4 +1,4 @@
-"""tpfuse.verification: the inputs, the checks (a wrong answer, an unwritten output, a wrong
+"""tpfuse.correctness: the inputs, the checks (a wrong answer, an unwritten output, a wrong
 shape or an aliased input is caught; nothing right is refused), the digest, and the collective
 verdict on 2 gloo ranks; GPU tier: a strategy that writes nothing reads NaN and fails."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tpfuse import verification as V
+from tpfuse import correctness as V
 from tpfuse.spawn import run_ranks
 from tpfuse.reference import TOLERANCE, all_reduce_residual_rmsnorm_ref
 from tpfuse.spec import Op

@@ -11,7 +11,7 @@ from collections import Counter
 
 import pytest
 
-from tpfuse.bench.profile import STAGES, Record, attribute, classify, stage_bytes
+from tpfuse.e2e.profile import STAGES, Record, attribute, classify, stage_bytes
 from tpfuse.spawn import run_ranks
 
 STEPS = 2
@@ -62,8 +62,8 @@ def test_stage_bytes_moe_estimate():
 
 
 def _trace_rank(rank, world):
-    from tpfuse.bench.e2e import E2ESpec
-    from tpfuse.bench.profile import profile_rank
+    from tpfuse.e2e.decode import E2ESpec
+    from tpfuse.e2e.profile import profile_rank
 
     spec = E2ESpec(preset="tiny", fusion=(False, True), tp=world, moe_runner="dense", progress=False,
                    prompt_len=4, context=16)

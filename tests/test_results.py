@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from tpfuse.bench.results import results_file
+from tpfuse.results import results_file
 
 
 def test_a_jsonl_path_is_used_as_is_and_a_directory_gets_the_command_file(tmp_path):

@@ -45,7 +45,7 @@ EPS = 1e-6  # the RMSNorm epsilon every case uses (the API's default)
 
 @dataclass(frozen=True)
 class Case:
-    """One verification case: which inputs ("exact" small integers or "random"), op and shape."""
+    """One correctness case: which inputs ("exact" small integers or "random"), op and shape."""
 
     kind: str  # "exact" | "random"
     op: str  # an Op value: "all_reduce" | "all_reduce_residual_rmsnorm"

@@ -19,7 +19,7 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from tpfuse.bench.results import ResultRow, make_row
+from tpfuse.results import ResultRow, make_row
 
 
 @dataclass(frozen=True)
@@ -273,9 +273,9 @@ def _e2e_rank(rank: int, world_size: int, spec: E2ESpec) -> dict:
     }
 
 
-def run_e2e(spec: E2ESpec, *, timeout_s: float = 1800.0, launch=None) -> dict:
+def run_e2e(spec: E2ESpec, *, timeout_s: float = 1800.0, runner=None) -> dict:
     """Run the benchmark on `spec.tp` spawned ranks; rank 0's result dict (see `_e2e_rank`).
-    `launch` replaces `tpfuse.spawn.run_ranks` (same signature; the CLI's adds its warning format)."""
+    `runner` replaces `tpfuse.spawn.run_ranks` (same signature; the CLI's adds its warning format)."""
     from tpfuse.spawn import run_ranks
 
     device = resolve_device(spec)
@@ -286,7 +286,7 @@ def run_e2e(spec: E2ESpec, *, timeout_s: float = 1800.0, launch=None) -> dict:
         if torch.cuda.device_count() < spec.tp:
             raise RuntimeError(f"bench e2e: --tp {spec.tp} needs {spec.tp} GPUs, torch sees {torch.cuda.device_count()}")
     backend = "nccl" if device == "cuda" else "gloo"
-    return (launch or run_ranks)(_e2e_rank, spec.tp, backend=backend, args=(spec,), timeout_s=timeout_s)[0]
+    return (runner or run_ranks)(_e2e_rank, spec.tp, backend=backend, args=(spec,), timeout_s=timeout_s)[0]
 
 
 def e2e_rows(spec: E2ESpec, result: dict) -> list[ResultRow]:

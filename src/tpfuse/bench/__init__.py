@@ -1,1 +1,0 @@
-"""Benchmarks and their result rows (`tpfuse.bench.results`)."""
