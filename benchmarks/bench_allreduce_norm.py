@@ -109,8 +109,8 @@ def symm_mem_factories(group, hidden: int, dtype, max_tokens: int, eps: float, d
 
 def flashinfer_factory(group, rank: int, world_size: int, hidden: int, max_tokens: int, eps: float):
     """(factory, cleanup) for FlashInfer's trtllm_allreduce_fusion, residual + RMSNorm pattern."""
-    import torch
     import flashinfer.comm as fc
+    import torch
 
     handles, workspace = fc.trtllm_create_ipc_workspace_for_all_reduce_fusion(rank, world_size, max_tokens, hidden, group=group)
 
@@ -197,9 +197,9 @@ def sweep_bucket(spec, ctx, hidden: int, tokens: int, factories: dict, not_timed
     """Collective: check then time every provider at (hidden, tokens); this rank's view of the result."""
     import torch
 
+    from tpfuse.correctness import Case
     from tpfuse.reference import random_inputs
     from tpfuse.timing import time_interleaved
-    from tpfuse.correctness import Case
 
     group, rank, world_size, device = ctx
     dtype = getattr(torch, spec.dtype)
@@ -238,9 +238,9 @@ def rank_main(rank: int, world_size: int, spec: SweepSpec):
     import torch.distributed as dist
 
     from tpfuse import Communicator
-    from tpfuse.strategies import admission, strategy_names
-    from tpfuse.spec import Op, Problem
     from tpfuse.rank_setup import share_cpu_threads
+    from tpfuse.spec import Op, Problem
+    from tpfuse.strategies import admission, strategy_names
 
     share_cpu_threads(world_size, spec.device)
     group = dist.group.WORLD
@@ -387,10 +387,10 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from tpfuse.results import append_rows
     from tpfuse.cli.main import UsageError
     from tpfuse.cli.ranks import resolve_ranks
     from tpfuse.dispatch.table import token_buckets
+    from tpfuse.results import append_rows
     from tpfuse.spawn import run_ranks
 
     try:

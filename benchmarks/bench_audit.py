@@ -28,7 +28,6 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))  # the PyPI fetch/cache helper and the corpus harness shared with the tests
 
 from audit.sglang_source import SGLANG_VERSION, sglang_source  # noqa: E402
-
 from tpfuse.results import append_rows, make_row  # noqa: E402
 
 

@@ -71,7 +71,13 @@ class EmulatedWorkspace:
 
 def make_workspaces(world: int, dtype, region_elems: int, num_regions: int) -> list[EmulatedWorkspace]:
     from tpfuse.kernels.protocol import (
-        ERR_WORDS, HEADER_BYTES, NUM_SLOTS, SENTINEL_BITS, STATE_WORDS, partials_len, round_region,
+        ERR_WORDS,
+        HEADER_BYTES,
+        NUM_SLOTS,
+        SENTINEL_BITS,
+        STATE_WORDS,
+        partials_len,
+        round_region,
     )
 
     region = round_region(region_elems)

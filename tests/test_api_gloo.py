@@ -3,7 +3,6 @@
 import pytest
 import torch
 
-from tpfuse.spawn import RankFailure, run_ranks
 from tpfuse.reference import (
     TOLERANCE,
     all_reduce_ref,
@@ -12,6 +11,7 @@ from tpfuse.reference import (
     relative_error,
     small_integer_inputs,
 )
+from tpfuse.spawn import RankFailure, run_ranks
 
 H = 96
 

@@ -5,8 +5,8 @@ warnings that point at the user's own line."""
 import pytest
 import torch
 
-from tpfuse.spawn import run_ranks
 from tpfuse.reference import all_reduce_residual_rmsnorm_ref, small_integer_inputs
+from tpfuse.spawn import run_ranks
 
 pytestmark = pytest.mark.gloo
 

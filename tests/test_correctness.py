@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from tpfuse import correctness as V
-from tpfuse.spawn import run_ranks
 from tpfuse.reference import TOLERANCE, all_reduce_residual_rmsnorm_ref
+from tpfuse.spawn import run_ranks
 from tpfuse.spec import Op
 
 FUSED = Op.ALL_REDUCE_RESIDUAL_RMSNORM.value

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from tpfuse import quant as Q
-from tpfuse.spawn import run_ranks
 from tpfuse.reference import all_reduce_residual_rmsnorm_quant_ref, small_integer_inputs
+from tpfuse.spawn import run_ranks
 
 pytestmark = pytest.mark.gloo
 

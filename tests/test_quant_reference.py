@@ -12,7 +12,6 @@ import torch
 
 import tpfuse
 from tpfuse import quant as Q
-from tpfuse.strategies import admission, get_strategy
 from tpfuse.probe.capabilities import Capabilities, CpuInfo, GpuInfo, Versions
 from tpfuse.reference import (
     _e2m1_codes,
@@ -23,6 +22,7 @@ from tpfuse.reference import (
     swizzle_128x4,
 )
 from tpfuse.spec import GroupFacts, Op, Problem
+from tpfuse.strategies import admission, get_strategy
 from tpfuse.validation import check_quant
 
 E4M3_VALUES = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).double()

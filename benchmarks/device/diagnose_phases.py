@@ -14,8 +14,8 @@ import argparse
 import json
 import statistics
 
-from tpfuse.results import append_rows, make_row
 from tpfuse.diagnose.samples import load_recording
+from tpfuse.results import append_rows, make_row
 
 # NVML's power on Ampere and newer is a 1 s moving average (NVML API reference), and utilisation
 # covers a window of up to 1 s: samples in the first second of a phase still carry the previous one.

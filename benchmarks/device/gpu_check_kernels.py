@@ -55,9 +55,9 @@ def _functional_rank(rank, world_size, name, shapes, calls):
 
 
 def functional_check(out_dir: Path) -> list[str]:
+    from tpfuse.reference import all_reduce_residual_rmsnorm_ref, small_integer_inputs
     from tpfuse.results import append_rows, make_row
     from tpfuse.spawn import run_ranks
-    from tpfuse.reference import all_reduce_residual_rmsnorm_ref, small_integer_inputs
 
     shapes, calls, lines, rows = [(1, 6144), (64, 6144)], 20, [], []
     for name in ("oneshot", "twoshot"):

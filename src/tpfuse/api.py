@@ -24,15 +24,14 @@ import torch
 import torch.distributed as dist
 
 from tpfuse import env
-from tpfuse.strategies import admission, canonical_name, get_strategy, strategy_names
-from tpfuse.strategies.base import Strategy, StrategyContext
-from tpfuse.strategies.host_wait import PeerGuard, goes_through_host, strategy_timeout_s
 from tpfuse.dispatch.agree import agreed_table
 from tpfuse.dispatch.choice import CONSERVATIVE_DEFAULT, Choice, choose, is_fused, warn_once
 from tpfuse.group import agree_group_facts, agree_settings, device_type_of
 from tpfuse.spec import Op, Problem, dtype_name
+from tpfuse.strategies import admission, canonical_name, get_strategy, strategy_names
+from tpfuse.strategies.base import Strategy, StrategyContext
+from tpfuse.strategies.host_wait import PeerGuard, goes_through_host, strategy_timeout_s
 from tpfuse.validation import SUPPORTED_DTYPES, as_rows, check_all_reduce, check_quant, check_residual_rmsnorm
-
 
 _SETTING_FIXES = {
     "strategy": "pass the same strategy= (and TPFUSE_STRATEGY) on every rank",
@@ -178,7 +177,7 @@ class Communicator:
         self._instances.clear()
         self._closed = True
 
-    def __enter__(self) -> "Communicator":
+    def __enter__(self) -> Communicator:
         return self
 
     def __exit__(self, *exc) -> None:

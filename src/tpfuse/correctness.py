@@ -27,14 +27,20 @@ exception) rejects the candidate on every rank, with the failing ranks and their
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
-from tpfuse.reference import TOLERANCE, all_reduce_ref, all_reduce_residual_rmsnorm_ref, relative_error
-from tpfuse.reference import random_inputs, small_integer_inputs
+from tpfuse.reference import (
+    TOLERANCE,
+    all_reduce_ref,
+    all_reduce_residual_rmsnorm_ref,
+    random_inputs,
+    relative_error,
+    small_integer_inputs,
+)
 from tpfuse.spec import Op, Verdict
 
 # How many output-sized blocks to poison before a call: outputs of the fused op are two tensors,

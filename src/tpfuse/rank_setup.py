@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 
 def share_cpu_threads(world_size: int, device: str) -> None:

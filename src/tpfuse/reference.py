@@ -33,7 +33,7 @@ bound is 4u for the 16-bit types and a fixed few-ulp figure for fp32.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

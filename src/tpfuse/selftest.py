@@ -53,9 +53,9 @@ def default_cases(*, num_tokens: int = 4) -> list[Case]:
 def run_case(comm, strategy: str, case: Case, *, repeats: int) -> CaseResult:
     """Run one case on this rank (a collective: every rank calls it with the same case): the
     check (`tpfuse.correctness.run_case`), then `repeats` timed calls (`tpfuse.timing`)."""
-    from tpfuse.timing import time_interleaved
     from tpfuse.correctness import case_inputs, op_call
     from tpfuse.correctness import run_case as check_case
+    from tpfuse.timing import time_interleaved
 
     fn = op_call(comm, case.op)
     check = check_case(fn, case, rank=comm.rank, world_size=comm.world_size, device=comm.device)
@@ -75,9 +75,9 @@ def rank_main(rank: int, world_size: int, cases: list[Case], repeats: int, devic
     """Body of one selftest rank: returns (admission reasons, results) as plain data; rank 0 shows a
     progress bar on a terminal when `show_progress`."""
     from tpfuse import Communicator
-    from tpfuse.strategies import admission, strategy_names
-    from tpfuse.spec import Op, Problem
     from tpfuse.rank_setup import progress_bar
+    from tpfuse.spec import Op, Problem
+    from tpfuse.strategies import admission, strategy_names
 
     probe_comm = Communicator(device=device)
     facts, caps = probe_comm.facts, probe_comm.caps

@@ -36,11 +36,11 @@ class Verdict:
         return self.ok
 
     @classmethod
-    def yes(cls, reason: str = "all needs met") -> "Verdict":
+    def yes(cls, reason: str = "all needs met") -> Verdict:
         return cls(True, reason)
 
     @classmethod
-    def no(cls, reason: str) -> "Verdict":
+    def no(cls, reason: str) -> Verdict:
         return cls(False, reason)
 
 
@@ -63,7 +63,7 @@ class GroupFacts:
     shares_device: bool = False
 
     @classmethod
-    def single_process(cls, device_type: str = "cpu", backend: str = "gloo") -> "GroupFacts":
+    def single_process(cls, device_type: str = "cpu", backend: str = "gloo") -> GroupFacts:
         return cls(world_size=1, backend=backend, device_type=device_type, devices=(device_type,))
 
 

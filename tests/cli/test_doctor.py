@@ -11,15 +11,22 @@ import types
 
 import pytest
 
-import tpfuse.strategies as strategies
 import tpfuse.probe
-from tpfuse.strategies.base import Strategy
+import tpfuse.strategies as strategies
 from tpfuse.cli.doctor import problem_of
 from tpfuse.cli.main import UsageError, main
 from tpfuse.probe.capabilities import (
-    Capabilities, CpuInfo, FabricMeasurements, GpuInfo, LinkInfo, PackageStatus, PeerMeasurement, Versions,
+    Capabilities,
+    CpuInfo,
+    FabricMeasurements,
+    GpuInfo,
+    LinkInfo,
+    PackageStatus,
+    PeerMeasurement,
+    Versions,
 )
 from tpfuse.spec import Needs, Op, Verdict
+from tpfuse.strategies.base import Strategy
 
 
 @pytest.fixture(autouse=True)

@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from tests.cli.test_doctor import fake_gpu_caps, no_moe_section, wide_console  # noqa: F401  (fixtures)
 
 import tpfuse.probe
 from tpfuse.cli.main import main
-from tests.cli.test_doctor import fake_gpu_caps, no_moe_section, wide_console  # noqa: F401  (fixtures)
 
 
 @pytest.mark.parametrize("kind", ["fp8_per_group", "nvfp4"])

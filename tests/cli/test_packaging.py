@@ -1,8 +1,9 @@
 """What `pip install .` brings: every package the ranks need at run time is a declared dependency."""
 
 import re
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 from tpfuse.cli.preflight import RUNTIME_PACKAGES
 

@@ -6,12 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from tpfuse.results import read_rows
-from tpfuse.cli.main import main
-from tpfuse.probe import probe
-from tpfuse.dispatch.table import load, versions_of
-
 from support.tune_test_strategies import PLUGINS
+from tpfuse.cli.main import main
+from tpfuse.dispatch.table import load, versions_of
+from tpfuse.probe import probe
+from tpfuse.results import read_rows
 
 TESTS_DIR = str(Path(__file__).resolve().parents[1])
 

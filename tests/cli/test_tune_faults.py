@@ -10,11 +10,10 @@ import time
 
 import pytest
 
-from tpfuse.cli.main import main
-from tpfuse.spawn import FAILURE_GRACE_S
-from tpfuse.dispatch.table import CacheDirError, check_writable, save
-
 from dispatch.test_table_faults import _table
+from tpfuse.cli.main import main
+from tpfuse.dispatch.table import CacheDirError, check_writable, save
+from tpfuse.spawn import FAILURE_GRACE_S
 
 TESTS = os.path.dirname(os.path.dirname(__file__))
 SRC = os.path.join(os.path.dirname(TESTS), "src")

@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from tpfuse.results import read_rows
 from tpfuse.cli.main import main
+from tpfuse.results import read_rows
 
 pytestmark = pytest.mark.gloo
 

@@ -8,8 +8,16 @@ import math
 
 import pytest
 
-from tpfuse.diagnose.samples import (FORMAT, SAMPLE_FIELDS, Recording, Sample, load_recording, recording_from_dict,
-                                       recording_to_dict, save_recording)
+from tpfuse.diagnose.samples import (
+    FORMAT,
+    SAMPLE_FIELDS,
+    Recording,
+    Sample,
+    load_recording,
+    recording_from_dict,
+    recording_to_dict,
+    save_recording,
+)
 
 from .synth import BUSY, WAITING, make_recording
 

@@ -11,10 +11,10 @@ import time
 
 import pytest
 
-from tpfuse.diagnose.sampler import Sampler, open_nvml, process_tree
-
 from support import fake_nvml
 from support.fake_nvml import FakeNvml
+from tpfuse.diagnose.sampler import Sampler, open_nvml, process_tree
+
 from .cli_helpers import run_cli, run_cli_json
 
 

@@ -14,8 +14,8 @@ import os
 import pytest
 import torch
 
-from tpfuse.spawn import run_ranks
 from tpfuse.reference import all_reduce_ref, small_integer_inputs
+from tpfuse.spawn import run_ranks
 
 from .test_table_faults import _resigned, _set, _table
 
@@ -38,10 +38,10 @@ def _tables(rank, root):
     import torch.distributed as dist
 
     from tpfuse import Communicator
-    from tpfuse.group import agree_group_facts
-    from tpfuse.probe import probe
     from tpfuse.dispatch import agree
     from tpfuse.dispatch.table import fingerprint, save, table_path, versions_of
+    from tpfuse.group import agree_group_facts
+    from tpfuse.probe import probe
 
     caps = probe()
     fp = fingerprint(agree_group_facts(dist.group.WORLD, caps), caps)

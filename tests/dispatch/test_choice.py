@@ -7,8 +7,8 @@ import random
 import pytest
 
 from tpfuse.dispatch.choice import choose, guarded
-from tpfuse.spec import GroupFacts, Op, Problem, Verdict
 from tpfuse.dispatch.table import DispatchTable, Entry
+from tpfuse.spec import GroupFacts, Op, Problem, Verdict
 from tpfuse.tune.tuner import decide
 from tpfuse.tune.verify import judge
 

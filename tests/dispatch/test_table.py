@@ -4,8 +4,6 @@ import json
 
 import pytest
 
-from tpfuse.probe import probe
-from tpfuse.spec import GroupFacts
 from tpfuse.dispatch.table import (
     SCHEMA_VERSION,
     DispatchTable,
@@ -18,6 +16,8 @@ from tpfuse.dispatch.table import (
     token_buckets,
     versions_of,
 )
+from tpfuse.probe import probe
+from tpfuse.spec import GroupFacts
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +94,7 @@ def test_stale_and_foreign_tables_are_ignored(here, tmp_path):
     path = save(_table(here), tmp_path / "t.json")
     for key in ("tpfuse", "torch", "driver"):
         table, why = load(path, fp, {**versions, key: "0.0-other"})
-        assert table is None and why.endswith(f"running 0.0-other") and "stale" in why
+        assert table is None and why.endswith("running 0.0-other") and "stale" in why
     table, why = load(path, {**fp, "world_size": 4}, versions)
     assert table is None and "foreign" in why
     old = DispatchTable(versions, fp, (_entry(1),), {}, "", schema=SCHEMA_VERSION + 1)

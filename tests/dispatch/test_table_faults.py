@@ -6,9 +6,19 @@ import json
 import os
 
 import pytest
+
+from tpfuse.dispatch.table import (
+    MAX_TABLE_BYTES,
+    DispatchTable,
+    Entry,
+    canonical_digest,
+    fingerprint,
+    load,
+    save,
+    versions_of,
+)
 from tpfuse.probe import probe
 from tpfuse.spec import GroupFacts
-from tpfuse.dispatch.table import MAX_TABLE_BYTES, DispatchTable, Entry, canonical_digest, fingerprint, load, save, versions_of
 
 
 @pytest.fixture(scope="module")

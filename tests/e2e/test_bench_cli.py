@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from tpfuse.results import read_rows
 from tpfuse.cli.main import main
+from tpfuse.results import read_rows
 
 
 @pytest.mark.slow

@@ -10,7 +10,6 @@ cleanup. The per-rank results are pickled to OUT.pkl; the test compares them wit
 
 from __future__ import annotations
 
-import os
 import pickle
 import sys
 from types import SimpleNamespace
@@ -21,7 +20,6 @@ TOKENS = 5
 
 def rank_main(rank: int, world_size: int) -> dict:
     import torch
-
     from engine_env import install_torchvision_shim
 
     install_torchvision_shim()
@@ -37,13 +35,13 @@ def rank_main(rank: int, world_size: int) -> dict:
     get_parallel().override_permanently(world_group=parallel_state._WORLD)
     initialize_model_parallel(backend="gloo")
 
+    import logging
+
     from sglang.srt.plugins import load_plugins
     from sglang.srt.plugins.hook_registry import HookRegistry
 
     import tpfuse.integrations.runtime as runtime
     import tpfuse.integrations.sglang as plugin
-
-    import logging
 
     out: dict = {"log": []}
     handler = logging.Handler()

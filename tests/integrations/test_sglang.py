@@ -12,12 +12,11 @@ import pickle
 import subprocess
 import sys
 
+import engine_env
 import pytest
 import torch
 
 from tpfuse.reference import all_reduce_residual_rmsnorm_ref, random_inputs, small_integer_inputs
-
-import engine_env
 
 pytestmark = pytest.mark.gloo
 

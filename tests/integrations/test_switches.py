@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from tpfuse import env
-from tpfuse.spawn import run_ranks
 from tpfuse.reference import all_reduce_residual_rmsnorm_ref, small_integer_inputs
+from tpfuse.spawn import run_ranks
 
 
 @pytest.mark.parametrize("value, want", [("", set()), ("0", set()), ("all", {"sglang", "vllm"}), ("1", {"sglang", "vllm"}),

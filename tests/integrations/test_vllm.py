@@ -15,12 +15,17 @@ import pickle
 import subprocess
 import sys
 
+import engine_env
 import pytest
 import torch
 
-from tpfuse.reference import TOLERANCE, all_reduce_residual_rmsnorm_ref, random_inputs, relative_error, small_integer_inputs
-
-import engine_env
+from tpfuse.reference import (
+    TOLERANCE,
+    all_reduce_residual_rmsnorm_ref,
+    random_inputs,
+    relative_error,
+    small_integer_inputs,
+)
 
 pytestmark = pytest.mark.gloo
 

@@ -34,8 +34,8 @@ def rank_main(rank: int, world_size: int) -> dict:
         from vllm.compilation.passes.pass_manager import PostGradPassManager
         from vllm.plugins import load_general_plugins
 
-        import tpfuse.integrations.vllm as plugin
         import tpfuse.integrations.runtime as runtime
+        import tpfuse.integrations.vllm as plugin
 
         load_general_plugins()
         plugin.plugin()  # idempotent: configure is wrapped once

@@ -11,7 +11,6 @@ leaving NaN in the allocator's cache before an API call that allocates).
 import pytest
 import torch
 
-from tpfuse.spawn import run_ranks
 from tpfuse.reference import (
     TOLERANCE,
     all_reduce_ref,
@@ -21,6 +20,7 @@ from tpfuse.reference import (
     residual_rmsnorm_ref,
     small_integer_inputs,
 )
+from tpfuse.spawn import run_ranks
 
 pytestmark = pytest.mark.gpu
 ENV = {"TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES": "1", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",

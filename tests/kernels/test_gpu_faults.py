@@ -10,8 +10,8 @@ import time
 import pytest
 import torch
 
-from tpfuse.spawn import run_ranks
 from tpfuse.reference import all_reduce_residual_rmsnorm_ref, small_integer_inputs
+from tpfuse.spawn import run_ranks
 
 pytestmark = pytest.mark.gpu
 ENV = {"TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES": "1", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",

@@ -11,7 +11,6 @@ Shapes are tiny (H <= 96, M <= 9) because the interpreter runs every program in 
 import pytest
 import torch
 
-from tpfuse.spawn import run_ranks
 from tpfuse.reference import (
     TOLERANCE,
     all_reduce_ref,
@@ -21,6 +20,7 @@ from tpfuse.reference import (
     residual_rmsnorm_ref,
     small_integer_inputs,
 )
+from tpfuse.spawn import run_ranks
 
 pytestmark = pytest.mark.interpreter
 
@@ -70,9 +70,9 @@ def test_epilogue_matches_reference_in_interpreter():
 def _strategy(name, rank, world_size, **options):
     import torch.distributed as dist
 
+    from tpfuse.spec import GroupFacts
     from tpfuse.strategies import get_strategy
     from tpfuse.strategies.base import StrategyContext
-    from tpfuse.spec import GroupFacts
 
     facts = GroupFacts(world_size=world_size, backend="gloo", device_type="cpu", devices=("cpu",) * world_size)
     ctx = StrategyContext(dist.group.WORLD, rank, world_size, facts, None, torch.device("cpu"), dict(options))
@@ -355,8 +355,9 @@ def test_peer_strategies_quantized_output_equals_the_reference(name):
 
 def _check_quantized(name, results, xs, res, w, specs):
     """Every rank's packed QuantOutputs (`tests.test_quant_gloo._pack`) equal the reference's, byte for byte."""
-    from tpfuse.reference import all_reduce_residual_rmsnorm_quant_ref
     from tests.test_quant_gloo import _pack
+
+    from tpfuse.reference import all_reduce_residual_rmsnorm_quant_ref
 
     for i, spec in enumerate(specs):
         ref = _pack(all_reduce_residual_rmsnorm_quant_ref(xs, res, w, 1e-6, spec))

@@ -7,10 +7,10 @@ capture, and nccl_epilogue on one NCCL rank. GPU tier (`gpu` marker): skipped wi
 
 import pytest
 import torch
+from tests.kernels.test_quant_interpreter import SPECS, _ordinal, _same, crafted_rows
 
 from tpfuse import quant as Q
 from tpfuse.reference import quantize_ref, random_inputs, residual_rmsnorm_quant_ref, small_integer_inputs
-from tests.kernels.test_quant_interpreter import SPECS, _ordinal, _same, crafted_rows
 
 pytestmark = pytest.mark.gpu
 
@@ -183,8 +183,8 @@ def _shared_gpu_rank(rank, world_size, strategy):
 def test_ranks_sharing_one_gpu_get_the_reference_bits(strategy):
     """CUDA tensors over gloo, two ranks on one GPU: the reference quantizer on the device, and the
     peer strategies quantizing inside their kernel (split rows exchange per-token absmax)."""
-    from tpfuse.spawn import run_ranks
     from tpfuse.reference import all_reduce_residual_rmsnorm_quant_ref
+    from tpfuse.spawn import run_ranks
 
     results = run_ranks(_shared_gpu_rank, 2, args=(strategy,), env=SHARED_ENV, timeout_s=300)
     for k, (m, h) in enumerate(SHARED_SHAPES):
@@ -236,8 +236,8 @@ def _quant_graph_rank(rank, world_size, strategy):
 
 @pytest.mark.parametrize("strategy", ["oneshot", "twoshot"])
 def test_quantized_peer_calls_replay_in_a_cuda_graph(strategy):
-    from tpfuse.spawn import run_ranks
     from tpfuse.reference import all_reduce_residual_rmsnorm_quant_ref
+    from tpfuse.spawn import run_ranks
 
     m, h = 16, 6144
     results = run_ranks(_quant_graph_rank, 2, args=(strategy,), env=SHARED_ENV, timeout_s=300)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tpfuse.spawn import run_ranks
 from tpfuse.reference import TOLERANCE
+from tpfuse.spawn import run_ranks
 
 pytestmark = pytest.mark.gpu
 STEPS = 3

@@ -7,10 +7,10 @@ import sys
 
 import pytest
 
+from support.fake_nvml import FakeNvml
 from tpfuse.probe import probe
 from tpfuse.probe.capabilities import GpuInfo
 from tpfuse.probe.nvml import read_nvml
-from support.fake_nvml import FakeNvml
 
 
 def gpu(index, uuid, pci_bus_id):

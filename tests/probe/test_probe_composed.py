@@ -9,10 +9,9 @@ import pytest
 
 import tpfuse.probe
 import tpfuse.probe.links as links_module
+from support.fake_nvml import FakeNvml
 from tpfuse.probe import probe
 from tpfuse.probe.links import _loaded_libraries
-
-from support.fake_nvml import FakeNvml
 
 
 def props(uuid_head, bus):

@@ -6,8 +6,6 @@ from __future__ import annotations
 import sys
 from types import SimpleNamespace
 
-import pytest
-
 from tpfuse.probe.capabilities import GpuInfo
 from tpfuse.probe.cpu import cpu_model, mem_total_bytes, read_cpu
 from tpfuse.probe.gpus import no_gpu_reason, parse_pci_bus_id, read_gpus

@@ -8,11 +8,11 @@ import dataclasses
 import pytest
 import torch
 
-from tpfuse.strategies import admission, get_strategy
-from tpfuse.strategies.workspace import SENTINEL_BITS, PeerTimeoutError
 from tpfuse.kernels.protocol import ERR_ABORTED, ERR_TIMEOUT
 from tpfuse.probe.capabilities import Capabilities, CpuInfo, GpuInfo, Versions
 from tpfuse.spec import GroupFacts, Op, Problem
+from tpfuse.strategies import admission, get_strategy
+from tpfuse.strategies.workspace import SENTINEL_BITS, PeerTimeoutError
 
 NAMES = ["nccl_epilogue", "oneshot", "twoshot"]
 

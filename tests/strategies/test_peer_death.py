@@ -17,8 +17,8 @@ import time
 import pytest
 import torch
 
-from tpfuse.spawn import RankFailure, run_ranks
 from tpfuse.reference import all_reduce_ref, small_integer_inputs
+from tpfuse.spawn import RankFailure, run_ranks
 
 pytestmark = pytest.mark.gloo
 

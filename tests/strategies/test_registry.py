@@ -4,11 +4,11 @@ import dataclasses
 
 import pytest
 
-from tpfuse.strategies import admission, get_strategy, register, strategy_names
-from tpfuse.strategies.base import check_needs
 from tpfuse.dispatch.choice import default_choice
 from tpfuse.probe.capabilities import Capabilities, CpuInfo, GpuInfo, PackageStatus, Versions
 from tpfuse.spec import GroupFacts, Needs, Op, Problem, Verdict
+from tpfuse.strategies import admission, get_strategy, register, strategy_names
+from tpfuse.strategies.base import check_needs
 
 
 def _caps(num_gpus=0, packages=()):

@@ -12,10 +12,10 @@
 import torch
 import torch.distributed as dist
 
-from tpfuse.strategies.base import Strategy
-from tpfuse.strategies.reference import ReferenceStrategy
 from tpfuse.reference import accumulation_dtype, residual_rmsnorm_ref
 from tpfuse.spec import Needs
+from tpfuse.strategies.base import Strategy
+from tpfuse.strategies.reference import ReferenceStrategy
 
 # Redundant passes: 8 x W broadcasts instead of one allreduce, so the slowdown (several times)
 # is far outside the CPU timing noise.

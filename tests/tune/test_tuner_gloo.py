@@ -10,10 +10,9 @@ import warnings
 import pytest
 import torch
 
-from tpfuse.spawn import run_ranks
-from tpfuse.reference import all_reduce_residual_rmsnorm_ref, random_inputs
-
 from support.tune_test_strategies import PLUGINS
+from tpfuse.reference import all_reduce_residual_rmsnorm_ref, random_inputs
+from tpfuse.spawn import run_ranks
 
 pytestmark = pytest.mark.gloo
 
@@ -29,8 +28,8 @@ def _weight():
 def _table_life_rank(rank, world_size, cache_root):
     from tpfuse import Communicator
     from tpfuse.dispatch.choice import DispatchWarning
-    from tpfuse.spec import Op
     from tpfuse.dispatch.table import save, table_path
+    from tpfuse.spec import Op
     from tpfuse.tune.tuner import TuneSpec, tune_in_group
 
     # One cache directory per rank, as on separate hosts, so ranks can hold different files.

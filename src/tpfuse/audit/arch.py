@@ -95,21 +95,21 @@ class ArchBool:
     weak: bool = False
 
     @classmethod
-    def const(cls, value) -> "ArchBool":
+    def const(cls, value) -> ArchBool:
         return cls((value,) * len(ARCHS))
 
     @classmethod
-    def where(cls, pred, *, weak: bool = False) -> "ArchBool":
+    def where(cls, pred, *, weak: bool = False) -> ArchBool:
         """True exactly on the architectures for which `pred(arch)` holds."""
         return cls(tuple(bool(pred(a)) for a in ARCHS), weak)
 
-    def and_(self, other: "ArchBool") -> "ArchBool":
+    def and_(self, other: ArchBool) -> ArchBool:
         return ArchBool(tuple(map(_and, self.values, other.values)), self.weak or other.weak)
 
-    def or_(self, other: "ArchBool") -> "ArchBool":
+    def or_(self, other: ArchBool) -> ArchBool:
         return ArchBool(tuple(map(_or, self.values, other.values)), self.weak or other.weak)
 
-    def not_(self) -> "ArchBool":
+    def not_(self) -> ArchBool:
         return ArchBool(tuple(None if v is None else not v for v in self.values), self.weak)
 
     def at(self, arch: Arch):
@@ -135,13 +135,13 @@ class ArchNum:
     values: tuple
 
     @classmethod
-    def of(cls, fn) -> "ArchNum":
+    def of(cls, fn) -> ArchNum:
         return cls(tuple(fn(a) for a in ARCHS))
 
     def at(self, arch: Arch):
         return self.values[_INDEX[arch.name]]
 
-    def map(self, fn) -> "ArchNum | None":
+    def map(self, fn) -> ArchNum | None:
         try:
             return ArchNum(tuple(fn(v) for v in self.values))
         except (TypeError, ValueError, IndexError, ZeroDivisionError, AttributeError):
@@ -155,7 +155,7 @@ _CMP = {
 }
 
 
-def compare(op: str, left, right) -> "ArchBool | None":
+def compare(op: str, left, right) -> ArchBool | None:
     """`left op right` where either side may be an ArchNum and the other a plain constant.
 
     Returns None when the comparison cannot be decided (an unknown side, a type mismatch)."""

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import fcntl
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 TMP_SUFFIX = ".tpfuse-tmp"
 fault_hook: Callable[[str], None] | None = None

@@ -9,8 +9,9 @@ the evaluator may inline), a partial application, a seeded function or object (p
 from __future__ import annotations
 
 import ast
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 
 class _Unknown:

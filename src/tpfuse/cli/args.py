@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from tpfuse.cli.main import UsageError
 from tpfuse.cli.preflight import check_positive, check_world_size, require_runtime

@@ -78,8 +78,8 @@ def _no_subcommand(p) -> int:
 def make_spec(args, **extra):
     """The E2ESpec the flags ask for, after the checks that need no torch (the world size is checked
     again by `check_model`, and resolved with the device by `resolve_spec_ranks`)."""
-    from tpfuse.e2e.decode import E2ESpec
     from tpfuse.cli.preflight import check_positive, check_world_size
+    from tpfuse.e2e.decode import E2ESpec
 
     check_world_size(args.world_size)
     if args.shared_gpu:  # the one rank flag these commands refuse
@@ -131,15 +131,15 @@ def run(args) -> int:
                      min_seconds=args.min_seconds, graphs=not args.no_graphs, progress=True)
     check_model(spec)
     if args.results:
-        from tpfuse.results import results_file
         from tpfuse.cli.preflight import check_writable
+        from tpfuse.results import results_file
 
         check_writable(str(results_file(args.results, "e2e.jsonl")), flag="--results")
     import time
 
+    from tpfuse.cli.ranks import describe_failure, run_cli_ranks
     from tpfuse.e2e.decode import e2e_rows, run_e2e
     from tpfuse.results import append_rows, results_file
-    from tpfuse.cli.ranks import describe_failure, run_cli_ranks
     from tpfuse.spawn import RankFailure
 
     spec, _ = resolve_spec_ranks(spec, args)

@@ -48,7 +48,7 @@ def add_parser(subparsers) -> None:
     p.set_defaults(run=run)
 
 
-def _check_args(args) -> "object":
+def _check_args(args) -> object:
     """Validates the problem flags before anything is probed; returns the Op."""
     from tpfuse.spec import DTYPE_BYTES, Op
 
@@ -138,9 +138,9 @@ def measure_section(caps):
 
 def build_report(args):
     """(Capabilities, report dict): the dict is exactly what --json prints."""
-    from tpfuse.strategies import admission, strategy_names
     from tpfuse.integrations.doctor import engine_rows
     from tpfuse.probe import probe
+    from tpfuse.strategies import admission, strategy_names
 
     op = _check_args(args)
     caps = probe()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from typing import Iterable
+from collections.abc import Iterable
 
 from tpfuse.cli.main import UsageError
 
@@ -95,8 +95,8 @@ def admission_here(names: Iterable[str], problems: Iterable[tuple], *, world_siz
     """{strategy: {problem tuple: Verdict}} for `problems` given as (op, num_tokens, hidden, dtype, has_residual)."""
     from tpfuse.group import expected_group_facts
     from tpfuse.probe import probe
-    from tpfuse.strategies import admission
     from tpfuse.spec import Op, Problem
+    from tpfuse.strategies import admission
 
     caps = probe()
     facts = expected_group_facts(caps, world_size, backend=backend, device_type=device)

@@ -31,7 +31,6 @@ def add_parser(subparsers) -> None:
 
 def run(args) -> int:
     from tpfuse.cli.bench import check_model, fusion_modes, make_spec, resolve_spec_ranks
-
     from tpfuse.cli.preflight import check_positive
 
     check_positive(batch=args.batch, steps=args.steps)
@@ -42,8 +41,8 @@ def run(args) -> int:
             raise UsageError("--plot needs matplotlib; install it with `pip install tpfuse[plot]`") from None
     spec = make_spec(args, batches=(args.batch,), fusion=fusion_modes(args.fusion), progress=False)
     check_model(spec)
-    from tpfuse.results import results_file
     from tpfuse.cli.preflight import check_writable
+    from tpfuse.results import results_file
 
     for flag, path in (("--results", args.results and str(results_file(args.results, "profile.jsonl"))),
                        ("--trace", args.trace), ("--plot", args.plot)):
@@ -51,8 +50,8 @@ def run(args) -> int:
             check_writable(path, flag=flag)
     from rich.console import Console
 
-    from tpfuse.e2e.profile import profile_rank
     from tpfuse.cli.ranks import describe_failure, run_cli_ranks
+    from tpfuse.e2e.profile import profile_rank
     from tpfuse.spawn import RankFailure
 
     spec, ranks = resolve_spec_ranks(spec, args)

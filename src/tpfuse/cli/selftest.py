@@ -39,8 +39,8 @@ def add_parser(sub) -> None:
 
 def _check_args(args: argparse.Namespace) -> None:
     """Every check that needs no torch, before anything heavy is imported."""
-    from tpfuse.strategies import canonical_name, strategy_names
     from tpfuse.cli.preflight import check_positive
+    from tpfuse.strategies import canonical_name, strategy_names
 
     check_rank_args(args)
     check_positive(tokens=args.num_tokens, repeats=args.repeats)

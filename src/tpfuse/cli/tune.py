@@ -74,9 +74,9 @@ def _check_args(args) -> tuple[tuple[int, ...], tuple[str, ...], tuple[str, ...]
 
         check_writable(str(results_file(args.results, "tune.jsonl")), flag="--results")
     if not args.no_save:  # before measuring (and before torch): a read-only cache fails now, not after the run
-        from tpfuse.env import cache_dir
         from tpfuse.dispatch.table import CacheDirError
         from tpfuse.dispatch.table import check_writable as table_writable
+        from tpfuse.env import cache_dir
 
         try:
             table_writable(os.path.abspath(args.cache_dir) if args.cache_dir else cache_dir())

@@ -47,11 +47,11 @@ def _verify_rank(rank, world_size, strategy, baseline, sizes, buckets, dtype, op
 def run(args) -> int:
     import time
 
-    from tpfuse.strategies import canonical_name, strategy_names
     from tpfuse.cli.main import EXIT_NEGATIVE, EXIT_OK, UsageError, dumps_json
     from tpfuse.cli.preflight import reject_not_admitted
     from tpfuse.cli.ranks import describe_failure, run_cli_ranks
     from tpfuse.dispatch.table import token_buckets
+    from tpfuse.strategies import canonical_name, strategy_names
 
     sizes = hiddens(args, "verify")
     check_rank_args(args)
@@ -67,8 +67,8 @@ def run(args) -> int:
     if args.max_rounds is not None and args.max_rounds < args.rounds:
         raise UsageError(f"--max-rounds {args.max_rounds} is below --rounds {args.rounds}; give at least --rounds")
     if args.results:
-        from tpfuse.results import results_file
         from tpfuse.cli.preflight import check_writable
+        from tpfuse.results import results_file
 
         check_writable(str(results_file(args.results, "verify.jsonl")), flag="--results")
     buckets = tuple(token_buckets(args.max_tokens))

@@ -13,7 +13,7 @@ import os
 import statistics
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from tpfuse.diagnose.samples import GpuMeta, Recording, Sample
 
@@ -180,7 +180,7 @@ class Sampler:
         self._t_end = 0.0
         self.skipped_ticks = 0
 
-    def start(self) -> "Sampler":
+    def start(self) -> Sampler:
         self.started_unix = time.time()
         self._t0 = self._clock()
         self._thread.start()

@@ -12,11 +12,11 @@ from __future__ import annotations
 import os
 import subprocess
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from tpfuse.diagnose.report import status_text
-from tpfuse.diagnose.samples import Recording
 from tpfuse.diagnose.sampler import Nvml, Sampler
+from tpfuse.diagnose.samples import Recording
 
 # How long a child gets to exit after SIGTERM or Ctrl-C before it is killed: long enough for a
 # framework to tear down its process group, short enough that a stuck job does not hold the tool.

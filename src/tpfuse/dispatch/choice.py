@@ -18,8 +18,9 @@ measurements do not support.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from tpfuse.spec import Problem, Verdict
 
@@ -63,7 +64,7 @@ def _shape(problem: Problem) -> str:
     return f"{problem.num_tokens}x{problem.hidden} {problem.dtype}"
 
 
-def guarded(entry: "Entry", margin: float, is_fused: Callable[[str], bool]) -> tuple[str, str]:
+def guarded(entry: Entry, margin: float, is_fused: Callable[[str], bool]) -> tuple[str, str]:
     """(name, reason): the entry's choice, or its best unfused strategy if the guard refuses it."""
     name = entry.choice
     if not is_fused(name):
@@ -81,7 +82,7 @@ def guarded(entry: "Entry", margin: float, is_fused: Callable[[str], bool]) -> t
     )
 
 
-def table_choice(problem: Problem, verdicts: dict[str, Verdict], table: "DispatchTable",
+def table_choice(problem: Problem, verdicts: dict[str, Verdict], table: DispatchTable,
                  is_fused: Callable[[str], bool]) -> Choice:
     """The table's (guarded) choice for `problem` if it is admitted here, else the default."""
     entry = table.lookup(problem.op.value, problem.dtype, problem.hidden, problem.num_tokens)
@@ -95,7 +96,7 @@ def table_choice(problem: Problem, verdicts: dict[str, Verdict], table: "Dispatc
     return Choice(name, "table", f"measured, bucket {entry.tokens} tokens: {reason}")
 
 
-def contradiction(requested: str, problem: Problem, table: "DispatchTable | None",
+def contradiction(requested: str, problem: Problem, table: DispatchTable | None,
                   is_fused: Callable[[str], bool]) -> str:
     """A warning when the measurements say `requested` is wrong for this shape, else ""."""
     if table is None:
@@ -118,7 +119,7 @@ def contradiction(requested: str, problem: Problem, table: "DispatchTable | None
 
 
 def choose(problem: Problem, verdicts: dict[str, Verdict], *, requested: str = "auto",
-           table: "DispatchTable | None" = None, is_fused: Callable[[str], bool] = lambda name: False,
+           table: DispatchTable | None = None, is_fused: Callable[[str], bool] = lambda name: False,
            requested_by: str = "strategy=") -> Choice:
     """The strategy for `problem`: explicit request (checked against admission), else table, else default."""
     if requested != "auto":

@@ -179,7 +179,7 @@ class DispatchTable:
                     best = e
         return best
 
-    def merged(self, other: "DispatchTable") -> "DispatchTable":
+    def merged(self, other: DispatchTable) -> DispatchTable:
         """This table with `other`'s entries replacing same-key ones (same fingerprint required)."""
         if other.fingerprint != self.fingerprint:
             raise ValueError("DispatchTable.merged: tables have different fingerprints; tune again instead of merging")

@@ -18,8 +18,9 @@ group, which strategy each token bucket uses and why; once per reason, why tpfus
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 
@@ -30,7 +31,7 @@ logger = logging.getLogger("tpfuse.integrations")
 
 _COMMS: dict[str, Any] = {}  # group name -> tpfuse.Communicator
 _PREPARED: dict[tuple, int] = {}  # (group name, hidden, dtype) -> max tokens prepare() covered
-_RESOLVERS: dict[str, Callable[[str], "Optional[EngineGroup]"]] = {}
+_RESOLVERS: dict[str, Callable[[str], EngineGroup | None]] = {}
 _LOGGED: set = set()
 
 
@@ -120,7 +121,7 @@ def buckets(max_tokens: int) -> list[int]:
     return out + [max_tokens]
 
 
-def register_resolver(engine: str, resolve: Callable[[str], Optional[EngineGroup]]) -> None:
+def register_resolver(engine: str, resolve: Callable[[str], EngineGroup | None]) -> None:
     """`resolve(group_name)` finds an engine's group the op has no Communicator for yet."""
     _RESOLVERS[engine] = resolve
 
@@ -150,7 +151,7 @@ def close_all() -> None:
 
 @torch.library.custom_op("tpfuse::engine_all_reduce_residual_rmsnorm", mutates_args=())
 def engine_all_reduce_residual_rmsnorm(
-    x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float, group_name: str
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, group_name: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return lookup(group_name).all_reduce_residual_rmsnorm(x, residual, weight, eps)
 

@@ -21,7 +21,6 @@ each falls through to sglang's own code whenever tpfuse stands down):
 
 from __future__ import annotations
 
-
 from tpfuse.integrations import runtime
 
 ENGINE = "sglang"

@@ -19,7 +19,6 @@ construction (configure runs on every rank before compilation and capture) and r
 
 from __future__ import annotations
 
-
 from tpfuse.integrations import runtime
 
 ENGINE = "vllm"

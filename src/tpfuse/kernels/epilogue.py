@@ -254,7 +254,7 @@ def _min_fp4():
     return FP4_CVT_MIN_CAPABILITY
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 

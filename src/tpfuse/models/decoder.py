@@ -25,7 +25,7 @@ from torch.profiler import record_function
 from tpfuse.models.attention import Attention, KVCache, rotary_tables
 from tpfuse.models.config import ModelConfig
 from tpfuse.models.layers import Embedding, ParallelLMHead, rms_norm_weight
-from tpfuse.models.moe import MoE, DenseMLP, RunnerSelector
+from tpfuse.models.moe import DenseMLP, MoE, RunnerSelector
 from tpfuse.models.moe_runners import RunnerProblem
 from tpfuse.reference import residual_rmsnorm_ref
 from tpfuse.spec import dtype_name

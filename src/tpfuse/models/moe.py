@@ -24,9 +24,9 @@ import torch.nn.functional as F
 
 from tpfuse.models import moe_runners
 from tpfuse.models.config import ModelConfig
+from tpfuse.models.layers import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, random_tensor
 from tpfuse.reference import accumulation_dtype
 from tpfuse.timing import max_over_ranks
-from tpfuse.models.layers import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, random_tensor
 
 
 class DenseMLP(nn.Module):
@@ -59,7 +59,7 @@ class RunnerSelector:
         self.only = only
         self.choices: dict[int, moe_runners.RunnerChoice] = {}
 
-    def prepare(self, num_tokens: int, block: "MoE") -> moe_runners.RunnerChoice:
+    def prepare(self, num_tokens: int, block: MoE) -> moe_runners.RunnerChoice:
         """Choose for `num_tokens` by timing every admitted runner on `block`'s weights (a collective)."""
         if num_tokens in self.choices:
             return self.choices[num_tokens]
@@ -85,7 +85,7 @@ class RunnerSelector:
         self.choices[num_tokens] = choice
         return choice
 
-    def runner_for(self, num_tokens: int, block: "MoE") -> moe_runners.MoERunner:
+    def runner_for(self, num_tokens: int, block: MoE) -> moe_runners.MoERunner:
         choice = self.choices.get(num_tokens)
         if choice is None:
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():

@@ -27,8 +27,9 @@ Weights: w13 (E, 2I, H) = [gate; up] per expert, w2 (E, H, I), like nn.Linear we
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -159,7 +160,7 @@ class MoERunner:
     def __call__(self, x, ids, weights, w13, w2, first_expert):
         return self.fn(x, ids, weights, w13, w2, first_expert)
 
-    def admits(self, problem: RunnerProblem, caps: "Capabilities | None" = None, *, device=None) -> Verdict:
+    def admits(self, problem: RunnerProblem, caps: Capabilities | None = None, *, device=None) -> Verdict:
         """May this runner run `problem` here? Its declared needs, then (if declared) a probe call."""
         verdict = check_runner_needs(self.needs, problem, caps)
         if verdict.ok and self.needs.probe_call:
@@ -233,7 +234,7 @@ def _captured_call(runner: MoERunner, args: list) -> torch.Tensor:
     return out
 
 
-def check_runner_needs(needs: RunnerNeeds, problem: RunnerProblem, caps: "Capabilities | None" = None) -> Verdict:
+def check_runner_needs(needs: RunnerNeeds, problem: RunnerProblem, caps: Capabilities | None = None) -> Verdict:
     """Check declared needs against the problem and the probed capabilities (`check_needs` for runners)."""
     if problem.dtype not in needs.dtypes:
         return Verdict.no(f"dtype {problem.dtype} not supported (supports {', '.join(needs.dtypes)})")
@@ -282,7 +283,7 @@ def choose(verdicts: dict[str, Verdict], timings_us: dict[str, float]) -> Runner
     return RunnerChoice(best, "measured", reason, dict(timings_us))
 
 
-def runner_report(caps: "Capabilities", *, dtype: str = "bfloat16", device_type: str | None = None,
+def runner_report(caps: Capabilities, *, dtype: str = "bfloat16", device_type: str | None = None,
                   capture: bool | None = None, hidden: int = 6144, expert_inter: int = 2048,
                   timings_us: dict[str, float] | None = None) -> list[dict]:
     """One row per runner: name, admitted, reason, chosen, why. For `tpfuse doctor` and the bench.

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import random
 import statistics
-from typing import Callable
+from collections.abc import Callable
 
 from tpfuse.probe.capabilities import Capabilities, FabricMeasurements, PeerMeasurement
 from tpfuse.timing import COPY_BLOCK, copy, copy_kernel, time_calls

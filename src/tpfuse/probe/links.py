@@ -13,7 +13,7 @@ import ctypes
 import ctypes.util
 import glob
 import os
-from typing import Callable
+from collections.abc import Callable
 
 from tpfuse.probe.capabilities import GpuInfo, LinkInfo
 from tpfuse.probe.nvml import NvmlPair

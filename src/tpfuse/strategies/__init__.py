@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 from tpfuse.spec import Problem, Verdict
 
 if TYPE_CHECKING:
-    from tpfuse.strategies.base import Strategy
     from tpfuse.probe.capabilities import Capabilities
+    from tpfuse.strategies.base import Strategy
 
 # name -> "module:Class". Order is the order doctor lists them in.
 _REGISTRY: dict[str, str] = {
@@ -59,7 +59,7 @@ def strategy_names() -> list[str]:
     return list(_registry())
 
 
-def get_strategy(name: str) -> type["Strategy"]:
+def get_strategy(name: str) -> type[Strategy]:
     """The Strategy class registered as `name` (ValueError listing the valid names if unknown)."""
     registry = _registry()
     name = canonical_name(name) if name not in registry else name
@@ -69,7 +69,7 @@ def get_strategy(name: str) -> type["Strategy"]:
     return getattr(importlib.import_module(module_name), class_name)
 
 
-def admission(problem: Problem, caps: "Capabilities", names: list[str] | None = None) -> dict[str, Verdict]:
+def admission(problem: Problem, caps: Capabilities, names: list[str] | None = None) -> dict[str, Verdict]:
     """Verdict of every registered (or every named) strategy for `problem` on `caps`."""
     verdicts: dict[str, Verdict] = {}
     for name in names or strategy_names():

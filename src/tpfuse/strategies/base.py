@@ -26,12 +26,12 @@ if TYPE_CHECKING:
 class StrategyContext:
     """What a strategy instance is bound to. `options` carries Communicator keyword options."""
 
-    group: "dist.ProcessGroup"
+    group: dist.ProcessGroup
     rank: int
     world_size: int
     facts: GroupFacts
-    caps: "Capabilities"
-    device: "torch.device"
+    caps: Capabilities
+    device: torch.device
     options: dict = field(default_factory=dict)
 
 
@@ -44,29 +44,29 @@ class Strategy(ABC):
     needs: ClassVar[Needs] = Needs()
 
     @classmethod
-    def admits(cls, problem: Problem, caps: "Capabilities") -> Verdict:
+    def admits(cls, problem: Problem, caps: Capabilities) -> Verdict:
         verdict = check_needs(cls.needs, problem, caps)
         return verdict if not verdict.ok else cls.extra_admits(problem, caps)
 
     @classmethod
-    def extra_admits(cls, problem: Problem, caps: "Capabilities") -> Verdict:
+    def extra_admits(cls, problem: Problem, caps: Capabilities) -> Verdict:
         """Shape rules beyond `needs` (alignment, workspace fit); override with a reason."""
         return Verdict.yes()
 
     def __init__(self, ctx: StrategyContext) -> None:
         self.ctx = ctx
 
-    def prepare(self, *, hidden: int, dtype: "torch.dtype", max_tokens: int) -> None:
+    def prepare(self, *, hidden: int, dtype: torch.dtype, max_tokens: int) -> None:
         """Allocate whatever the ops need for shapes up to `max_tokens x hidden`, outside graph capture."""
 
     @abstractmethod
-    def all_reduce(self, x: "torch.Tensor") -> "torch.Tensor":
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of `x` over the group's ranks, out of place, same dtype and shape."""
 
     @abstractmethod
     def all_reduce_residual_rmsnorm(
-        self, x: "torch.Tensor", residual: "torch.Tensor | None", weight: "torch.Tensor", eps: float
-    ) -> tuple["torch.Tensor", "torch.Tensor"]:
+        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(normed, new_residual) as defined in tpfuse.reference, on validated inputs.
 
         Strategies whose `needs.quant` lists formats also take `quant=` (a tpfuse.quant.QuantSpec
@@ -81,7 +81,7 @@ class Strategy(ABC):
         """Release device resources; called by Communicator.close() on every rank."""
 
 
-def check_needs(needs: Needs, problem: Problem, caps: "Capabilities") -> Verdict:
+def check_needs(needs: Needs, problem: Problem, caps: Capabilities) -> Verdict:
     """Check declared needs against the problem's group facts and probed capabilities."""
     facts = problem.facts
     if problem.op not in needs.ops:

@@ -17,10 +17,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from tpfuse.strategies.base import Strategy
 from tpfuse.quant import KINDS
 from tpfuse.reference import residual_rmsnorm_quant_ref, residual_rmsnorm_ref
 from tpfuse.spec import Needs
+from tpfuse.strategies.base import Strategy
 
 
 class NcclEagerStrategy(Strategy):

@@ -27,10 +27,10 @@ import importlib.util
 import torch
 import torch.distributed as dist
 
-from tpfuse.strategies.base import Strategy
 from tpfuse.kernels.protocol import MAX_HIDDEN  # imports no Triton: admission stays light
 from tpfuse.quant import KINDS, admission_reason
 from tpfuse.spec import Needs, Problem, Verdict
+from tpfuse.strategies.base import Strategy
 
 
 class NcclEpilogueStrategy(Strategy):

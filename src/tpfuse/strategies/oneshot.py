@@ -29,12 +29,12 @@ Run one quantized call eagerly before graph capture: prepare() does not compile 
 from __future__ import annotations
 
 import importlib.util
-from typing import Callable, ClassVar
+from collections.abc import Callable
+from typing import ClassVar
 
 import torch
 
 from tpfuse import env
-from tpfuse.strategies.base import Strategy
 from tpfuse.kernels.protocol import (
     MAX_HIDDEN,
     MAX_INPUT_BYTES,
@@ -46,6 +46,7 @@ from tpfuse.kernels.protocol import (
 )
 from tpfuse.quant import KINDS, admission_reason
 from tpfuse.spec import Needs, Problem, Verdict
+from tpfuse.strategies.base import Strategy
 
 FUSED_DTYPES = ("float16", "bfloat16", "float32")
 

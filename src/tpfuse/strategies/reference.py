@@ -16,11 +16,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from tpfuse.strategies.base import Strategy
-from tpfuse.strategies.host_wait import PeerGuard, goes_through_host, strategy_timeout_s
 from tpfuse.quant import KINDS
 from tpfuse.reference import accumulation_dtype, residual_rmsnorm_quant_ref, residual_rmsnorm_ref
 from tpfuse.spec import Needs
+from tpfuse.strategies.base import Strategy
+from tpfuse.strategies.host_wait import PeerGuard, goes_through_host, strategy_timeout_s
 
 
 class ReferenceStrategy(Strategy):

@@ -8,14 +8,14 @@ rank closes the same instances in the same order).
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
-from tpfuse.strategies import admission, get_strategy
-from tpfuse.strategies.base import Strategy, StrategyContext
 from tpfuse.reference import random_inputs
 from tpfuse.spec import Op, Problem, Verdict
+from tpfuse.strategies import admission, get_strategy
+from tpfuse.strategies.base import Strategy, StrategyContext
 
 
 def admitted(problem: Problem, caps, names: list[str] | None = None) -> tuple[list[str], dict[str, Verdict]]:
@@ -33,7 +33,7 @@ class CandidatePool:
         self._prepared: set[tuple] = set()
 
     @classmethod
-    def for_group(cls, group=None, *, device=None, options: dict | None = None) -> "CandidatePool":
+    def for_group(cls, group=None, *, device=None, options: dict | None = None) -> CandidatePool:
         """Collective: a pool bound to `group` (default WORLD) with its agreed facts and this rank's
         probe. `device`: where tensors live (default: CUDA for NCCL groups, else CPU)."""
         import torch.distributed as dist

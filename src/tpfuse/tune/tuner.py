@@ -20,18 +20,18 @@ so every rank returns the identical table (same digest).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist
 
+from tpfuse.correctness import check_candidate
 from tpfuse.dispatch.choice import is_fused
 from tpfuse.dispatch.table import DEFAULT_MARGIN, DispatchTable, Entry, fingerprint, now_iso, parse, versions_of
 from tpfuse.spec import Op, Problem
 from tpfuse.timing import summary, time_interleaved
 from tpfuse.tune.candidates import CandidatePool, admitted, timed_call
-from tpfuse.correctness import check_candidate
 
 ALL_OPS = (Op.ALL_REDUCE_RESIDUAL_RMSNORM.value, Op.ALL_REDUCE.value)
 
@@ -72,7 +72,7 @@ def decide(medians: dict[str, float], margin: float, fused: Callable[[str], bool
     best_u = min(unfused, key=unfused.get) if unfused else None
     best_f = min(fused_, key=fused_.get) if fused_ else None
     if best_u is None:
-        return best_f, None, f"fastest candidate; no unfused strategy passed to compare against"
+        return best_f, None, "fastest candidate; no unfused strategy passed to compare against"
     if best_f is None:
         return best_u, best_u, f"fastest unfused ({unfused[best_u]:.1f} us); no fused candidate"
     gain = 1 - fused_[best_f] / unfused[best_u]

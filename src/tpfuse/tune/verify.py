@@ -31,17 +31,17 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Callable
 
 import torch
 
+from tpfuse.correctness import check_candidate
 from tpfuse.dispatch.choice import is_fused
 from tpfuse.dispatch.table import DEFAULT_MARGIN
 from tpfuse.spec import Op, Problem
 from tpfuse.timing import summary, time_interleaved
 from tpfuse.tune.candidates import CandidatePool, admitted, timed_call
-from tpfuse.correctness import check_candidate
 
 # 1.58 * IQR / sqrt(n): half-width of the notch around a median (McGill, Tukey, Larsen 1978),
 # a rank-based ~95% interval that needs no normality assumption.
