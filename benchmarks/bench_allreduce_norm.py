@@ -258,7 +258,7 @@ def rank_main(rank: int, world_size: int, spec: SweepSpec):
 
     try:
         for hidden in spec.hiddens:
-            verdicts = {t: admission(Problem(Op.ALL_REDUCE_RESIDUAL_RMSNORM, t, hidden, spec.dtype, base.info), base.caps)
+            verdicts = {t: admission(Problem(Op.ALL_REDUCE_RESIDUAL_RMSNORM, t, hidden, spec.dtype, base.facts), base.caps)
                         for t in spec.buckets}
             ready = {}
             for name in strategy_names():  # same order on every rank: construction and prepare are collective
