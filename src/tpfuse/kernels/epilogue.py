@@ -11,8 +11,11 @@ with the approximate rsqrt, for the same reason.
 
 Shapes: s, residual, normed, new_residual (M, H) contiguous; weight (H,). Any H up to 16384 (one
 program holds a whole row in registers: BLOCK_H = next power of two >= H, masked); bf16, fp16 and
-fp32. `residual_rmsnorm` is the validated launcher; `epilogue_row` is the per-row helper the fused
-collectives call. CUDA-graph safe: no host sync, no allocation except the outputs.
+fp32. `residual_rmsnorm` is the validated launcher, `launch_residual_rmsnorm` the same launch for
+callers that validated (strategies): one Triton launch pre-bound per shape
+(`tpfuse.kernels.launcher`), so a steady-state call costs the outputs' allocation and the launch.
+`epilogue_row` is the per-row helper the fused collectives call. CUDA-graph safe: no host sync,
+no allocation except the outputs.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tpfuse.kernels.launcher import PreboundLaunch, bind
 from tpfuse.kernels.protocol import MAX_HIDDEN  # one row in registers: 16384 fp32 over 16 warps = 32 a thread
 from tpfuse.kernels.quant import PAD_CHUNK, QuantBuffers, block_for, pad_programs, quantize_row, zero_scale_padding
 
@@ -182,40 +186,79 @@ def residual_rmsnorm(
     a `tpfuse.quant.QuantOutput` (out, scale, residual, normed) is returned instead."""
     _check(s, residual, weight)
     if quant is not None:
-        return _residual_rmsnorm_quant(s, residual, weight, eps, quant, config)
+        from tpfuse.validation import check_quant
+
+        check_quant("residual_rmsnorm", quant, s.shape[1], device=s.device)
+    return launch_residual_rmsnorm(s, residual, weight, eps, out=out, config=config, quant=quant)
+
+
+# Launches per shape, pre-bound (tpfuse.kernels.launcher): (M, H, dtype, residual?, device, config
+# [, quantized-output variant]) -> PreboundLaunch. Bounded for memory, not tuned: a process that sees
+# every token count up to this many keeps them all; past it the cache starts again (each shape then
+# costs one ordinary Triton launch more).
+MAX_CACHED_SHAPES = 16384
+_LAUNCHES: dict[tuple, PreboundLaunch] = {}
+
+
+def launch_residual_rmsnorm(s, residual, weight, eps: float, *, out=None, config=None, quant=None):
+    """`residual_rmsnorm` for callers that have validated its arguments (as `residual_rmsnorm`
+    does: contiguous (M, H) `s` of a supported dtype, H <= MAX_HIDDEN, residual and weight to
+    match, `quant` a fitting QuantSpec): the outputs, then one launch pre-bound per shape."""
+    if quant is not None:
+        return _launch_quant(s, residual, weight, eps, quant, config)
     m, h = s.shape
     normed, new_res = out if out is not None else (torch.empty_like(s), torch.empty_like(s))
     if m == 0:
         return normed, new_res
+    args = (s, residual if residual is not None else s, weight, normed, new_res, m, h, float(eps))
+    key = (m, h, s.dtype, residual is not None, s.get_device(), config)
+    launch = _LAUNCHES.get(key)
+    if launch is not None:
+        launch(*args)
+        return normed, new_res
     block, warps, rows = config or launch_config(h, s.element_size(), m)
-    grid = (triton.cdiv(m, rows),)
-    residual_rmsnorm_kernel[grid](
-        s, residual if residual is not None else s, weight, normed, new_res, m, h, float(eps),
-        BLOCK_H=block, ROWS=rows, HAS_RES=residual is not None, SOFT_BF16=interpreting(), num_warps=warps,
-    )
+    meta = dict(BLOCK_H=block, ROWS=rows, HAS_RES=residual is not None, SOFT_BF16=interpreting(), num_warps=warps)
+    _remember(key, bind(residual_rmsnorm_kernel, (triton.cdiv(m, rows),), args, meta, launch=True))
     return normed, new_res
 
 
-def _residual_rmsnorm_quant(s, residual, weight, eps, quant, config):
+def _launch_quant(s, residual, weight, eps, quant, config):
     from tpfuse.quant import QuantOutput
-    from tpfuse.validation import check_quant
 
     m, h = s.shape
-    check_quant("residual_rmsnorm", quant, h, device=s.device)
-    buf = QuantBuffers(quant, m, h, s.device, hardware_fp8(s.device), hardware_fp4(s.device))
+    key = (m, h, s.dtype, residual is not None, s.get_device(), config, quant.kind, quant.group, quant.layout,
+           quant.scale_ub is not None, quant.with_normed)
+    launch = _LAUNCHES.get(key)
+    buf = QuantBuffers(quant, m, h, s.device, *_hardware(key[4]))
     normed = torch.empty_like(s) if quant.with_normed else None
     new_res = torch.empty_like(s)
+    if m == 0:
+        return QuantOutput(buf.out, buf.scale, new_res, normed)
+    args = (s, residual if residual is not None else s, weight, normed if normed is not None else s, new_res,
+            m, h, float(eps), buf.codes, buf.codes.stride(0), buf.scales, *buf.s_strides, buf.param, buf.scale_ub)
+    if launch is not None:
+        launch(*args)
+        return QuantOutput(buf.out, buf.scale, new_res, normed)
     block, warps, rows = config or launch_config(h, s.element_size(), m)
     block = max(block, block_for(h, quant.kind))
-    if m:
-        grid = triton.cdiv(m, rows) + (pad_programs(m) if buf.swizzled else 0)
-        residual_rmsnorm_quant_kernel[(grid,)](
-            s, residual if residual is not None else s, weight, normed if normed is not None else s, new_res,
-            m, h, float(eps), buf.codes, buf.codes.stride(0), buf.scales, *buf.s_strides, buf.param,
-            buf.scale_ub, BLOCK_H=block, ROWS=rows, HAS_RES=residual is not None, SOFT_BF16=interpreting(),
-            WITH_NORMED=normed is not None, num_warps=warps, **_quant_constexprs(buf, block),
-        )
+    grid = triton.cdiv(m, rows) + (pad_programs(m) if buf.swizzled else 0)
+    meta = dict(BLOCK_H=block, ROWS=rows, HAS_RES=residual is not None, SOFT_BF16=interpreting(),
+                WITH_NORMED=normed is not None, num_warps=warps, **_quant_constexprs(buf, block))
+    _remember(key, bind(residual_rmsnorm_quant_kernel, (grid,), args, meta, launch=True))
     return QuantOutput(buf.out, buf.scale, new_res, normed)
+
+
+def _remember(key: tuple, launch: PreboundLaunch) -> None:
+    if len(_LAUNCHES) >= MAX_CACHED_SHAPES:
+        _LAUNCHES.clear()
+    _LAUNCHES[key] = launch
+
+
+@functools.cache
+def _hardware(index: int) -> tuple[bool, bool]:
+    """(hardware_fp8, hardware_fp4) of the device with this `Tensor.get_device()` index (-1: CPU)."""
+    device = torch.device("cuda", index) if index >= 0 else torch.device("cpu")
+    return hardware_fp8(device), hardware_fp4(device)
 
 
 def _quant_constexprs(buf, block: int) -> dict:
