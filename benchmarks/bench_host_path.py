@@ -1,6 +1,8 @@
 """The host cost of one call: eager us/call and graph us/call of `Communicator.all_reduce_residual_rmsnorm`
 per strategy and shape, beside a bare eager launch of the epilogue kernel and `torch.add` in the
-same process (hosts differ: the ratio to the bare launch is what counts).
+same process (hosts differ: the ratio to the bare launch is what counts), and the same epilogue
+launched through Triton's own `kernel[grid](...)` (how `residual_rmsnorm` launched it before its
+launches were pre-bound).
 
     python benchmarks/bench_host_path.py                 # one GPU, world size 1 (NCCL group of one rank)
     python benchmarks/bench_host_path.py --stub --json   # no GPU: the Python path, launches stubbed
@@ -22,8 +24,8 @@ math, `torch.add`) run for real. Each row says how many Triton launches a call m
 (`launches_per_call`). Nothing is checked for values there: the stubbed kernels write nothing.
 
 Rows (`tpfuse.results`) go to `--out` (default benchmarks/results/host_path.jsonl): op
-`host_path`, strategy (`tpfuse/<name>`, `bare_epilogue_launch`, `torch.add`), extra.mode eager or
-graph, extra.ratio_to_bare (eager us/call over the bare launch's, same shape), extra.stub.
+`host_path`, strategy (`tpfuse/<name>`, `bare_epilogue_launch`, `epilogue_triton_launch`,
+`torch.add`), extra.mode eager or graph, extra.ratio_to_bare (eager us/call over the bare launch's, same shape), extra.stub.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ STRATEGIES = ("oneshot", "twoshot", "nccl_epilogue", "nccl_eager")
 TOKENS = (1, 64)
 HIDDEN = 6144  # GLM-5's hidden size (tpfuse.presets)
 BARE = "bare_epilogue_launch"
+TRITON_LAUNCH = "epilogue_triton_launch"
 ADD = "torch.add"
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "host_path.jsonl")
 
@@ -118,6 +121,22 @@ def _inputs(tokens: int, device, *, integers: bool = False):
     return x, residual, weight
 
 
+def _triton_launch(x, residual, weight):
+    """The epilogue's outputs and its kernel launched through Triton's own `kernel[grid](...)`."""
+    from tpfuse.kernels.epilogue import interpreting, launch_config, residual_rmsnorm_kernel
+
+    m, h = x.shape
+    block, warps, rows = launch_config(h, x.element_size(), m)
+
+    def call():
+        normed, new_res = torch.empty_like(x), torch.empty_like(x)
+        residual_rmsnorm_kernel[(-(-m // rows),)](x, residual, weight, normed, new_res, m, h, 1e-6, BLOCK_H=block,
+                                                  ROWS=rows, HAS_RES=True, SOFT_BF16=interpreting(), num_warps=warps)
+        return normed, new_res
+
+    return call
+
+
 def _check(comm, tokens: int, device) -> bool:
     """One call on small-integer inputs against the reference (raises if wrong)."""
     from tpfuse.reference import TOLERANCE, all_reduce_residual_rmsnorm_ref, relative_error
@@ -150,9 +169,9 @@ def _run(args, stub) -> tuple[list, list[str]]:
     comms, notes = {}, []
     for name in args.strategies:
         try:
-            comm = Communicator(strategy=name, device=device.type)
-            comm.prepare(hidden=HIDDEN, dtype=torch.bfloat16, max_tokens=max(args.tokens))
-            comms[name] = comm
+            # max_tokens sizes a peer workspace for every shape here at its first (eager) call, which
+            # compiles only the variants timed (prepare() would compile every plan up to it)
+            comms[name] = Communicator(strategy=name, device=device.type, max_tokens=max(args.tokens))
         except (ValueError, RuntimeError) as exc:
             notes.append(f"{name}: not run: {exc}")
     rows = []
@@ -161,6 +180,7 @@ def _run(args, stub) -> tuple[list, list[str]]:
         variants = {f"tpfuse/{name}": (lambda c=comm: c.all_reduce_residual_rmsnorm(x, residual, weight))
                     for name, comm in comms.items()}
         variants[BARE] = lambda: residual_rmsnorm(x, residual, weight, 1e-6)
+        variants[TRITON_LAUNCH] = _triton_launch(x, residual, weight)
         variants[ADD] = lambda: torch.add(x, residual)
         samplers, stats = {}, {}
         for name, call in variants.items():

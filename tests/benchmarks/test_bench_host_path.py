@@ -24,7 +24,7 @@ STRATEGIES = ("oneshot", "twoshot", "nccl_epilogue", "nccl_eager")
 # Triton launches one call makes: one kernel for the fused paths and the bare epilogue launch, none
 # for nccl_eager (torch ops) and torch.add.
 LAUNCHES = {"tpfuse/oneshot": 1, "tpfuse/twoshot": 1, "tpfuse/nccl_epilogue": 1, "tpfuse/nccl_eager": 0,
-            "bare_epilogue_launch": 1, "torch.add": 0}
+            "bare_epilogue_launch": 1, "epilogue_triton_launch": 1, "torch.add": 0}
 REQUIRED = {"op", "strategy", "shape", "dtype", "world_size", "median", "p20", "p80", "unit", "gpu", "versions", "date",
             "command", "extra"}
 
