@@ -25,7 +25,8 @@ math, `torch.add`) run for real. Each row says how many Triton launches a call m
 
 Rows (`tpfuse.results`) go to `--out` (default benchmarks/results/host_path.jsonl): op
 `host_path`, strategy (`tpfuse/<name>`, `bare_epilogue_launch`, `epilogue_triton_launch`,
-`torch.add`), extra.mode eager or graph, extra.ratio_to_bare (eager us/call over the bare launch's, same shape), extra.stub.
+`torch.add`), extra.mode eager or graph, extra.ratio_to_bare (eager us/call over the bare
+launch's, same shape), extra.stub.
 """
 
 from __future__ import annotations
