@@ -195,6 +195,7 @@ def _run(args, stub) -> tuple[list, list[str]]:
             graph = sample_rounds(timers, args.rounds)
         bare = sorted(eager[BARE])[len(eager[BARE]) // 2]
         shape = {"tokens": tokens, "hidden": HIDDEN}
+        done = len(rows)
         for name in variants:
             median = sorted(eager[name])[len(eager[name]) // 2]
             checked = _check(comms[name.removeprefix("tpfuse/")], tokens, device) if (
@@ -206,6 +207,8 @@ def _run(args, stub) -> tuple[list, list[str]]:
             if graph:
                 rows.append(make_row("host_path", name, shape, "bfloat16", 1, graph[name], "us", mode="graph",
                                      stub=False, graph_calls=GRAPH_CALLS, checked=checked))
+        if args.out:  # each shape's rows as soon as they exist: a run cut short keeps what it measured
+            append_rows(args.out, rows[done:])
     for comm in comms.values():
         comm.close()
     return rows, notes
@@ -239,8 +242,6 @@ def main(argv=None) -> int:
         print("bench_host_path: torch sees no CUDA GPU; run with --stub to time the Python path", file=sys.stderr)
         return 2
     rows, notes = run(args)
-    if args.out:
-        append_rows(args.out, rows)
     dicts = [dataclasses.asdict(r) for r in rows]
     if args.json:
         print(json.dumps({"rows": dicts, "notes": notes}, allow_nan=False))
