@@ -31,7 +31,9 @@ compiled_only = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
 
 
 def _inputs(m, h, dtype, device="cpu", offset=0):
-    s = random_inputs(0, m * h + offset, 1, dtype, seed=h)[:, 0][offset:].view(m, h).to(device)
+    """(s, residual, weight); s starts `offset` elements into its storage, on `device` itself (a
+    copy to another device would be a fresh, aligned tensor)."""
+    s = random_inputs(0, m * h + offset, 1, dtype, seed=h)[:, 0].to(device)[offset:].view(m, h)
     r = random_inputs(1, m, h, dtype, seed=h).to(device)
     w = (1 + 0.1 * random_inputs(2, 1, h, torch.float32, seed=h)[0]).to(dtype).to(device)
     return s, r, w
