@@ -55,11 +55,11 @@ from tpfuse.kernels.sync import (
     publish_partial,
     push,
     push_word,
+    row_partials,
     sentinel_like,
     source_status,
     stall,
     start_deadline,
-    wait_partials,
 )
 
 _SLOTS = tl.constexpr(NUM_SLOTS)
@@ -136,13 +136,11 @@ def oneshot_kernel(
                 tl.store(newres_ptr + offs, nr, mask=cmask)
                 h = nr.to(tl.float32)
                 publish_partial(part_ptr, pid, tl.sum(tl.where(cmask, h * h, 0.0)), calls)
-                parts = tl.arange(0, C.num_chunks_p2)
-                p, ok = wait_partials(part_ptr + row * C.num_chunks + parts, parts < C.num_chunks, calls, pdeadline,
-                                      pspins, dead, C.use_asm)
+                ss, ok = row_partials(part_ptr + row * C.num_chunks, calls, pdeadline, pspins, dead, C, 0)
                 if (ok == 0) & (dead == 0):
                     stall(err_ptr, errmap_ptr, abort_ptr, bufs, rank, row, calls, C)
                 dead = dead | (ok == 0)
-                ss = tl.where(dead, float("nan"), tl.sum(p, axis=0))
+                ss = tl.where(dead, float("nan"), ss)
                 y = normed_fp32(h, w, ss, H, eps)
                 start = (pid % C.num_chunks) * C.chunk
                 if Q.kind == KIND_FP8_TOKEN_C:  # the row's absmax, from its chunks' programs

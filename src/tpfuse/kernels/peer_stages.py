@@ -38,7 +38,7 @@ import triton.language as tl
 from tpfuse.kernels.epilogue import round_like
 from tpfuse.kernels.protocol import MAX_GRID
 from tpfuse.kernels.quant import KIND_FP8_TOKEN, PAD_CHUNK, abs_bits, load_param, quantize_chunk, zero_scale_padding
-from tpfuse.kernels.sync import and_scalar, pdl_trigger_at_end, publish_partial, stall, wait_partials
+from tpfuse.kernels.sync import and_scalar, pdl_trigger_at_end, publish_partial, row_partials, stall
 
 KIND_FP8_TOKEN_C = tl.constexpr(KIND_FP8_TOKEN)
 MAX_GRID_C = tl.constexpr(MAX_GRID)
@@ -60,7 +60,7 @@ class PeerConfig(NamedTuple):
     use_asm: bool  # GPU build: %globaltimer deadlines, strong stores, PDL, the asm spin
     soft_bf16: bool  # round to bf16 in software (the interpreter)
     pdl: int  # programmatic dependent launch: 0 off, 1 on with the trigger at the end, 2 trigger at entry
-    spin: bool  # per-thread spin in inline assembly (GPU builds)
+    spin: int  # per-thread spins in inline assembly (GPU builds): 1 data polls, 2 also partials and row words
     single: bool  # one-shot: every program holds at most one item (one pass)
     rows_owned: bool  # two-shot: owners hold whole rows and push each row's sum of squares
     per_poll: int  # two-shot whole rows: items a program receives per poll (a power of two)
@@ -112,13 +112,10 @@ def store_normed(y, row, start, M, H, out_ptr, offs, cmask, like, qargs, row_ama
 def row_amax_of(part_ptr, items, row, calls, tm, dead, fx, C: tl.constexpr):
     """(absmax bits of `row` from its chunks' published partials, dead): per-token FP8 of a split
     row. The absmax partials sit after the norm partials (`part_ptr + items + item`)."""
-    parts = tl.arange(0, C.num_chunks_p2)
-    a, ok = wait_partials(part_ptr + items + row * C.num_chunks + parts, parts < C.num_chunks, calls, tm[2], tm[3],
-                          dead, C.use_asm)
+    amax, ok = row_partials(part_ptr + items + row * C.num_chunks, calls, tm[2], tm[3], dead, C, 1)
     if (ok == 0) & (dead == 0):
         stall(fx[0], fx[1], fx[2], fx[4], fx[3], row, calls, C)
     dead = dead | (ok == 0)
-    amax = tl.max(a.to(tl.int32, bitcast=True), axis=0)
     return tl.where(dead, 0x7FC00000, amax), dead  # a failed row's scale is NaN
 
 
@@ -154,8 +151,6 @@ def norm_partials_pass(newres_ptr, w_ptr, out_ptr, part_ptr, pid, nprog, items, 
     Returns `dead`.
     """
     cols = tl.arange(0, C.chunk)
-    parts = tl.arange(0, C.num_chunks_p2)
-    pmask = parts < C.num_chunks
     i = pid
     row = i // C.num_chunks
     col = (i % C.num_chunks) * C.chunk + cols
@@ -174,11 +169,10 @@ def norm_partials_pass(newres_ptr, w_ptr, out_ptr, part_ptr, pid, nprog, items, 
         cmask_j = and_scalar(col_j < H, j < items)
         w_next = tl.load(w_ptr + col_j, mask=cmask_j, other=0.0)
         nr_next = tl.load(newres_ptr + (j // C.num_chunks).to(tl.int64) * H + col_j, mask=cmask_j, other=0.0)
-        p, ok = wait_partials(part_ptr + row * C.num_chunks + parts, pmask, calls, tm[2], tm[3], dead, C.use_asm)
+        ss, ok = row_partials(part_ptr + row * C.num_chunks, calls, tm[2], tm[3], dead, C, 0)
         if (ok == 0) & (dead == 0):
             stall(fx[0], fx[1], fx[2], fx[4], fx[3], row, calls, C)
         dead = dead | (ok == 0)
-        ss = tl.sum(p, axis=0)
         ss = tl.where(dead, float("nan"), ss)
         y = normed_fp32(nr.to(tl.float32), w, ss, H, eps)
         if Q.kind == KIND_FP8_TOKEN_C:
@@ -197,7 +191,6 @@ def token_quant_pass(newres_ptr, w_ptr, part_ptr, pid, nprog, items, M, H, eps, 
     """Per-token FP8 of split rows, after `norm_partials_pass`: recompute each chunk's normed values
     (the same loads and arithmetic, so the same bits), then quantize them with the row's absmax."""
     cols = tl.arange(0, C.chunk)
-    parts = tl.arange(0, C.num_chunks_p2)
     i = pid
     while i < items:
         row = i // C.num_chunks
@@ -206,11 +199,10 @@ def token_quant_pass(newres_ptr, w_ptr, part_ptr, pid, nprog, items, M, H, eps, 
         cmask = col < H
         w = tl.load(w_ptr + col, mask=cmask, other=0.0).to(tl.float32)
         nr = tl.load(newres_ptr + row.to(tl.int64) * H + col, mask=cmask, other=0.0)
-        p, ok = wait_partials(part_ptr + row * C.num_chunks + parts, parts < C.num_chunks, calls, tm[2], tm[3], dead,
-                              C.use_asm)  # already published: this returns at once
+        ss, ok = row_partials(part_ptr + row * C.num_chunks, calls, tm[2], tm[3], dead, C, 0)  # published: at once
         dead = dead | (ok == 0)
         amax, dead = row_amax_of(part_ptr, items, row, calls, tm, dead, fx, C)
-        ss = tl.where(dead, float("nan"), tl.sum(p, axis=0))
+        ss = tl.where(dead, float("nan"), ss)
         y = normed_fp32(nr.to(tl.float32), w, ss, H, eps)
         quantize_chunk(y, row, start, M, H, qargs[0], qargs[1], qargs[2], qargs[3], qargs[4], qargs[5], qargs[6], amax,
                        KIND_FP8_TOKEN_C, 0, C.chunk, False, Q.has_ub, Q.hw, True)

@@ -230,9 +230,9 @@ def push_word(ptr, value, C: tl.constexpr):
     the program's first thread."""
     if C.use_asm:
         tl.inline_asm_elementwise(ONE_THREAD_STORE32, "=r,l,r",
-                                  [ptr.to(tl.int64), value.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+                                  [ptr.to(tl.int64), tl.cast(value, tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
     else:
-        tl.store(ptr, value.to(tl.int32))
+        tl.store(ptr, tl.cast(value, tl.int32))
 
 
 @triton.jit
@@ -241,9 +241,9 @@ def push_word64(ptr, value, C: tl.constexpr):
     aligned 64-bit store is single-copy atomic, so the tag and the value arrive together."""
     if C.use_asm:
         tl.inline_asm_elementwise(ONE_THREAD_STORE64, "=r,l,l",
-                                  [ptr.to(tl.int64), value.to(tl.int64)], dtype=tl.int32, is_pure=False, pack=1)
+                                  [ptr.to(tl.int64), tl.cast(value, tl.int64)], dtype=tl.int32, is_pure=False, pack=1)
     else:
-        tl.store(ptr, value.to(tl.int64))
+        tl.store(ptr, tl.cast(value, tl.int64))
 
 
 @triton.jit
@@ -432,6 +432,63 @@ def wait_partials(ptrs, mask, calls, deadline_ns, max_spins, dead, USE_ASM: tl.c
     siblings decide that they stalled.
     """
     return wait_tagged(ptrs, mask, calls, deadline_ns, max_spins, dead, USE_ASM)
+
+
+# Rows of more chunks than this wait for their partials with the block-wide loop (`wait_tagged`).
+MAX_ASM_PARTIALS = tl.constexpr(16)
+
+
+@triton.constexpr_function
+def partials_asm(n, kind):
+    """Per-thread wait for a row's `n` epoch-tagged partials at $2 (8 bytes apart): every word's
+    high half equals $3, or the deadline $4 passes, or $5 (dead) is set; then their low halves
+    combined in order 0..n-1: kind 0 the fp32 sum (each add rounded, no contraction), kind 1 the
+    signed maximum. Outputs: $0 the combined bits, $1 ok."""
+    n, kind = int(n), int(kind)
+    regs = ", ".join(f"w{k}" for k in range(n))
+    body = [f"{{ .reg .pred p, q; .reg .b64 {regs}, now; .reg .b32 lo, hi, acc; .reg .f32 s, v;"]
+    body += [f"mov.b64 w{k}, 0;" for k in range(n)]
+    body += ["mov.b32 $1, 0;", "setp.ne.b32 p, $5, 0;", "@p bra DONE;", "LOOP:"]
+    body += [f"ld.volatile.global.b64 w{k}, [$2+{8 * k}];" for k in range(n)]
+    body += ["mov.pred p, 0;"]
+    body += [f"mov.b64 {{lo, hi}}, w{k}; setp.ne.or.b32 p, hi, $3, p;" for k in range(n)]
+    body += ["@!p bra OK;", "mov.u64 now, %globaltimer;", "setp.gt.s64 q, now, $4;", "@!q bra LOOP;", "bra DONE;",
+             "OK:", "mov.b32 $1, 1;", "DONE:", "mov.b64 {lo, hi}, w0;"]
+    if kind == 0:
+        body += ["mov.b32 s, lo;"]
+        body += [f"mov.b64 {{lo, hi}}, w{k}; mov.b32 v, lo; add.rn.f32 s, s, v;" for k in range(1, n)]
+        body += ["mov.b32 $0, s; }"]
+    else:
+        body += ["mov.b32 acc, lo;"]
+        body += [f"mov.b64 {{lo, hi}}, w{k}; max.s32 acc, acc, lo;" for k in range(1, n)]
+        body += ["mov.b32 $0, acc; }"]
+    return "\n".join(body)
+
+
+@triton.jit
+def row_partials(ptr, calls, deadline_ns, max_spins, dead, C: tl.constexpr, KIND: tl.constexpr):
+    """(the row's C.num_chunks partials at `ptr` combined: KIND 0 their fp32 sum, KIND 1 the
+    maximum of their bits as int32; ok). With C.spin >= 2 on GPU builds (and at most
+    MAX_ASM_PARTIALS chunks) every thread waits on its own, without a block-wide reduction per
+    retry, and sums in chunk order; otherwise one block reduction per retry decides (`wait_tagged`)
+    and the combination is a tree. Every rank takes the same path, so the bits agree."""
+    if C.use_asm and (C.spin >= 2) and (C.num_chunks <= MAX_ASM_PARTIALS):
+        bits, ok = tl.inline_asm_elementwise(partials_asm(C.num_chunks, KIND), "=r,=r,l,r,l,r",
+                                             [ptr.to(tl.int64), calls.to(tl.int32), deadline_ns.to(tl.int64),
+                                              dead.to(tl.int32)], dtype=(tl.int32, tl.int32), is_pure=False, pack=1)
+        if KIND == 0:
+            value = bits.to(tl.float32, bitcast=True)
+        else:
+            value = bits
+        ok = ok != 0
+    else:
+        parts = tl.arange(0, C.num_chunks_p2)
+        p, ok = wait_tagged(ptr + parts, parts < C.num_chunks, calls, deadline_ns, max_spins, dead, C.use_asm)
+        if KIND == 0:
+            value = tl.sum(p, axis=0)
+        else:
+            value = tl.max(p.to(tl.int32, bitcast=True), axis=0)
+    return value, ok
 
 
 @triton.jit

@@ -60,6 +60,7 @@ from tpfuse.kernels.sync import (
     push_word64,
     sentinel_like,
     source_status,
+    spin_vectors,
     start_deadline,
     tagged,
 )
@@ -213,26 +214,34 @@ def twoshot_kernel(
             w = tl.load(w_ptr + col, mask=cmask & C.has_norm, other=0.0).to(tl.float32)
             ptrs = local_ptr + gather_base + offs
             v = tl.load(ptrs, mask=and_scalar(cmask, dead == 0), other=0.0, volatile=True)
-            rw = tl.load(my_rows + rows_k, mask=and_scalar(live, dead == 0), other=0, volatile=True)
-            want = calls.to(tl.int64)
-            pending = cmask & (as_bits(v, C.elem_bits) == C.sentinel)
-            foreign = live & ((rw >> 32) != want)
-            busy = tl.max(tl.max((pending | foreign).to(tl.int32), axis=1), axis=0) > 0
-            failed = dead
-            spins = 0
-            while busy & (failed == 0):
-                v = tl.load(ptrs, mask=cmask, other=0.0, volatile=True)
-                rw = tl.load(my_rows + rows_k, mask=live, other=0, volatile=True)
-                aborted = tl.load(abort_ptr, volatile=True) != 0
+            if C.use_asm and (C.spin >= 2):
+                # the row word's high half is the row's tag: spin on it with the data, per thread
+                tag_ptrs = int32_ptr(my_rows + rows_k) + 1
+                t = tl.load(tag_ptrs, mask=and_scalar(live, dead == 0), other=0, volatile=True)
+                v, status = spin_vectors(v, ptrs, t, tag_ptrs, calls, cmask & (dead == 0), deadline, abort_ptr, C)
+                rw = tl.load(my_rows + rows_k, mask=live, other=0, volatile=True)  # now holds this call's sum
+            else:
+                rw = tl.load(my_rows + rows_k, mask=and_scalar(live, dead == 0), other=0, volatile=True)
+                want = calls.to(tl.int64)
                 pending = cmask & (as_bits(v, C.elem_bits) == C.sentinel)
                 foreign = live & ((rw >> 32) != want)
                 busy = tl.max(tl.max((pending | foreign).to(tl.int32), axis=1), axis=0) > 0
-                spins += 1
-                failed = deadline_passed(deadline, spins, max_spins, C.use_asm) | aborted
+                failed = dead
+                spins = 0
+                while busy & (failed == 0):
+                    v = tl.load(ptrs, mask=cmask, other=0.0, volatile=True)
+                    rw = tl.load(my_rows + rows_k, mask=live, other=0, volatile=True)
+                    aborted = tl.load(abort_ptr, volatile=True) != 0
+                    pending = cmask & (as_bits(v, C.elem_bits) == C.sentinel)
+                    foreign = live & ((rw >> 32) != want)
+                    busy = tl.max(tl.max((pending | foreign).to(tl.int32), axis=1), axis=0) > 0
+                    spins += 1
+                    failed = deadline_passed(deadline, spins, max_spins, C.use_asm) | aborted
+                status = tl.where(pending, 1, tl.where(foreign & cmask, 2, 0))
+            busy = tl.max(tl.max(status, axis=1), axis=0) > 0
             if busy & (dead == 0):
-                owners = tl.max(tl.where(tl.max((pending | foreign).to(tl.int32), axis=1, keep_dims=True) > 0,
-                                         1 << (rows_k // per_owner), 0))
-                only_foreign = tl.max(pending.to(tl.int32)) == 0
+                owners = tl.max(tl.where(tl.max(status, axis=1, keep_dims=True) > 0, 1 << (rows_k // per_owner), 0))
+                only_foreign = tl.max((status == 1).to(tl.int32)) == 0
                 fail(err_ptr, errmap_ptr, abort_ptr, bufs, rank, owners, tl.where(only_foreign, owners, 0),
                      tl.min(tl.where(live, rows_k, M)), calls, C)
             dead = dead | busy
