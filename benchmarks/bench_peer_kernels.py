@@ -1,6 +1,6 @@
 """Intrinsic latency of the peer kernels on ONE GPU, with W ranks emulated as W CUDA streams.
 
-    python benchmarks/bench_peer_kernels.py --suite final --out benchmarks/results/peer_kernels_emulated.jsonl
+    python benchmarks/bench_peer_kernels.py --suite report --out benchmarks/results/peer_kernels_emulated.jsonl
 
 Every rank's buffer, state and error words live on the one GPU
 (`tpfuse.strategies.workspace.emulated_workspaces`); rank r's calls run on stream r through the
@@ -63,7 +63,7 @@ H = 6144
 FABRIC = {"nvlink": {"latency_us": (1.2, 1.8), "gbps": 370.0}, "pcie": {"latency_us": (0.9, 2.0), "gbps": 54.0}}
 
 
-def launch_options(pdl: int, spin: bool, cooperative: bool = False):
+def launch_options(pdl: int, spin: int, cooperative: bool = False):
     from tpfuse.kernels.peer_launch import LaunchOptions
 
     return LaunchOptions(pdl=pdl, spin=spin, cooperative=cooperative)
@@ -372,30 +372,34 @@ def suites(args) -> dict[str, list[tuple]]:
     from tpfuse import quant as Q
 
     bf16 = torch.bfloat16
-    best = launch_options(args.pdl, bool(args.spin))
+    best = launch_options(args.pdl, args.spin)
 
     def spec(strategy, world, tokens_seq, hidden=H, dtype=bf16, options=None, **kw):
         return dict(strategy=strategy, world=world, tokens_seq=tuple(tokens_seq), hidden=hidden, dtype=dtype,
                     options=options or best, **kw)
 
     variants = []
-    for world in (8, 1, 4, 2):  # decode: launch options (every combination at W = 8 and 1)
+    for world in (8, 1, 4, 2):  # decode: launch options
         for pdl in (0, 1, 2):
-            for spin in (False, True):
-                if world in (8, 1) or (pdl, spin) in ((1, True), (2, False), (2, True)):
-                    variants.append((f"pdl{pdl}_spin{int(spin)}", spec("oneshot", world, (1,),
-                                                                       options=launch_options(pdl, spin)), "steady"))
-    variants.append(("cooperative", spec("oneshot", 8, (1,), options=launch_options(args.pdl, bool(args.spin),
-                                                                                      True)), "steady"))
+            for spin in (0, 1, 2):
+                if (pdl, spin) in ((0, 0), (1, 1), (1, 2), (2, 1), (2, 2)) and (world in (8, 1) or spin == 2):
+                    variants.append((f"pdl{pdl}_spin{spin}", spec("oneshot", world, (1,),
+                                                                  options=launch_options(pdl, spin)), "steady"))
+    variants.append(("cooperative", spec("oneshot", 8, (1,), options=launch_options(args.pdl, args.spin, True)),
+                     "steady"))
     for t in (16, 64, 256):  # two-shot: whole-row owners against chunk owners, and one-shot beside them
         for rows in (True, False):
-            variants.append((f"rows{int(rows)}", spec("twoshot", 8, (t,), owns_rows=rows), "steady"))
+            for spin in (1, 2):
+                variants.append((f"rows{int(rows)}", spec("twoshot", 8, (t,), owns_rows=rows,
+                                                          options=launch_options(1, spin)), "steady"))
         variants.append(("oneshot", spec("oneshot", 8, (t,)), "steady"))
     scale, global_scale = torch.full((1,), 0.05, device="cuda"), torch.full((1,), 40.0, device="cuda")
     for q in (Q.fp8_per_token(), Q.nvfp4(global_scale), Q.fp8_static(scale)):
         variants.append(("quant", spec("oneshot", 8, (1,), quant=q), "steady"))
-    variants.append(("alternating", spec("oneshot", 8, (128, 1)), "steady"))
-    variants.append(("alternating", spec("oneshot", 8, (128,)), "steady"))
+    # sizes alternating on a shared GPU: the end trigger (an entry trigger lets a fast rank's next
+    # large launch take the SMs a slower rank's current one needs)
+    variants.append(("alternating", spec("oneshot", 8, (128, 1), options=launch_options(1, args.spin)), "steady"))
+    variants.append(("alternating", spec("oneshot", 8, (128,), options=launch_options(1, args.spin)), "steady"))
 
     final = []
     for world in WORLDS:
@@ -404,12 +408,14 @@ def suites(args) -> dict[str, list[tuple]]:
                 continue
             for t in ((1, 16, 64, 256) if args.quick else TOKENS):
                 final.append(("grid", spec(strategy, world, (t,)), "steady"))
+    shared = launch_options(1, args.spin)  # what ranks sharing a GPU run (see the module docstring)
     for strategy in ("oneshot", "twoshot"):
-        final.append(("alternating", spec(strategy, 8, (128, 1)), "steady"))
-        if args.quick:  # the steady 128-token call the alternating one is compared with
-            final.append(("grid", spec(strategy, 8, (128,)), "steady"))
+        final.append(("alternating", spec(strategy, 8, (128, 1), options=shared), "steady"))
+        final.append(("alternating", spec(strategy, 8, (128,), options=shared), "steady"))
+        final.append(("alternating", spec(strategy, 8, (1,), options=shared), "steady"))
         final.append(("aligned", spec(strategy, 8, (1,)), "aligned"))
-    final.append(("pdl_shared", spec("oneshot", 8, (1,), options=launch_options(1, bool(args.spin))), "steady"))
+    for world in WORLDS:
+        final.append(("pdl_shared", spec("oneshot", world, (1,), options=shared), "steady"))
     for q in (Q.fp8_per_token(), Q.nvfp4(global_scale), Q.fp8_static(scale), Q.fp8_per_group(128, layout="col")):
         for t in ((1, 16) if q.kind in ("fp8_per_token", "nvfp4") else (1,)):
             for path in ("in_kernel", "two_kernels"):
@@ -417,21 +423,45 @@ def suites(args) -> dict[str, list[tuple]]:
     for strategy in ("oneshot", "twoshot"):
         for t in (1, 64):
             final.append(("hidden", spec(strategy, 8, (t,), hidden=7168), "steady"))
-    return {"variants": variants, "final": final}
+    report = []  # the cases the results README reports, in one run
+    for world in WORLDS:
+        for pdl, spin in ((2, 2), (2, 1), (1, 2)):
+            report.append((f"pdl{pdl}_spin{spin}", spec("oneshot", world, (1,), options=launch_options(pdl, spin)),
+                           "steady"))
+    for t in (16, 64, 256):
+        for rows in (True, False):
+            report.append((f"rows{int(rows)}", spec("twoshot", 8, (t,), owns_rows=rows), "steady"))
+        report.append(("grid", spec("oneshot", 8, (t,)), "steady"))
+    for world in (1, 2, 4):
+        for t in (16, 64):
+            report.append(("grid", spec("oneshot", world, (t,)), "steady"))
+    for world in (2, 4, 8):
+        for t in ((1, 16, 64) if world < 8 else (1,)):
+            report.append(("grid", spec("twoshot", world, (t,)), "steady"))
+    for strategy in ("oneshot", "twoshot"):
+        for tokens in ((128, 1), (128,), (1,)):
+            report.append(("alternating", spec(strategy, 8, tokens, options=shared), "steady"))
+    for q in (Q.fp8_per_token(), Q.nvfp4(global_scale), Q.fp8_static(scale)):
+        for path in ("in_kernel", "two_kernels"):
+            report.append(("quant", spec("oneshot", 8, (1,), quant=q, path=path), "steady"))
+    for path in ("in_kernel", "two_kernels"):
+        report.append(("quant", spec("oneshot", 8, (16,), quant=Q.fp8_per_token(), path=path), "steady"))
+    return {"variants": variants, "final": final, "report": report}
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="JSON-lines file for the result rows")
-    parser.add_argument("--suite", choices=("variants", "final", "all"), default="final",
-                        help="variants: launch options and two-shot cuts compared; final: the reported grid")
+    parser.add_argument("--suite", choices=("variants", "final", "report", "all"), default="report",
+                        help="variants: launch options and two-shot cuts compared; final: the whole grid; report: "
+                             "what benchmarks/results/README.md reports, in one run")
     parser.add_argument("--plot", help="PNG of per-call latency against tokens (steady, bf16, hidden 6144)")
     parser.add_argument("--budget-s", type=float, default=420.0, help="stop starting new cases after this long")
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--quick", action="store_true", help="the final grid at tokens 1/16/64 only")
     parser.add_argument("--pdl", type=int, default=2, choices=(0, 1, 2), help="launch trigger of the reported rows")
-    parser.add_argument("--spin", type=int, default=1, choices=(0, 1), help="per-thread spin in the reported rows")
+    parser.add_argument("--spin", type=int, default=2, choices=(0, 1, 2), help="per-thread spins in the reported rows")
     parser.add_argument("--compile-workers", type=int, default=12, help="processes that compile before timing")
     args = parser.parse_args(argv)
     t0 = time.time()
@@ -466,7 +496,7 @@ def main(argv=None) -> int:
         shape = {"tokens": tokens[-1] if len(tokens) == 1 else ",".join(map(str, tokens)), "hidden": spec["hidden"]}
         op = "all_reduce_residual_rmsnorm" if quant is None else "all_reduce_residual_rmsnorm_quant"
         extra = dict(suite_case=label, mode=mode, valid=ok, check=why, chunk=pl.chunk, num_chunks=pl.num_chunks,
-                     programs=programs, calls_per_stream=n, pdl=int(cfg.pdl), spin=bool(cfg.spin),
+                     programs=programs, calls_per_stream=n, pdl=int(cfg.pdl), spin=int(cfg.spin),
                      cooperative=spec["options"].cooperative, rows_owned=bool(cfg.rows_owned),
                      per_poll=int(cfg.per_poll), single=bool(cfg.single))
         if quant is not None:
@@ -496,7 +526,7 @@ def main(argv=None) -> int:
              baseline_single(lambda: dst.copy_(s), 40, args.reps))
     for key, median in list(results.items()):
         label, strategy, world, tokens, hidden, mode, pdl, spin, qkey, _ = key
-        decode_variant = label.startswith("pdl") or label in ("grid", "rows1", "rows0", "oneshot")
+        decode_variant = label.startswith("pdl") or label in ("grid", "rows1", "rows0")
         if world == 8 and mode == "steady" and qkey is None and hidden == H and isinstance(tokens, int) \
                 and decode_variant:
             for fabric, (lo, hi) in estimates(median, empty[8], empty[1], strategy, 8, tokens, hidden, 2).items():

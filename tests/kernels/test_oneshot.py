@@ -57,7 +57,7 @@ GPU_CALLS = [(1, "int", "res"), (1, "rand", "res"), (16, "int", "res"), (3, "int
 # Each option is a compile of every variant the calls use, so the matrix is cut to what differs
 # (benchmarks/bench_peer_kernels.py --suite variants checks every combination at 1 token as well).
 @pytest.mark.gpu
-@pytest.mark.parametrize("world, pdl, spin", [(8, 0, False), (8, 2, True), (8, 1, True), (2, 2, False)])
+@pytest.mark.parametrize("world, pdl, spin", [(8, 0, 0), (8, 2, 2), (8, 1, 1), (2, 2, 2), (2, 0, 0)])
 def test_launch_options_give_the_reference_bits(world, pdl, spin):
     from tpfuse.kernels.peer_launch import LaunchOptions
 
@@ -78,7 +78,7 @@ def test_cuda_graph_replay_of_every_rank(name):
     from tpfuse.reference import all_reduce_residual_rmsnorm_ref, small_integer_inputs
 
     world, m, h = 4, 24, 4096
-    ranks = EmulatedRanks(name, world, h, torch.bfloat16, m, options=LaunchOptions(pdl=1, spin=True))
+    ranks = EmulatedRanks(name, world, h, torch.bfloat16, m, options=LaunchOptions(pdl=1, spin=2))
     xs = [torch.zeros(m, h, dtype=torch.bfloat16, device="cuda") for _ in range(world)]
     res, w = torch.zeros_like(xs[0]), torch.zeros(h, dtype=torch.bfloat16, device="cuda")
     launches = [ranks.launch_for(r, m, True, True) for r in range(world)]

@@ -27,7 +27,7 @@ def _launch(name="oneshot", world=2, m=3, h=64, **kw):
                                    num_regions=world + int(twoshot), tag_words=tag_words_for(plan, m), timeout_s=1.0)
     kernel = twoshot_kernel if twoshot else oneshot_kernel
     return ws, PeerLaunch(kernel, name, ws, m, h, torch.bfloat16, has_res=True, has_norm=True, quant=None, plan=plan,
-                          max_programs=4, timeout_s=1.0, twoshot=twoshot, options=LaunchOptions(pdl=2, spin=True),
+                          max_programs=4, timeout_s=1.0, twoshot=twoshot, options=LaunchOptions(pdl=2, spin=2),
                           **kw)
 
 

@@ -43,8 +43,8 @@ GPU_CALLS = [(1, "int", "res"), (16, "int", "res"), (3, "rand", "res"), (64, "ra
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("world, owns_rows, pdl, spin", [(8, None, 1, True), (8, True, 2, True), (8, False, 0, False),
-                                                         (2, None, 2, False)])
+@pytest.mark.parametrize("world, owns_rows, pdl, spin", [(8, None, 1, 2), (8, True, 2, 1), (8, False, 0, 0),
+                                                         (2, None, 2, 2), (2, True, 1, 0)])
 def test_both_cuts_and_launch_options_give_the_reference_bits(world, owns_rows, pdl, spin):
     """None: the rule (whole rows from one token a rank); True / False force one cut for every call
     that allows it (whole rows need at least one row a rank)."""

@@ -8,7 +8,7 @@ import triton.language as tl
 from tpfuse.kernels.sync import fail, int32_ptr, stall
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rank"])
 def record_kernel(err_ptr, errmap_ptr, bufs, rank, ranks, epoch_ranks, STALL: tl.constexpr, C: tl.constexpr):
     abort_ptr = int32_ptr(bufs[0])
     if rank == 1:  # the abort word of this rank's own buffer (the tests use ranks 0 and 1)

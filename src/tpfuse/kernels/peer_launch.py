@@ -10,8 +10,9 @@ host that scales with the arguments beyond that.
 
 Launch options (`LaunchOptions`): programmatic dependent launch (`pdl`: 0 off, 1 with the
 trigger at the kernel's end, 2 with the trigger at entry: the next call's programs are launched
-while this one runs and wait in `griddepcontrol.wait`), the per-thread spin (`spin`) and
-cooperative launch (`cooperative`). Co-residency: the partials' waits need all programs of a
+while this one runs and wait in `griddepcontrol.wait`), the per-thread spins in inline assembly
+(`spin`: 1 for the data polls, 2 for the norm partials' waits and two-shot's row words as well)
+and cooperative launch (`cooperative`). Co-residency: the partials' waits need all programs of a
 launch resident together, and a rank's waits need its peers' programs resident too when ranks
 share a GPU, so the first launch of a shape checks the compiled kernel's occupancy against the
 grid of every rank on the GPU (twice over with an entry trigger, which keeps two launches per
@@ -63,7 +64,7 @@ class LaunchOptions:
     """How a peer kernel is launched (see the module docstring); identical bits whatever they are."""
 
     pdl: int = 0
-    spin: bool = False
+    spin: int = 0  # 0: block-wide polls; 1: data polls spin per thread; 2: partial waits and row words too
     cooperative: bool = False
 
 
@@ -106,7 +107,7 @@ def peer_config(m: int, ws, plan: Plan, grid: int, *, itemsize: int, has_res: bo
         world=world, world_p2=triton.next_power_of_2(world), chunk=plan.chunk, num_chunks=plan.num_chunks,
         num_chunks_p2=triton.next_power_of_2(plan.num_chunks), sentinel=ws.sentinel, elem_bits=8 * itemsize,
         has_res=has_res, has_norm=has_norm, split=has_norm and plan.split and not rows, use_asm=gpu,
-        soft_bf16=not gpu, pdl=options.pdl if gpu else 0, spin=options.spin and gpu,
+        soft_bf16=not gpu, pdl=options.pdl if gpu else 0, spin=int(options.spin) if gpu else 0,
         single=not twoshot and plan.items <= grid, rows_owned=rows,
         per_poll=TWOSHOT_PER_POLL if rows and not quantized and -(-plan.items // grid) > 1 else 1)
 
