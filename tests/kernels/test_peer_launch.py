@@ -52,10 +52,15 @@ def test_a_steady_call_is_one_launch(name):
 
 
 def test_shape_facts_are_fixed_at_construction():
-    ws, launch = _launch("twoshot", world=2, m=3)
-    assert bool(launch.C.rows_owned) and not bool(launch.C.split)  # 3 tokens on 2 ranks: whole rows
-    _, forced = _launch("twoshot", world=2, m=3, owns_rows=False)
+    from tpfuse.kernels.protocol import TWOSHOT_ROWS_PER_RANK
+
+    m = 2 * TWOSHOT_ROWS_PER_RANK
+    ws, launch = _launch("twoshot", world=2, m=m)
+    assert bool(launch.C.rows_owned) and not bool(launch.C.split)  # enough rows a rank: whole rows
+    _, forced = _launch("twoshot", world=2, m=m, owns_rows=False)
     assert not bool(forced.C.rows_owned)
+    _, small = _launch("twoshot", world=2, m=3)
+    assert not bool(small.C.rows_owned)
     assert int(launch.C.pdl) == 2 and launch.grid == (min(launch.plan.items, 4),)
 
 
@@ -64,7 +69,8 @@ def test_twoshot_whole_rows_refuse_quantizing_in_the_kernel():
     from tpfuse.kernels.oneshot import oneshot_kernel  # noqa: F401  (the module imports)
     from tpfuse.kernels.peer_launch import PeerLaunch
 
-    ws, launch = _launch("twoshot", world=2, m=3)
+    ws, launch = _launch("twoshot", world=2, m=3, owns_rows=True)
     with pytest.raises(ValueError, match="whole-row owners"):
         PeerLaunch(launch.kernel, "twoshot", ws, 3, 64, torch.bfloat16, has_res=True, has_norm=True,
-                   quant=Q.fp8_per_token(), plan=launch.plan, max_programs=4, timeout_s=1.0, twoshot=True)
+                   quant=Q.fp8_per_token(), plan=launch.plan, max_programs=4, timeout_s=1.0, twoshot=True,
+                   owns_rows=True)

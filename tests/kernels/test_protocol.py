@@ -56,9 +56,10 @@ def test_buffer_layout_parts_are_aligned_and_disjoint():
             assert (lay.total_elems - lay.rows_elems) * itemsize == NUM_SLOTS * t * 8
 
 
-def test_twoshot_owns_rows_from_one_token_a_rank():
-    from tpfuse.kernels.protocol import tag_words_for, twoshot_owns_rows
+def test_twoshot_owns_rows_from_a_measured_rows_per_rank():
+    from tpfuse.kernels.protocol import TWOSHOT_ROWS_PER_RANK, tag_words_for, twoshot_owns_rows
 
-    assert not twoshot_owns_rows(7, 8) and twoshot_owns_rows(8, 8) and twoshot_owns_rows(1, 1)
+    k = TWOSHOT_ROWS_PER_RANK
+    assert not twoshot_owns_rows(8 * k - 1, 8) and twoshot_owns_rows(8 * k, 8) and twoshot_owns_rows(k, 1)
     plan = make_plan(3, 6144, 2, 16)
     assert tag_words_for(plan, 3) == plan.items >= 3

@@ -14,9 +14,12 @@ CALLS = [(3, "int", "res"), (5, "rand", "res"), (1, "int", "none"), (4, "int", "
 
 @pytest.mark.interpreter
 @pytest.mark.slow
-def test_two_ranks_back_to_back_calls():
-    """Every call of two or more tokens has whole-row owners, the one-token calls chunk owners."""
-    check_calls("twoshot", 2, torch.bfloat16, 64, CALLS)
+@pytest.mark.parametrize("owns_rows", [None, True])
+def test_two_ranks_back_to_back_calls(owns_rows):
+    """The rule's cut (chunk owners at these sizes), then whole-row owners forced for every call
+    (the one-token calls keep chunk owners: a cut of whole rows needs a row a rank)."""
+    calls = CALLS if owns_rows is None else [c for c in CALLS if c[0] >= 2]
+    check_calls("twoshot", 2, torch.bfloat16, 64, calls, owns_rows=owns_rows)
 
 
 @pytest.mark.interpreter

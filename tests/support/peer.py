@@ -144,20 +144,25 @@ class EmulatedRanks:
 
 # ---- spawned interpreter ranks -----------------------------------------------------------------
 
-def launch_of(strategy, ws, m, h, dtype, has_res, has_norm, quant=None, plan=None):
+def launch_of(strategy, ws, m, h, dtype, has_res, has_norm, quant=None, plan=None, owns_rows=None):
     """The PeerLaunch a strategy's route takes for this shape, or one with a forced plan (two-shot
-    then with chunk owners, whose split rows exchange partials as one-shot's do)."""
-    if plan is None:
+    then with chunk owners, whose split rows exchange partials as one-shot's do) or a forced
+    two-shot cut."""
+    if plan is None and owns_rows is None:
         return strategy._route(ws, m, h, dtype, has_res, has_norm, quant, compile_now=False).launch
+    if plan is None:
+        plan = strategy._plan(m, h, dtype)
+    elif owns_rows is None:
+        owns_rows = False
     from tpfuse.kernels.peer_launch import PeerLaunch
 
     return PeerLaunch(strategy._kernel(), strategy.name, ws, m, h, dtype, has_res=has_res, has_norm=has_norm,
                       quant=quant, plan=plan, max_programs=strategy.max_programs, timeout_s=strategy.timeout_s,
                       twoshot=strategy.twoshot, options=strategy.launch_options,
-                      owns_rows=False if strategy.twoshot else None)
+                      owns_rows=owns_rows if strategy.twoshot else None)
 
 
-def calls_rank(rank, world_size, name, dtype, h, calls):
+def calls_rank(rank, world_size, name, dtype, h, calls, owns_rows=None):
     """Back-to-back calls through the launches the strategy's routes use, then the first call
     again through the torch.library op (which finds the strategy by handle)."""
     from tpfuse.kernels.custom_ops import all_reduce_residual_rmsnorm_op
@@ -171,7 +176,8 @@ def calls_rank(rank, world_size, name, dtype, h, calls):
         res = make_inputs(kind, 100, i, m, h, dtype) if mode == "res" else None
         w = make_inputs(kind, 101, i, 1, h, dtype)[0]
         ws.before_call()
-        got = launch_of(strategy, ws, m, h, dtype, res is not None, mode != "ar")(x, res, w, 1e-6, out=nan_pair(x))
+        launch = launch_of(strategy, ws, m, h, dtype, res is not None, mode != "ar", owns_rows=owns_rows)
+        got = launch(x, res, w, 1e-6, out=nan_pair(x))
         out.append(got if mode != "ar" else got[:1])
     m, kind, mode = calls[0]
     x, res, w = (make_inputs(kind, rank, 0, m, h, dtype), make_inputs(kind, 100, 0, m, h, dtype),
@@ -182,10 +188,10 @@ def calls_rank(rank, world_size, name, dtype, h, calls):
     return out, op_out
 
 
-def check_calls(name, world_size, dtype, h, calls):
+def check_calls(name, world_size, dtype, h, calls, owns_rows=None):
     from tpfuse.spawn import run_ranks
 
-    results = run_ranks(calls_rank, world_size, args=(name, dtype, h, calls), env=INTERP, timeout_s=300)
+    results = run_ranks(calls_rank, world_size, args=(name, dtype, h, calls, owns_rows), env=INTERP, timeout_s=300)
     for rank, (outs, op_out) in enumerate(results):  # the custom op served the first call again, identically
         if calls[0][2] != "ar":
             assert torch.equal(op_out[0], outs[0][0]) and torch.equal(op_out[1], outs[0][1])

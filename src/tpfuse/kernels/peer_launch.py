@@ -50,7 +50,7 @@ from tpfuse.kernels.quant import KIND_BY_NAME, QuantBuffers
 from tpfuse.quant import QuantOutput
 
 # Interpreter spin bound per second of timeout: one interpreted poll of a 32-element row took
-# about 1 ms on the 2-core CI-class machine (tests/kernels/test_oneshot.py timeout test).
+# about 1 ms on the 2-core CI-class machine (tests/strategies/test_peer.py timeout test).
 INTERPRETER_SPINS_PER_S = 1_000
 # Items a two-shot receiver polls at once with whole-row owners: enough loads in flight to cover
 # a read's latency (four 4 KB chunks a program), few enough registers to stay resident.

@@ -162,12 +162,19 @@ def buffer_layout(region_elems: int, num_regions: int, tag_words: int, itemsize:
     return Layout(header, tags, rows, rows + NUM_SLOTS * tag_words * 8 // itemsize)
 
 
+# Tokens per rank from which two-shot's owners hold whole rows. Measured with 8 ranks emulated on
+# one H200 (benchmarks/results/peer_kernels_v3_emulated.jsonl, `rows1` / `rows0` rows): chunk
+# owners were faster at 16 and 64 tokens (2 and 8 a rank), whole rows at 256 (32 a rank).
+TWOSHOT_ROWS_PER_RANK = 32
+
+
 def twoshot_owns_rows(num_tokens: int, world_size: int) -> bool:
-    """Whether two-shot's owners hold whole rows (at least one row per rank): an owner then
-    computes each row's norm itself and pushes the row's sum of squares with its sums, and no rank
-    exchanges partials. Below that, owners hold runs of chunks, so that even one token is spread
-    over every rank."""
-    return num_tokens >= world_size
+    """Whether two-shot's owners hold whole rows (at least TWOSHOT_ROWS_PER_RANK rows a rank): an
+    owner then computes each row's norm itself and pushes the row's sum of squares with its sums,
+    and no rank exchanges partials; one program reduces a row chunk after chunk, which lengthens
+    the chain at small sizes. Below that, owners hold runs of chunks, so that even one token is
+    spread over every rank and many programs."""
+    return num_tokens >= TWOSHOT_ROWS_PER_RANK * world_size
 
 
 def tag_words_for(plan: Plan, num_tokens: int) -> int:

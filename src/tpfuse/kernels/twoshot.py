@@ -4,7 +4,7 @@ Each input byte crosses the fabric about twice instead of W - 1 times: scatter t
 reduce and push the sums to every rank. Two ways of cutting the work (`C.rows_owned`, decided by
 `tpfuse.kernels.protocol.twoshot_owns_rows`, identically on every rank):
 
-Chunk owners (fewer tokens than ranks): the call's items (row, chunk;
+Chunk owners (up to a few rows a rank): the call's items (row, chunk;
 `tpfuse.kernels.protocol.make_plan`) are dealt to owners in contiguous runs: owner o reduces
 items [o*K, (o+1)*K), K = ceil(items / W), so even one token is spread over W ranks and many
 programs. Program p handles items p, p + G, ... in every phase:
@@ -20,7 +20,7 @@ programs. Program p handles items p, p + G, ... in every phase:
 Own sums are produced by the same program that later reads them (item i goes to program i % G
 in both phases), so a wait never names this rank itself.
 
-Row owners (at least one token per rank): owner o holds rows [o*R, (o+1)*R), R = ceil(M / W),
+Row owners (from TWOSHOT_ROWS_PER_RANK rows a rank): owner o holds rows [o*R, (o+1)*R), R = ceil(M / W),
 each row reduced by one program chunk after chunk (the next chunk's sources loaded before the
 current one is finished), so the owner knows the row's sum of squares itself. It pushes each
 chunk's sum as above, then the row's sum of squares as one epoch-tagged 64-bit row word (the

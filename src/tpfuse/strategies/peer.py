@@ -240,14 +240,19 @@ class PeerStrategy(Strategy):
         return route(x, residual, weight, eps, quant)
 
     def _quantizes_in_kernel(self, plan, quant, num_tokens: int) -> bool:
-        """Quantize inside the peer kernel when its programs hold one item each (decode sizes) and,
-        for two-shot, owners hold runs of chunks; larger calls quantize in the epilogue after the
-        peer allreduce. Measured with W ranks emulated on one H200
-        (benchmarks/results/peer_kernels_emulated.jsonl, `quant` rows): at one item per program
-        the kernel's own FP8 quantization beats two kernels, while a program that quantizes item
-        after item (per-token FP8: a second pass for the row's absmax) loses to them. A pure
-        function of the shape and agreed group facts, so every rank takes the same path."""
+        """Quantize inside the peer kernel when its programs hold one item each (decode sizes), for
+        two-shot only with chunk owners, and NVFP4 only where the e2m1 conversion is hardware;
+        otherwise the epilogue quantizes after the peer allreduce. Measured with 8 ranks emulated
+        on one H200 (benchmarks/results/peer_kernels_v3_emulated.jsonl, `quant` rows): at one token
+        the kernel's own FP8 quantization beats two kernels, NVFP4's software e2m1 loses to them,
+        and a program that quantizes item after item (per-token FP8 at 16 tokens: a second pass
+        for the row's absmax) is no faster than two kernels. A pure function of the shape and
+        agreed group facts, so every rank takes the same path."""
+        from tpfuse.kernels.device import hardware_fp4
+
         if self.twoshot and twoshot_owns_rows(num_tokens, self.ctx.world_size):
+            return False
+        if quant.kind == "nvfp4" and not hardware_fp4(self.ctx.device):
             return False
         return quantizes_in_kernel(plan, quant) and plan.items <= self.plan_programs
 
