@@ -93,7 +93,8 @@ def torch_quant(kind: str, spec: Q.QuantSpec):
 
 def providers(kind: str, spec: Q.QuantSpec, eps: float):
     """name -> factory(x, res, w) -> zero-argument call; plus notes on what could not run."""
-    from tpfuse.kernels.epilogue import hardware_fp4, hardware_fp8, residual_rmsnorm
+    from tpfuse.kernels.device import hardware_fp4, hardware_fp8
+    from tpfuse.kernels.epilogue import residual_rmsnorm
     from tpfuse.kernels.quant import quantize
 
     hw = dict(hw_fp8=hardware_fp8("cuda"), hw_fp4=hardware_fp4("cuda"))  # the fused kernel's conversions

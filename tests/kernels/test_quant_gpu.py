@@ -29,7 +29,7 @@ def _cpu(result):
 
 @pytest.mark.parametrize("hw_fp8, hw_fp4", [(False, False), (True, False), (True, True)])
 def test_helpers_on_gpu_match_reference(hw_fp8, hw_fp4):
-    from tpfuse.kernels.epilogue import hardware_fp4, hardware_fp8
+    from tpfuse.kernels.device import hardware_fp4, hardware_fp8
     from tpfuse.kernels.quant import quantize
 
     if hw_fp8 and not hardware_fp8("cuda"):

@@ -21,22 +21,17 @@ no allocation except the outputs.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from tpfuse.kernels.device import hardware_fp4, hardware_fp8, interpreting
 from tpfuse.kernels.launcher import PreboundLaunch, bind
 from tpfuse.kernels.protocol import MAX_HIDDEN  # one row in registers: 16384 fp32 over 16 warps = 32 a thread
 from tpfuse.kernels.quant import PAD_CHUNK, QuantBuffers, block_for, pad_programs, quantize_row, zero_scale_padding
 
 SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
-
-
-def interpreting() -> bool:
-    """True when kernels run in the Triton interpreter (no inline assembly there)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit
@@ -265,41 +260,6 @@ def _quant_constexprs(buf, block: int) -> dict:
     kw = buf.constexprs(block)
     del kw["BLOCK"]
     return kw
-
-
-def hardware_fp8(device) -> bool:
-    """Whether kernels on `device` round to e4m3 with the hardware cvt (sm_89 and newer; never in
-    the interpreter, whose float8 cast does not round to nearest even). Same bits either way."""
-    device = torch.device(device)
-    if interpreting() or device.type != "cuda":
-        return False
-    return _capability_has_fp8_cvt(device.index if device.index is not None else torch.cuda.current_device())
-
-
-def hardware_fp4(device) -> bool:
-    """Whether kernels on `device` convert to e2m1 with the hardware cvt (compute capability 10.0
-    and newer, `tpfuse.quant.FP4_CVT_MIN_CAPABILITY`). Same bits either way."""
-    device = torch.device(device)
-    if interpreting() or device.type != "cuda":
-        return False
-    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= _min_fp4()
-
-
-def _capability_has_fp8_cvt(index: int) -> bool:
-    from tpfuse.quant import FP8_CVT_MIN_CAPABILITY
-
-    return _capability(index) >= FP8_CVT_MIN_CAPABILITY
-
-
-def _min_fp4():
-    from tpfuse.quant import FP4_CVT_MIN_CAPABILITY
-
-    return FP4_CVT_MIN_CAPABILITY
-
-
-@functools.cache
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
 
 
 def _check(s: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor) -> None:

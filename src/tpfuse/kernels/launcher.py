@@ -143,7 +143,8 @@ def _pointer_bits(args: tuple, tensors: tuple, tuples: tuple) -> int:
         bits |= args[i].data_ptr()
     for i in tuples:
         for t in args[i]:
-            bits |= t.data_ptr()
+            if hasattr(t, "data_ptr"):  # tuples may mix tensors and scalars
+                bits |= t.data_ptr()
     return bits
 
 
