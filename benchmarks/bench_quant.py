@@ -12,7 +12,7 @@ between CUDA events, `--trials` measurements interleaved across providers, media
 residual and weight; write the new residual, the quantized output and its scales. The device copy
 bandwidth is measured in the same run. The unfused providers quantize the epilogue's bf16 normed
 output (what an engine has between two kernels), so their codes may differ from the fused ones in
-the last step; correctness is the tests' job (tests/kernels/test_quant_gpu.py), not this script's.
+the last step; correctness is the tests' job (tests/kernels/test_quant.py), not this script's.
 The torch quantizers are plain fp32 torch code (the float64 reference would be no fair baseline).
 
 Targets (benchmark figures): at >= 4096 tokens the fused path reaches >= 85% of the copy

@@ -21,8 +21,8 @@ step "peer benchmark" "${PEER_LIMIT:-240}" bash -c "python3 benchmarks/bench_pee
 step "quant benchmark" "${QUANT_LIMIT:-170}" bash -c "cd benchmarks && python3 bench_quant.py --out $OUT/quant.jsonl \
   ${QUANT_ARGS:---tokens 1 64 4096 16384 --hidden 6144 7168} > $OUT/quant.log 2>&1"
 nvidia-cuda-mps-control -d && echo "MPS on"
-step "gpu tests" "${TEST_LIMIT:-240}" bash -c "python3 -m pytest -q -rs -p no:cacheprovider ${TESTS:-tests/kernels/test_gpu_faults.py \
-  tests/kernels/test_quant_gpu.py tests/test_timing_gpu.py tests/kernels/test_gpu.py} > $OUT/gpu_tests.txt 2>&1"
+step "gpu tests" "${TEST_LIMIT:-240}" bash -c "python3 -m pytest -q -rs -p no:cacheprovider -m "not interpreter" ${TESTS:-tests/kernels/test_gpu_faults.py \
+  tests/kernels/test_quant.py tests/test_timing_gpu.py tests/kernels/test_gpu.py} > $OUT/gpu_tests.txt 2>&1"
 echo quit | nvidia-cuda-mps-control
 tail -4 "$OUT/gpu_tests.txt"; grep -E "FAILED|Error" "$OUT/gpu_tests.txt" | head -20
 tail -45 "$OUT/quant.log"

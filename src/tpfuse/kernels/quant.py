@@ -31,7 +31,7 @@ switches to the hardware instructions where they exist: bit 1, the e4m3 rounding
 inline cvt.rn.satfinite.e2m1x2.f32 (sm_100a-class, compute capability 10.0 and newer; never in the
 interpreter, which has no inline assembly). Same bits, fewer instructions: NaN lanes are patched
 to the software result, and both instructions round to nearest even and saturate. The e2m1 path
-is checked here only as far as it compiles and assembles for sm_100a (tests/kernels/test_quant_ptx.py);
+is checked here only as far as it compiles and assembles for sm_100a (tests/kernels/test_quant.py);
 its bits on a Blackwell GPU are checked by the GPU tier there.
 Absolute maxima are taken over the bit patterns as integers (|y| bits, NaN above inf), so NaN
 propagates identically on GPUs (where a float max drops NaN) and in the interpreter (where it
