@@ -292,6 +292,8 @@ def main(argv=None) -> int:
                     rows.append(make_row(f"residual_rmsnorm_quant:{kind}", name, {"tokens": tokens, "hidden": hidden},
                                          "bfloat16", 1, [], "us", failed=why))
                 summary.append((kind, tokens, hidden, medians, nbytes, extra_bytes, agree))
+        append_rows(args.out, rows)  # format by format: a run stopped at its time limit keeps what it measured
+        rows = []
     for name, why in all_notes.items():
         rows.append(make_row("residual_rmsnorm_quant", name, {}, "bfloat16", 1, [], "us", unavailable=why))
     append_rows(args.out, rows)
