@@ -460,6 +460,8 @@ ALIGNED = ("s_ptr", "res_ptr", "w_ptr", "out_ptr", "newres_ptr", "H", "q_ptr", "
 
 
 def _ptx(cc: int, kind: int, group: int, swizzled: bool, hw: int) -> str:
+    """PTX of the quantized epilogue kernel for format KIND on sm_`cc` (KIND 0: the unquantized
+    epilogue kernel)."""
     pytest.importorskip("triton")
     try:
         from triton._C.libtriton import ir
@@ -468,16 +470,21 @@ def _ptx(cc: int, kind: int, group: int, swizzled: bool, hw: int) -> str:
         from triton.compiler import ASTSource
     except ImportError as exc:
         pytest.skip(f"Triton's compiler internals are not importable here: {exc}")
-    from tpfuse.kernels.epilogue import residual_rmsnorm_quant_kernel
+    from tpfuse.kernels.epilogue import residual_rmsnorm_kernel, residual_rmsnorm_quant_kernel
 
     sig = dict(SIG, sc_ptr="*u8" if kind == 4 else "*fp32")
-    names = list(sig)
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in ALIGNED}
     constexprs = {"BLOCK_H": 8192, "ROWS": 1, "HAS_RES": True, "SOFT_BF16": False, "WITH_NORMED": False, "KIND": kind,
                   "GROUP": group, "SWIZZLED": swizzled, "HAS_UB": False, "HW_CVT": hw}
+    kernel = residual_rmsnorm_quant_kernel
+    if kind == 0:
+        kernel = residual_rmsnorm_kernel
+        constexprs = {k: constexprs[k] for k in ("BLOCK_H", "ROWS", "HAS_RES", "SOFT_BF16")}
+        sig = {**dict(list(SIG.items())[:8]), **{k: "constexpr" for k in constexprs}}
+    names = list(sig)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in ALIGNED if n in names}
     target = GPUTarget("cuda", cc, 32)
     backend = CUDABackend(target)
-    src = ASTSource(residual_rmsnorm_quant_kernel, sig, constexprs, attrs)
+    src = ASTSource(kernel, sig, constexprs, attrs)
     options = backend.parse_options({"num_warps": 16})
     context = ir.context()
     ir.load_dialects(context)
@@ -505,9 +512,12 @@ def test_codes_leave_without_a_shared_memory_layout_change():
     the few scales of a row). A flat uint8 code store made Triton move each row through shared
     memory to a 16-a-thread layout: two barriers more a row."""
     barriers = {kind: len(re.findall(r"bar\.sync", _ptx(90, kind, group, kind == 4, 1)))
-                for kind, group in ((1, 16), (2, 16), (3, 128), (4, 16))}
-    assert barriers == {1: 1, 2: 3, 3: 3, 4: 3}, barriers
-    assert "st.global.v2.b32" in _ptx(90, 1, 16, False, 1)  # 8 codes a thread, one 64-bit store
+                for kind, group in ((0, 16), (1, 16), (2, 16), (3, 128), (4, 16))}
+    norm = barriers.pop(0)  # the unquantized kernel: the sum of squares alone
+    assert barriers[1] == norm and max(barriers.values()) <= 2 * norm + 1, (norm, barriers)
+    # 8 codes a thread in one 64-bit store; the mask built on the 2-D offsets keeps the store
+    # vectorised (a reshaped 1-D mask gave 8 single-byte stores with Triton 3.6)
+    assert set(re.findall(r"st\.global[.\w]*", _ptx(90, 1, 16, False, 1))) == {"st.global.v2.b32", "st.global.v4.b32"}
 
 
 @pytest.mark.parametrize("cc", [100, 120])  # B200-class and RTX PRO 6000-class (Triton targets sm_100a / sm_120a)

@@ -210,7 +210,8 @@ def quantize_chunk(
     mask = (gcols < H) & ((row + 0 * cols) < M)
     qrow = q_ptr + row.to(tl.int64) * q_row_stride
     if KIND == 1:
-        store_runs(qrow + start, e4m3_code(y * inverse(param), HW_CVT & 1).to(tl.uint8), mask, BLOCK, CODE_RUN)
+        store_runs(qrow + start, e4m3_code(y * inverse(param), HW_CVT & 1).to(tl.uint8), H - start, row, M, BLOCK,
+                   CODE_RUN)
     elif KIND == 2:
         # one scale for the row: scalars, no reshape, one thread stores it
         if ROW_AMAX:
@@ -218,7 +219,8 @@ def quantize_chunk(
         else:
             amax = tl.max(abs_bits(y, mask), axis=0).to(tl.float32, bitcast=True)
         scale = dynamic_scale(amax, scale_ub, HAS_UB)
-        store_runs(qrow + start, e4m3_code(y * inverse(scale), HW_CVT & 1).to(tl.uint8), mask, BLOCK, CODE_RUN)
+        store_runs(qrow + start, e4m3_code(y * inverse(scale), HW_CVT & 1).to(tl.uint8), H - start, row, M, BLOCK,
+                   CODE_RUN)
         tl.store(s_ptr + row.to(tl.int64) * s_row_stride, scale, mask=(row < M) & (start == 0))
     else:
         G: tl.constexpr = GROUP
@@ -237,9 +239,8 @@ def quantize_chunk(
                 lo, hi = e2m1_pair_hw(*tl.split(tl.reshape(q, [BLOCK // 2, 2])))
             else:
                 lo, hi = tl.split(tl.reshape(e2m1_code(q), [BLOCK // 2, 2]))
-            pcols = start // 2 + tl.arange(0, BLOCK // 2)
-            pmask = (pcols < H // 2) & ((row + 0 * pcols) < M)
-            store_runs(qrow + start // 2, (lo | (hi << 4)).to(tl.uint8), pmask, BLOCK // 2, CODE_RUN // 2)
+            store_runs(qrow + start // 2, (lo | (hi << 4)).to(tl.uint8), (H - start) // 2, row, M, BLOCK // 2,
+                       CODE_RUN // 2)
             k_real = H // 16
             value = tl.where((gidx < k_real) & (srow < M), sf_code, 0).to(tl.uint8)
             if SWIZZLED:
@@ -252,19 +253,22 @@ def quantize_chunk(
         else:
             scale = dynamic_scale(amax, scale_ub, HAS_UB)
             codes = tl.reshape(e4m3_code(y2 * inverse(scale)[:, None], HW_CVT & 1), [BLOCK]).to(tl.uint8)
-            store_runs(qrow + start, codes, mask, BLOCK, CODE_RUN)
+            store_runs(qrow + start, codes, H - start, row, M, BLOCK, CODE_RUN)
             smask = (gidx < H // G) & (srow < M)
             tl.store(s_ptr + row.to(tl.int64) * s_row_stride + gidx * s_col_stride, scale, mask=smask)
 
 
 @triton.jit
-def store_runs(ptr, values, mask, N: tl.constexpr, RUN: tl.constexpr):
-    """tl.store(ptr + arange(N), values, mask) of N bytes in runs of RUN per thread: the offsets
-    as (N / RUN, RUN) tell Triton that only RUN bytes are contiguous. A flat uint8 store gets 16
-    a thread, and Triton then moves the 16-bit data's row through shared memory (two barriers)
-    to give every tensor that layout."""
+def store_runs(ptr, values, valid, row, M, N: tl.constexpr, RUN: tl.constexpr):
+    """Store bytes `values` [N] at ptr + 0 .. N - 1, those below `valid` of a row below M, in runs
+    of RUN per thread: the offsets as (N / RUN, RUN) tell Triton that only RUN bytes are
+    contiguous (a flat uint8 store gets 16 a thread, and Triton then moves the 16-bit data's row
+    through shared memory, two barriers, to give every tensor that layout). The mask is built on
+    the 2-D offsets, so that Triton sees it constant over each run (`valid` a multiple of RUN) and
+    vectorises the store; a reshaped 1-D mask made Triton 3.6 store byte by byte."""
     offs = tl.arange(0, N // RUN)[:, None] * RUN + tl.arange(0, RUN)[None, :]
-    tl.store(ptr + offs, tl.reshape(values, [N // RUN, RUN]), mask=tl.reshape(mask, [N // RUN, RUN]))
+    mask = (offs < valid) & ((row + 0 * offs) < M)
+    tl.store(ptr + offs, tl.reshape(values, [N // RUN, RUN]), mask=mask)
 
 
 @triton.jit
