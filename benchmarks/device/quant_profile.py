@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import importlib
 import json
 import re
@@ -33,7 +34,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 FORMATS = ("fp8_static", "fp8_per_token", "fp8_per_group", "nvfp4")
 METRICS = {  # ncu raw metric -> short name
     "gpu__time_duration.sum": "time",
-    "dram__throughput.avg.pct_of_peak_sustained_elapsed": "dram_pct",
+    "dram__cycles_active.avg.pct_of_peak_sustained_elapsed": "dram_pct",
     "gpu__compute_memory_throughput.avg.pct_of_peak_sustained_elapsed": "mem_pct",
     "sm__throughput.avg.pct_of_peak_sustained_elapsed": "sm_pct",
     "smsp__issue_active.avg.pct_of_peak_sustained_active": "issue_pct",
@@ -111,7 +112,11 @@ def launch(args) -> int:
                 ref = got
             elif not (torch.equal(got[0], ref[0]) and torch.equal(_bytes(got[1]), _bytes(ref[1]))):
                 labels[-1]["bits_differ_from"] = next(iter(variants))
-    Path(args.labels).write_text(json.dumps({"tokens": t, "hidden": h, "launches": labels}))
+    from tpfuse.results import environment
+
+    gpu, versions = environment()
+    meta = {"tokens": t, "hidden": h, "gpu": gpu, "versions": versions, "launches": labels}
+    Path(args.labels).write_text(json.dumps(meta))
     print(f"launched {len(labels)} kernels at {t} x {h}")
     return 0
 
@@ -134,6 +139,9 @@ def summarize(args) -> int:
     data = [row for row in table[2:] if len(row) == len(header)]
     meta = json.loads(Path(args.labels).read_text())
     labels = meta["launches"]
+    if "versions" not in meta and args.env_from:  # labels written before they carried the device's environment
+        first = json.loads(Path(args.env_from).read_text().splitlines()[0])
+        meta.update(gpu=first["gpu"], versions=first["versions"])
     if len(data) != len(labels):
         print(f"summarize: {len(data)} profiled kernels, {len(labels)} labels; matching in order", file=sys.stderr)
     rows, lines = [], []
@@ -156,6 +164,8 @@ def summarize(args) -> int:
                      f"occ {_fmt(m['occ_theory_pct'], 5, 1)}/{_fmt(m['occ_achieved_pct'], 5, 1)}%"
                      f" | {' '.join(f'{k}={v:.1f}' for k, v in m['stalls_top'].items())}"
                      + (" BITS DIFFER" if "bits_differ_from" in label else ""))
+    if "versions" in meta:  # the device's, not this process's (summaries may be made elsewhere)
+        rows = [dataclasses.replace(row, gpu=meta["gpu"], versions=meta["versions"]) for row in rows]
     if args.out:
         append_rows(args.out, rows)
     print(f"ncu --clock-control none, {meta['tokens']} tokens x {meta['hidden']}, bf16 (time: one launch, ncu's)")
@@ -190,6 +200,7 @@ def main(argv=None) -> int:
     ps.add_argument("csv")
     ps.add_argument("labels")
     ps.add_argument("--out")
+    ps.add_argument("--env-from", help="a rows file of the same device run, for labels without its environment")
     args = p.parse_args(argv)
     if args.cmd == "prepare":
         prepare(args.commit, Path(args.dir))
