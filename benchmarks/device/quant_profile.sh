@@ -19,13 +19,14 @@ step() {  # step NAME LIMIT_S COMMAND...
   timeout "$limit" "$@"
   echo "=== $name: exit $? after $((SECONDS - started))s"
 }
-nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader | tee "$OUT/gpu.txt"
+# at most 8 files come back from a device call: the small logs share misc.log
+nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader | tee "$OUT/misc.log"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH="$PYTHONPATH:/tmp/site"
   export FLASHINFER_WORKSPACE_BASE="$PWD/.cache" FLASHINFER_CUDA_ARCH_LIST="9.0"
   (timeout "${FI_LIMIT:-150}" python3 -c "import flashinfer.norm as n; n.get_norm_module(); print('flashinfer norm built')" \
-    > "$OUT/flashinfer_build.log" 2>&1; echo "exit $?" >> "$OUT/flashinfer_build.log") &
+    > /tmp/flashinfer_build.log 2>&1; echo "exit $?" >> /tmp/flashinfer_build.log) &
   fi_build=$!
 fi
 step "gpu tests" "${TEST_LIMIT:-60}" bash -c "python3 -m pytest -q -rs -p no:cacheprovider -m gpu \
@@ -35,13 +36,14 @@ step "ncu profile" "${NCU_LIMIT:-80}" "$NCU" --clock-control none --target-proce
   --page raw --csv --print-units base --section SpeedOfLight --section LaunchStats --section Occupancy \
   --section WarpStateStats --section SchedulerStats --log-file "$OUT/ncu.csv" \
   python3 benchmarks/device/quant_profile.py launch --before .cache/before --labels "$OUT/ncu_labels.json" \
-  ${PROFILE_ARGS:-} > "$OUT/ncu_run.log" 2>&1
+  ${PROFILE_ARGS:-} > /tmp/ncu_run.log 2>&1
 python3 benchmarks/device/quant_profile.py summarize "$OUT/ncu.csv" "$OUT/ncu_labels.json" --out "$OUT/quant_profile.jsonl" \
-  > "$OUT/ncu_summary.txt" 2>&1
+  > /tmp/ncu_summary.txt 2>&1
 [ -n "${fi_build:-}" ] && wait "$fi_build"
 step "quant benchmark" "${QUANT_LIMIT:-150}" bash -c "cd benchmarks && python3 bench_quant.py --out $OUT/quant.jsonl \
   ${QUANT_ARGS:---tokens 1 64 4096 16384 --hidden 6144 7168 --trials 5} > $OUT/quant.log 2>&1"
-tail -3 "$OUT/flashinfer_build.log" 2>/dev/null
+cat /tmp/flashinfer_build.log /tmp/ncu_run.log /tmp/ncu_summary.txt >> "$OUT/misc.log" 2>/dev/null
+tail -3 /tmp/flashinfer_build.log 2>/dev/null
 tail -3 "$OUT/gpu_tests.txt"; grep -E "FAILED|Error" "$OUT/gpu_tests.txt" | head -10
-tail -3 "$OUT/ncu_run.log"; cat "$OUT/ncu_summary.txt"
+tail -3 /tmp/ncu_run.log; cat /tmp/ncu_summary.txt
 tail -42 "$OUT/quant.log"
