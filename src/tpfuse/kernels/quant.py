@@ -23,8 +23,8 @@ with the buffers, strides and constexprs of a `QuantBuffers` (`constexprs(BLOCK_
 `tpfuse.kernels.epilogue.residual_rmsnorm_quant_kernel` does. Every rank quantizes the same
 fp32 rows with the same code, so the outputs are identical on every rank.
 
-Conversions are built from integer operations on the fp32 bit patterns (`e4m3_code`,
-`e2m1_code`), so they run wherever Triton runs: the CPU interpreter, SM80, SM90. HW_CVT (bit
+Conversions are built from integer operations on the fp32 bit patterns (`e4m3_code`; `e2m1_code`
+also rounds with one fp32 addition), so they run wherever Triton runs: the CPU interpreter, SM80, SM90. HW_CVT (bit
 flags, chosen by the launcher from the compute capability, `tpfuse.quant.conversion_path`)
 switches to the hardware instructions where they exist: bit 1, the e4m3 rounding by Triton's fp32
 -> float8e4nv cast (PTX cvt.rn.satfinite.e4m3x2.f32, sm_89 and newer); bit 2, the e2m1 pairs by
