@@ -191,7 +191,7 @@ class Case:
     def check_quantized(self, m: int) -> tuple[bool, str]:
         """Every rank's bits equal rank 0's; rank 0 against the reference quantizer of the fp32
         rank-order sum (new residual exact; scales and codes within the one-step rule of
-        tests/kernels/test_quant_interpreter.py: the sum of squares is a tree in the kernel and
+        tests/kernels/test_quant.py: the sum of squares is a tree in the kernel and
         sequential in torch, so a row's fp32 values may differ by an ulp)."""
         from tpfuse.reference import all_reduce_residual_rmsnorm_quant_ref
 

@@ -28,7 +28,7 @@ step "quant benchmark" "${QUANT_LIMIT:-170}" bash -c "cd benchmarks && python3 b
   ${QUANT_ARGS:---tokens 1 64 4096 16384 --hidden 6144 7168} > $OUT/quant.log 2>&1"
 nvidia-cuda-mps-control -d && echo "MPS on"
 step "gpu tests" "${TEST_LIMIT:-240}" bash -c "python3 -m pytest -q -rs -p no:cacheprovider ${TESTS:-tests/kernels/test_sync.py \
-  tests/kernels/test_oneshot.py tests/kernels/test_twoshot.py tests/strategies/test_peer.py -m gpu} \
+  tests/kernels/test_oneshot.py tests/kernels/test_twoshot.py tests/strategies/test_peer.py tests/kernels/test_quant.py -m gpu} \
   > $OUT/gpu_tests.txt 2>&1"
 echo quit | nvidia-cuda-mps-control
 tail -4 "$OUT/gpu_tests.txt" 2>/dev/null; grep -E "FAILED|Error" "$OUT/gpu_tests.txt" 2>/dev/null | head -20

@@ -29,7 +29,15 @@ import triton.language as tl
 from tpfuse.kernels.device import hardware_fp4, hardware_fp8, interpreting
 from tpfuse.kernels.launcher import PreboundLaunch, bind
 from tpfuse.kernels.protocol import MAX_HIDDEN  # one row in registers: 16384 fp32 over 16 warps = 32 a thread
-from tpfuse.kernels.quant import PAD_CHUNK, QuantBuffers, block_for, pad_programs, quantize_row, zero_scale_padding
+from tpfuse.kernels.quant import (
+    PAD_CHUNK,
+    QuantBuffers,
+    block_for,
+    load_param,
+    pad_programs,
+    quantize_chunk,
+    zero_scale_padding,
+)
 
 SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -127,7 +135,7 @@ def residual_rmsnorm_quant_kernel(
     WITH_NORMED: tl.constexpr, KIND: tl.constexpr, GROUP: tl.constexpr, SWIZZLED: tl.constexpr,
     HAS_UB: tl.constexpr, HW_CVT: tl.constexpr,
 ):
-    """The epilogue with quantized output (`tpfuse.kernels.quant.quantize_row`); with swizzled
+    """The epilogue with quantized output (`tpfuse.kernels.quant.quantize_chunk` of whole rows); with swizzled
     NVFP4 scales the programs after the row programs zero the scales of the padding rows."""
     pid = tl.program_id(0)
     row_programs = (M + ROWS - 1) // ROWS
@@ -135,14 +143,15 @@ def residual_rmsnorm_quant_kernel(
         cols = tl.arange(0, BLOCK_H)
         cmask = cols < H
         w = load_weight(w_ptr, cols, cmask, True)
+        param = load_param(param_ptr, KIND)  # with the weight, off the rows' dependency chains
         for i in tl.static_range(ROWS):
             row = pid * ROWS + i
             s, mask = load_row(s_ptr, row, cols, cmask, M, H)
             y = normed_row(s, row, cols, mask, res_ptr, w, newres_ptr, H, eps, HAS_RES, SOFT_BF16)
             if WITH_NORMED:
                 tl.store(out_ptr + row.to(tl.int64) * H + cols, round_like(y, s, SOFT_BF16), mask=mask)
-            quantize_row(y, row, cols, cmask, M, H, q_ptr, q_row_stride, sc_ptr, s_row_stride, s_col_stride,
-                         param_ptr, scale_ub, KIND, GROUP, BLOCK_H, SWIZZLED, HAS_UB, HW_CVT)
+            quantize_chunk(y, row, 0, M, H, q_ptr, q_row_stride, sc_ptr, s_row_stride, s_col_stride, param, scale_ub,
+                           0, KIND, GROUP, BLOCK_H, SWIZZLED, HAS_UB, HW_CVT, False)
     elif SWIZZLED:
         zero_scale_padding(sc_ptr, M, H, pid - row_programs, BLOCK_H // 16, PAD_CHUNK)
 
