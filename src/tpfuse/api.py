@@ -28,7 +28,7 @@ from tpfuse.dispatch.agree import agreed_table
 from tpfuse.dispatch.choice import CONSERVATIVE_DEFAULT, Choice, choose, is_fused, warn_once
 from tpfuse.group import agree_group_facts, agree_settings, device_type_of
 from tpfuse.spec import Op, Problem, dtype_name
-from tpfuse.strategies import admission, canonical_name, get_strategy, strategy_names
+from tpfuse.strategies import admission, get_strategy, strategy_names
 from tpfuse.strategies.base import Strategy, StrategyContext
 from tpfuse.strategies.host_wait import PeerGuard, goes_through_host, strategy_timeout_s
 from tpfuse.validation import SUPPORTED_DTYPES, as_rows, check_all_reduce, check_quant, check_residual_rmsnorm
@@ -62,7 +62,7 @@ class Communicator:
         self.cpu_group = cpu_group if cpu_group is not None else self.group
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
-        requested, problem = canonical_name(env.strategy_override() or strategy), ""
+        requested, problem = env.strategy_override() or strategy, ""
         if requested != "auto" and requested not in strategy_names():
             problem = f"unknown strategy {requested!r}; use 'auto' or one of: {', '.join(strategy_names())}"
         try:  # errors are raised on every rank by agree_settings, not here on this one alone

@@ -68,7 +68,6 @@ EXIT_CODES = [
     (["bench"], 2, ""),
     (["bench", "e2e", "--world-size", "0"], 2, "--world-size must be >= 1, got 0"),
     (["bench", "e2e", "--world-size", "100000"], 2, "use --world-size"),
-    (["bench", "e2e", "--tp", "0"], 2, "--world-size must be >= 1, got 0"),
     (["bench", "e2e", "--shared-gpu"], 2, "--shared-gpu: the reference model is timed with one GPU per rank"),
     (["bench", "e2e", "--steps", "0"], 2, "--steps must be >= 1, got 0"),
     (["bench", "e2e", "--batch", "0"], 2, "give positive integers"),

@@ -2,7 +2,7 @@
 
 import pytest
 
-from tpfuse.cli.main import UsageError
+from tpfuse.cli.exits import UsageError
 from tpfuse.cli.preflight import RANK_MEMORY_BYTES, check_world_size, max_local_ranks
 
 GiB = 2**30
@@ -21,5 +21,5 @@ def test_check_world_size_says_the_bound_and_why():
         check_world_size(9, cores=2, memory_bytes=24 * GiB)
     assert str(exc.value) == ("--world-size 9 is more local ranks than this machine can run: at most 8 (4 rank "
                               "processes per usable core, 2 core(s)); use --world-size 8 or less")
-    with pytest.raises(UsageError, match=r"^--tp must be >= 1, got 0; pass the number of local ranks, e.g. --tp 2$"):
-        check_world_size(0, flag="--tp")
+    with pytest.raises(UsageError, match=r"^--world-size must be >= 1, got 0; pass the number of local ranks"):
+        check_world_size(0)

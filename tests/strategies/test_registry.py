@@ -91,10 +91,7 @@ def test_problem_rejects_unknown_dtype():
         Problem(Op.ALL_REDUCE, 1, 8, "int8", CPU_GROUP)
 
 
-def test_a_former_strategy_name_selects_the_renamed_strategy():
-    from tpfuse.strategies import RENAMED, canonical_name
-
-    assert RENAMED == {"nccl_fused": "nccl_epilogue"}
-    assert get_strategy("nccl_fused") is get_strategy("nccl_epilogue")
-    assert get_strategy("nccl_fused").name == "nccl_epilogue"
-    assert canonical_name("oneshot") == "oneshot" and "nccl_fused" not in strategy_names()
+def test_a_former_strategy_name_is_unknown():
+    """`nccl_fused` was renamed `nccl_epilogue` before any release: the old name selects nothing."""
+    with pytest.raises(ValueError, match="unknown strategy 'nccl_fused'"):
+        get_strategy("nccl_fused")

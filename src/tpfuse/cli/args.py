@@ -1,7 +1,7 @@
 """Argument groups and their checks shared by the commands (no torch at import).
 
 - `add_rank_args`: `--world-size`, `--device`, `--shared-gpu` (and `--timeout`) for every command that spawns ranks
-  (resolved by `tpfuse.cli.ranks.resolve_ranks`), and `deprecated_alias` for the flags they replace;
+  (resolved by `tpfuse.cli.ranks.resolve_ranks`);
 - `add_shape_args` and `hiddens`: presets, hidden sizes, token buckets and dtype of tune and verify;
 - `add_output_args`: `--json` and `--results` of tune and verify.
 """
@@ -9,11 +9,8 @@
 from __future__ import annotations
 
 import argparse
-import sys
-from collections.abc import Callable
-from typing import Any
 
-from tpfuse.cli.main import UsageError
+from tpfuse.cli.exits import UsageError
 from tpfuse.cli.preflight import check_positive, check_world_size, require_runtime
 from tpfuse.presets import PRESETS, get_preset
 
@@ -54,19 +51,6 @@ def add_rank_args(p: argparse.ArgumentParser, *, default_world_size: int | None 
     if default_timeout_s is not None:
         g.add_argument("--timeout", type=float, default=default_timeout_s,
                        help=f"seconds before a hung rank is killed (default {default_timeout_s:g})")
-
-
-def deprecated_alias(new_flag: str, translate: Callable[[Any], Any] = lambda value: value) -> type[argparse.Action]:
-    """An argparse action for a former flag: one line on stderr naming `new_flag`, then the value
-    `translate(value)` stored where `new_flag` stores it (add it with help=argparse.SUPPRESS)."""
-
-    class DeprecatedAlias(argparse.Action):
-        def __call__(self, parser, namespace, values, option_string=None):
-            new_value = translate(values)
-            print(f"tpfuse: warning: {option_string} is deprecated; use {new_flag} {new_value}", file=sys.stderr)
-            setattr(namespace, self.dest, new_value)
-
-    return DeprecatedAlias
 
 
 def add_output_args(p: argparse.ArgumentParser) -> None:

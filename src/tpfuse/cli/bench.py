@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tpfuse.cli.args import add_rank_args, deprecated_alias
-from tpfuse.cli.main import EXIT_NEGATIVE, EXIT_OK, UsageError, dumps_json
+from tpfuse.cli.args import add_rank_args
+from tpfuse.cli.exits import EXIT_NEGATIVE, EXIT_OK, UsageError, dumps_json
 
 DEFAULT_WORLD_SIZE = 1  # the model on one GPU (or one CPU process) unless asked for tensor parallelism
 
@@ -35,7 +35,6 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dense-layers", type=int, help="how many of the first layers are dense (default: the preset's ratio)")
     p.add_argument("--vocab", type=int, help="vocabulary size (default: the preset's)")
     add_rank_args(p, default_world_size=DEFAULT_WORLD_SIZE)
-    p.add_argument("--tp", dest="world_size", type=int, help=argparse.SUPPRESS, action=deprecated_alias("--world-size"))
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), help="default bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--strategy", default="auto", help="Communicator strategy (default auto)")
     p.add_argument("--moe-runner", help="force one MoE runner (loop, dense, grouped_mm); default: measured choice")
@@ -46,8 +45,6 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--results", default=None, metavar="PATH",
                    help="also append result rows to PATH: a file, or a directory (then PATH/e2e.jsonl for bench e2e, "
                         "PATH/profile.jsonl for profile); default: none written")
-    # Kept so that older scripts still parse: rows are written only with --results now.
-    p.add_argument("--no-results", action="store_true", help=argparse.SUPPRESS)
 
 
 def fusion_modes(text: str) -> tuple[bool, ...]:

@@ -9,39 +9,15 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import logging
-import math
 import sys
-from typing import Any
 
 from tpfuse._version import __version__
+from tpfuse.cli.exits import EXIT_USAGE, UsageError, dumps_json
+from tpfuse.cli.ranks import install_warning_format
 
 # subcommand module names under tpfuse.cli, in the order `tpfuse --help` lists them.
 COMMANDS = ("doctor", "selftest", "diagnose", "tune", "verify", "bench", "profile", "audit")
-
-EXIT_OK, EXIT_NEGATIVE, EXIT_USAGE = 0, 1, 2
-
-
-class UsageError(Exception):
-    """Raised by a subcommand for bad arguments or an unusable environment (exit code 2)."""
-
-
-def _finite(obj: Any) -> Any:
-    """`obj` with every NaN/inf float replaced by None (JSON has no such numbers)."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
-    return obj
-
-
-def dumps_json(obj: Any, *, indent: int | None = 2, default: Any = None) -> str:
-    """Strict JSON for every `--json` output: a value that was not measured (NaN) becomes null,
-    so that any JSON parser, not only Python's, reads what tpfuse prints."""
-    return json.dumps(_finite(obj), indent=indent, default=default, allow_nan=False)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,8 +41,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return EXIT_USAGE
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    from tpfuse.cli.ranks import install_warning_format
-
     install_warning_format()
     try:
         return int(args.run(args))

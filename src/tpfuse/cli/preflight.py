@@ -15,7 +15,7 @@ import importlib.util
 import os
 from collections.abc import Iterable
 
-from tpfuse.cli.main import UsageError
+from tpfuse.cli.exits import UsageError
 
 # CPU ranks are processes sharing the usable cores. Each imports torch (about 1 s of one core
 # measured here, several seconds on a loaded machine) and then blocks in gloo collectives; past a
@@ -61,17 +61,17 @@ def max_local_ranks(*, cores: int | None = None, memory_bytes: int | None = None
     return max(limit, 1), why
 
 
-def check_world_size(value: int | None, *, flag: str = "--world-size", cores: int | None = None,
+def check_world_size(value: int | None, *, cores: int | None = None,
                      memory_bytes: int | None = None) -> None:
     """UsageError unless `value` is None (the command's default) or 1 <= value <= max_local_ranks()."""
     if value is None:
         return
     if value < 1:
-        raise UsageError(f"{flag} must be >= 1, got {value}; pass the number of local ranks, e.g. {flag} 2")
+        raise UsageError(f"--world-size must be >= 1, got {value}; pass the number of local ranks, e.g. --world-size 2")
     limit, why = max_local_ranks(cores=cores, memory_bytes=memory_bytes)
     if value > limit:
-        raise UsageError(f"{flag} {value} is more local ranks than this machine can run: at most {limit} "
-                         f"({why}); use {flag} {limit} or less")
+        raise UsageError(f"--world-size {value} is more local ranks than this machine can run: at most {limit} "
+                         f"({why}); use --world-size {limit} or less")
 
 
 def require_runtime() -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 
-from tpfuse.cli.main import EXIT_NEGATIVE, EXIT_OK, UsageError, dumps_json
+from tpfuse.cli.exits import EXIT_NEGATIVE, EXIT_OK, UsageError, dumps_json
 
 
 def add_parser(subparsers) -> None:

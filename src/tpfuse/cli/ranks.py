@@ -24,6 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from tpfuse.cli.exits import UsageError
+
 log = logging.getLogger("tpfuse.cli")
 
 _default_formatwarning = warnings.formatwarning
@@ -60,8 +62,6 @@ def resolve_ranks(world_size: int | None, device: str = "auto", *, shared_gpu: b
 
     `world_size` None takes `default_world_size`, or when that is None too the GPU count if 2 or
     more, else 2. `num_gpus`: the GPUs to plan for (default: what torch sees here)."""
-    from tpfuse.cli.main import UsageError
-
     if device not in ("auto", "cpu", "cuda"):
         raise UsageError(f"--device {device!r} is not a device; use auto, cpu or cuda")
     num_gpus = visible_gpus() if num_gpus is None else num_gpus

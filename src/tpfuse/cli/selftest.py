@@ -10,12 +10,10 @@ import argparse
 import sys
 import time
 
-from tpfuse.cli.args import add_rank_args, check_rank_args, deprecated_alias, ranks_of
-from tpfuse.cli.main import EXIT_NEGATIVE, EXIT_OK, UsageError, dumps_json
+from tpfuse.cli.args import add_rank_args, check_rank_args, ranks_of
+from tpfuse.cli.exits import EXIT_NEGATIVE, EXIT_OK, UsageError, dumps_json
 
 DEFAULT_WORLD_SIZE = 2  # the smallest group with a real collective
-# The former --backend flag, as the --device it meant.
-_BACKEND_AS_DEVICE = {"auto": "auto", "gloo": "cpu", "nccl": "cuda"}
 
 
 def add_parser(sub) -> None:
@@ -27,8 +25,6 @@ def add_parser(sub) -> None:
         "model hidden sizes (relative error against a float64 reference), and prints a table.",
     )
     add_rank_args(p, default_world_size=DEFAULT_WORLD_SIZE, default_timeout_s=300.0)
-    p.add_argument("--backend", dest="device", choices=tuple(_BACKEND_AS_DEVICE), help=argparse.SUPPRESS,
-                   action=deprecated_alias("--device", _BACKEND_AS_DEVICE.get))
     p.add_argument("--strategy", action="append", help="only this strategy (repeatable)")
     p.add_argument("--tokens", dest="num_tokens", metavar="TOKENS", type=int, default=4,
                    help="tokens of the random model-shape cases (default 4)")
@@ -40,11 +36,10 @@ def add_parser(sub) -> None:
 def _check_args(args: argparse.Namespace) -> None:
     """Every check that needs no torch, before anything heavy is imported."""
     from tpfuse.cli.preflight import check_positive
-    from tpfuse.strategies import canonical_name, strategy_names
+    from tpfuse.strategies import strategy_names
 
     check_rank_args(args)
     check_positive(tokens=args.num_tokens, repeats=args.repeats)
-    args.strategy = [canonical_name(n) for n in args.strategy] if args.strategy else args.strategy
     for name in args.strategy or []:
         if name not in strategy_names():
             raise UsageError(f"unknown strategy {name!r}; registered: {', '.join(strategy_names())}")

@@ -62,7 +62,7 @@ def _tune_rank(rank, world_size, spec, device, fresh, show_progress):
 
 def _check_args(args) -> tuple[tuple[int, ...], tuple[str, ...], tuple[str, ...] | None]:
     """(hidden sizes, ops, strategies) after every check that needs no torch."""
-    from tpfuse.cli.main import UsageError
+    from tpfuse.cli.exits import UsageError
 
     sizes = hiddens(args, "tune")
     check_rank_args(args)
@@ -83,9 +83,9 @@ def _check_args(args) -> tuple[tuple[int, ...], tuple[str, ...], tuple[str, ...]
         except CacheDirError as exc:
             raise UsageError(str(exc)) from None
     ops = ("all_reduce_residual_rmsnorm", "all_reduce") if args.op == "both" else (args.op,)
-    from tpfuse.strategies import canonical_name, strategy_names
+    from tpfuse.strategies import strategy_names
 
-    strategies = tuple(canonical_name(s) for s in args.strategies.split(",") if s) or None
+    strategies = tuple(s for s in args.strategies.split(",") if s) or None
     if strategies:
         unknown = [s for s in strategies if s not in strategy_names()]
         if unknown:
@@ -95,7 +95,7 @@ def _check_args(args) -> tuple[tuple[int, ...], tuple[str, ...], tuple[str, ...]
 
 def _reject_unservable(strategies, problems, world_size, backend, device) -> None:
     """UsageError when a problem has no admitted strategy among --strategies (each reason once)."""
-    from tpfuse.cli.main import UsageError
+    from tpfuse.cli.exits import UsageError
     from tpfuse.cli.preflight import admission_here
 
     verdicts = admission_here(strategies, problems, world_size=world_size, backend=backend, device=device)
@@ -111,7 +111,7 @@ def _reject_unservable(strategies, problems, world_size, backend, device) -> Non
 def run(args) -> int:
     import time
 
-    from tpfuse.cli.main import UsageError, dumps_json
+    from tpfuse.cli.exits import UsageError, dumps_json
     from tpfuse.cli.ranks import describe_failure, run_cli_ranks
     from tpfuse.dispatch.table import CacheDirError, parse, save, token_buckets
 

@@ -47,16 +47,15 @@ def _verify_rank(rank, world_size, strategy, baseline, sizes, buckets, dtype, op
 def run(args) -> int:
     import time
 
-    from tpfuse.cli.main import EXIT_NEGATIVE, EXIT_OK, UsageError, dumps_json
+    from tpfuse.cli.exits import EXIT_NEGATIVE, EXIT_OK, UsageError, dumps_json
     from tpfuse.cli.preflight import reject_not_admitted
     from tpfuse.cli.ranks import describe_failure, run_cli_ranks
     from tpfuse.dispatch.table import token_buckets
-    from tpfuse.strategies import canonical_name, strategy_names
+    from tpfuse.strategies import strategy_names
 
     sizes = hiddens(args, "verify")
     check_rank_args(args)
     known = strategy_names()
-    args.strategy, args.baseline = (canonical_name(n) if n else n for n in (args.strategy, args.baseline))
     for name in (args.strategy, args.baseline):
         if name is not None and name not in known:
             raise UsageError(f"unknown strategy {name!r}; registered: {', '.join(known)}")

@@ -1,7 +1,6 @@
 """The dispatch table: what `tpfuse tune` measured and chose, persisted as JSON.
 
-File format (schema 2; `SCHEMA_VERSION` changes whenever a reader of the old format would
-misread the new one):
+File format (schema 2, `tpfuse.dispatch.schema.SCHEMA_VERSION`):
 
     {"kind": "tpfuse-dispatch-table", "schema": 2, "created": ISO-8601 UTC,
      "versions": {"tpfuse", "torch", "driver", "cuda"},
@@ -15,11 +14,8 @@ misread the new one):
                   "confirmed_us": {strategy: {...}}, "rejected": {strategy: reason}, "guarded"}],
      "digest": sha256 of the canonical JSON of everything above}
 
-Schema notes. 2 added the entry field `guarded` (true when a fused candidate reached the bucket's
-decision, so the do-no-harm guard weighed it; readers used to find these entries by matching
-words in `reason`). Schema 1 files still load: the digest is checked over the file as written,
-then `guarded` is derived once from the reason, by the rule that matching used, and the table is
-held as schema 2 (a merge-and-save writes it as schema 2).
+`guarded` is true when a fused candidate reached the bucket's decision, so the do-no-harm guard
+weighed it. A table of any other schema is stale: it is reported and ignored, never converted.
 
 One file per fingerprint, `<cache dir>/dispatch-<fingerprint digest[:16]>.json`, cache dir from
 `tpfuse.env.cache_dir()` (TPFUSE_CACHE_DIR, else the XDG cache). `load` never raises on a bad
@@ -42,15 +38,12 @@ import os
 import secrets
 import stat
 import tempfile
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tpfuse import env
-from tpfuse.dispatch.schema import check_table
+from tpfuse.dispatch.schema import SCHEMA_VERSION, check_table
 
-SCHEMA_VERSION = 2
-# Schemas `parse` reads: the current one, and 1 (no `guarded`; derived at load).
-READABLE_SCHEMAS = (1, 2)
 KIND = "tpfuse-dispatch-table"
 # Default do-no-harm margin: a fused strategy must beat the best unfused one by 3% (a chosen
 # default; larger than the run-to-run spread of the interleaved medians seen in CPU tests).
@@ -295,51 +288,22 @@ def parse(text: str | bytes) -> DispatchTable:
     if not isinstance(raw, dict) or raw.get("kind") != KIND:
         raise ValueError(f"not a tpfuse dispatch table (kind is not {KIND!r})")
     schema = raw.get("schema")
-    if isinstance(schema, int) and not isinstance(schema, bool) and schema not in READABLE_SCHEMAS:
-        raise StaleTableError(f"stale: schema {schema}, this tpfuse reads schema "
-                              f"{' and '.join(map(str, READABLE_SCHEMAS))}")
+    if isinstance(schema, int) and not isinstance(schema, bool) and schema != SCHEMA_VERSION:
+        raise StaleTableError(f"stale: schema {schema}, this tpfuse reads schema {SCHEMA_VERSION}")
     try:
         check_table(raw)
     except ValueError as exc:
         raise ValueError(f"malformed field: {exc}") from None
-    # The digest covers the file as written (for schema 1, entries without `guarded`).
     written = {k: v for k, v in raw.items() if k != "digest"}
     if canonical_digest(written) != raw["digest"] or raw["fingerprint_digest"] != canonical_digest(raw["fingerprint"]):
         raise ValueError("digest mismatch (the file was edited or truncated after it was written)")
-    entries = tuple(Entry(**_as_schema_2(e, raw["schema"])) for e in raw["entries"])
-    table = DispatchTable(raw["versions"], raw["fingerprint"], entries, raw["settings"], raw["created"], SCHEMA_VERSION)
-    return _current_names(table)
-
-
-def _as_schema_2(entry: dict, schema: int) -> dict:
-    """A schema-1 entry with `guarded` derived from its reason, as readers of schema 1 found guarded
-    entries: the tuner's reasons name "fused" exactly when a fused candidate was weighed ("fused X
-    beats unfused Y", "kept unfused Y: fused X ...", "no unfused strategy passed"), except "no fused
-    candidate"."""
-    if schema != 1:
-        return entry
-    reason = entry["reason"]
-    return {**entry, "guarded": "fused" in reason and "no fused candidate" not in reason}
-
-
-def _current_names(table: DispatchTable) -> DispatchTable:
-    """`table` with every former strategy name (`tpfuse.strategies.RENAMED`) replaced by its
-    current one, after the digest was checked over the names as written. The schema is unchanged
-    by a rename: the names are data, and a reader maps the old ones."""
-    from tpfuse.strategies import canonical_name
-
-    def rename(entry: Entry) -> Entry:
-        keyed = {k: {canonical_name(n): v for n, v in getattr(entry, k).items()}
-                 for k in ("times_us", "confirmed_us", "rejected")}
-        unfused = canonical_name(entry.best_unfused) if entry.best_unfused else entry.best_unfused
-        return replace(entry, choice=canonical_name(entry.choice), best_unfused=unfused, **keyed)
-
-    return replace(table, entries=tuple(rename(e) for e in table.entries))
+    entries = tuple(Entry(**e) for e in raw["entries"])
+    return DispatchTable(raw["versions"], raw["fingerprint"], entries, raw["settings"], raw["created"], raw["schema"])
 
 
 def check_current(table: DispatchTable, fingerprint_dict: dict, versions: dict) -> str:
     """"" when `table` applies here, else why not (stale or foreign)."""
-    if table.schema != SCHEMA_VERSION:  # `parse` holds every table it reads as the current schema
+    if table.schema != SCHEMA_VERSION:  # `parse` reads only the current schema; a table built in memory may differ
         return f"stale: schema {table.schema}, this tpfuse reads schema {SCHEMA_VERSION}"
     for key in ("tpfuse", "torch", "driver"):
         if table.versions.get(key) != versions.get(key):

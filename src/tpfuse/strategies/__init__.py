@@ -27,18 +27,6 @@ _REGISTRY: dict[str, str] = {
 }
 
 
-# Former names -> current names, append-only. A name here still selects its strategy
-# (`strategy=`, TPFUSE_STRATEGY, `--strategy`) and dispatch tables written under it still load
-# (`tpfuse.dispatch.table.parse` renames it). `nccl_fused` was the unfused baseline's name: NCCL,
-# then the fused epilogue, which the name made sound fused.
-RENAMED: dict[str, str] = {"nccl_fused": "nccl_epilogue"}
-
-
-def canonical_name(name: str) -> str:
-    """`name`, or its current name if it is a former one (see RENAMED)."""
-    return RENAMED.get(name, name)
-
-
 def _registry() -> dict[str, str]:
     """Built-in strategies plus TPFUSE_STRATEGIES plugins (read on every call: cheap, and a
     test or a launcher may set it after import)."""
@@ -62,7 +50,6 @@ def strategy_names() -> list[str]:
 def get_strategy(name: str) -> type[Strategy]:
     """The Strategy class registered as `name` (ValueError listing the valid names if unknown)."""
     registry = _registry()
-    name = canonical_name(name) if name not in registry else name
     if name not in registry:
         raise ValueError(f"unknown strategy {name!r}; registered strategies: {', '.join(registry)}")
     module_name, _, class_name = registry[name].partition(":")
