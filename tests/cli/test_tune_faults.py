@@ -13,7 +13,7 @@ import pytest
 from dispatch.test_table_faults import _table
 from tpfuse.cli.main import main
 from tpfuse.dispatch.table import CacheDirError, check_writable, save
-from tpfuse.spawn import FAILURE_GRACE_S
+from tpfuse.spawn import failure_grace_s
 
 TESTS = os.path.dirname(os.path.dirname(__file__))
 SRC = os.path.join(os.path.dirname(TESTS), "src")
@@ -74,7 +74,7 @@ def test_a_killed_tune_takes_every_rank_with_it_and_writes_no_table(tmp_path, ta
             # The survivor's next collective raises within TPFUSE_TIMEOUT_S and stops the tune; the
             # parent names both ranks well before the launcher's grace would have killed the survivor.
             _, err = parent.communicate(timeout=60)
-            assert time.monotonic() - killed < FAILURE_GRACE_S, err
+            assert time.monotonic() - killed < failure_grace_s({"TPFUSE_TIMEOUT_S": "2"}), err
             assert parent.returncode == 2, err
             assert err.startswith("tpfuse tune: tuning on 2 gloo rank(s) failed"), err
             assert "killed by SIGKILL" in err and "PeerLostError: pid_then_block: rank " in err, err

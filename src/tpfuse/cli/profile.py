@@ -4,7 +4,7 @@ Profiles a few eager decode steps of the tpfuse.models decoder under torch.profi
 attributes GPU kernel time (CPU operator time on a CPU run) to stages: attention, MoE GEMMs, other
 GEMMs, allreduce/communication, norm, other; with kernel launches per step and estimated bytes.
 Prints a table (or `--json`), optionally writes a Chrome trace (--trace) and a PNG bar chart
-(--plot, needs matplotlib: `pip install tpfuse[plot]`), and with `--results PATH` appends one
+(--plot, needs matplotlib: `pip install 'tpfuse[plot]'`, or `pip install '.[plot]'` from a checkout), and with `--results PATH` appends one
 result row per stage to PATH (or PATH/profile.jsonl for a directory). Exit 0 when each step made 2 allreduces per layer, 1 otherwise.
 """
 
@@ -38,7 +38,8 @@ def run(args) -> int:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            raise UsageError("--plot needs matplotlib; install it with `pip install tpfuse[plot]`") from None
+            raise UsageError("--plot needs matplotlib; install it with `pip install 'tpfuse[plot]'` (from a checkout: "
+                             "`pip install '.[plot]'`) or drop --plot") from None
     spec = make_spec(args, batches=(args.batch,), fusion=fusion_modes(args.fusion), progress=False)
     check_model(spec)
     from tpfuse.cli.preflight import check_writable
