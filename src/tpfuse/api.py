@@ -37,6 +37,7 @@ _SETTING_FIXES = {
     "strategy": "pass the same strategy= (and TPFUSE_STRATEGY) on every rank",
     "debug": "set TPFUSE_DEBUG (or debug=) the same on every rank",
     "device": "pass the same device= on every rank",
+    "plugins": "set TPFUSE_STRATEGIES the same on every rank",
 }
 
 
@@ -62,13 +63,16 @@ class Communicator:
         self.cpu_group = cpu_group if cpu_group is not None else self.group
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
-        requested, problem = env.strategy_override() or strategy, ""
-        if requested != "auto" and requested not in strategy_names():
-            problem = f"unknown strategy {requested!r}; use 'auto' or one of: {', '.join(strategy_names())}"
+        requested, problem, plugins = strategy, "", {}
         try:  # errors are raised on every rank by agree_settings, not here on this one alone
+            requested, plugins = env.strategy_override() or strategy, env.extra_strategies()
+            if requested != "auto" and requested not in strategy_names():
+                problem = f"unknown strategy {requested!r}; use 'auto' or one of: {', '.join(strategy_names())}"
+            elif requested != "auto":
+                get_strategy(requested)  # a plugin's target must import and be a Strategy
             debug_on = env.debug_enabled() if debug is None else bool(debug)
             strategy_timeout_s(options)  # read by the strategies at their first call
-        except ValueError as exc:
+        except (ValueError, ImportError) as exc:
             debug_on, problem = False, problem or str(exc)
         device_type = torch.device(device).type if device is not None else device_type_of(self.group)
         if device_type not in ("cpu", "cuda"):
@@ -76,8 +80,8 @@ class Communicator:
         if device_type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("Communicator: device='cuda' but torch sees no CUDA GPU; use a gloo group with device='cpu'")
         # Collective, before any other: ranks that differ here would run different collectives.
-        agree_settings(self.cpu_group, "Communicator", {"strategy": requested, "debug": debug_on, "device": device_type},
-                       problem, fixes=_SETTING_FIXES)
+        agree_settings(self.cpu_group, "Communicator", {"strategy": requested, "debug": debug_on, "device": device_type,
+                                                        "plugins": plugins}, problem, fixes=_SETTING_FIXES)
         self.requested = requested
         self.debug = debug_on
         self.options = options

@@ -100,13 +100,18 @@ def host_timeout_s() -> float:
     return HOST_DEFAULT_TIMEOUT_S if raw is None else parse_timeout_s(raw)
 
 
+def is_strategy_entry(name: str, target: str) -> bool:
+    """True when `name` is a strategy name and `target` reads "package.module:Class" (syntax only)."""
+    module, colon, cls = target.partition(":")
+    return bool(colon and _NAME.match(name) and _DOTTED.match(module) and _DOTTED.match(cls))
+
+
 def extra_strategies() -> dict[str, str]:
     raw = os.environ.get("TPFUSE_STRATEGIES", "").strip()
     entries: dict[str, str] = {}
     for item in filter(None, (part.strip() for part in raw.split(","))):
         name, sep, target = (part.strip() for part in item.partition("="))
-        module, colon, cls = target.partition(":")
-        if not sep or not colon or not _NAME.match(name) or not _DOTTED.match(module) or not _DOTTED.match(cls):
+        if not sep or not is_strategy_entry(name, target):
             raise ValueError(f"TPFUSE_STRATEGIES: entry {item!r} must look like name=package.module:Class")
         entries[name] = target
     return entries
