@@ -13,9 +13,9 @@ from tpfuse.dispatch.table import (
     StaleTableError,
     canonical_digest,
     load,
-    merged_with_saved,
     parse,
     save,
+    save_merged,
     table_path,
 )
 
@@ -85,15 +85,16 @@ def test_a_later_schema_is_stale(tmp_path):
     assert table is None and "stale: schema 3, this tpfuse reads schema 2" in why
 
 
-def test_merged_with_saved_keeps_other_buckets_replaces_same_ones_or_starts_fresh(tmp_path):
+def test_save_merged_keeps_other_buckets_replaces_same_ones_or_starts_fresh(tmp_path):
     path = table_path(FP, tmp_path)
     measured = _table([_entry(2, True, "oneshot")])
-    assert merged_with_saved(measured, path, VERSIONS) == measured  # nothing saved yet
+    assert save_merged(measured, path).table == measured  # nothing saved yet
     save(_table([_entry(1, False), _entry(2, False)]), path)
-    merged = merged_with_saved(measured, path, VERSIONS)
-    assert sorted((e.tokens, e.choice, e.guarded) for e in merged.entries) == [(1, "reference", False), (2, "oneshot", True)]
-    assert merged_with_saved(measured, path, VERSIONS, fresh=True) == measured
-    assert merged_with_saved(measured, path, {**VERSIONS, "torch": "9.9"}) == measured  # a stale table is replaced
+    saved = save_merged(measured, path)
+    assert sorted((e.tokens, e.choice, e.guarded) for e in saved.table.entries) == [(1, "reference", False),
+                                                                                     (2, "oneshot", True)]
+    assert saved.kept is None and load(path, FP, VERSIONS)[0] == saved.table
+    assert save_merged(measured, path, fresh=True).table == measured
 
 
 @pytest.mark.parametrize("name", ["tune_cpu_table.json", "tune_shared_gpu_table.json"])

@@ -39,15 +39,20 @@ def test_bench_e2e_cpu_json(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--preset", "glm5", "--layers", "2", "--experts", "4"], "raise --experts"),
-    (["--preset", "tiny", "--world-size", "4"], "does not split over 4"),
-    (["--preset", "nope"], "unknown model preset"),
+    (["--preset", "glm5", "--layers", "2", "--experts", "4"], "--experts 4 is below glm5's top-8 routing; pass --experts 8"),
+    (["--preset", "tiny", "--world-size", "4"], "--world-size 4: num_kv_heads=2 does not split over 4 ranks; use a "
+                                                "--world-size that divides it"),
+    (["--preset", "nope"], "invalid choice: 'nope' (choose from 'glm5', 'deepseek-v3', 'qwen3-235b', 'llama3-70b', "
+                           "'tiny')"),
+    (["--preset", "tiny", "--layers", "2", "--dense-layers", "3"], "--dense-layers 3 is more than the cut's 2 layers"),
     (["--preset", "tiny", "--prompt-len", "16", "--context", "16"], "raise --context"),
     (["--preset", "tiny", "--moe-runner", "fast"], "is not a runner"),
 ])
 def test_bench_e2e_usage_errors(argv, message, capsys, tmp_path):
     assert main(["bench", "e2e", *argv, "--results", str(tmp_path)]) == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err
+    assert not any(name in err for name in ("ModelConfig:", "model_config:", "E2ESpec:", "get_preset:")), err
     assert not (tmp_path / "e2e.jsonl").exists()
 
 

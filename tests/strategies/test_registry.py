@@ -148,3 +148,11 @@ def test_a_plugin_spec_is_agreed_across_ranks_and_a_bad_one_raises_the_reason_ev
     from tpfuse.spawn import run_ranks
 
     assert run_ranks(_plugin_spec_rank, 2, args=(specs,), timeout_s=120) == [outcome, outcome]
+
+
+def test_the_strategies_known_to_need_cuda_before_import_are_those_that_declare_it():
+    from tpfuse.strategies import _BUILT_IN, needs_cuda
+
+    for name in _BUILT_IN:
+        assert needs_cuda(name) is get_strategy(name).needs.cuda, name
+    assert needs_cuda("no-such-strategy") is None

@@ -1,5 +1,7 @@
-"""What every command returns: the exit codes, `UsageError` (exit 2) and `dumps_json`, the strict
-JSON every `--json` prints.
+"""What every command returns: the exit codes, `CommandError` (a failure told as one line with its
+exit code: 1 for a negative outcome such as a failed rank) and `UsageError` (exit 2), and
+`dumps_json`, the strict JSON every `--json` prints. The entry point turns either error into one
+line on stderr and, with `--json`, one JSON object on stdout.
 
 The entry point (`tpfuse.cli.main`) and every subcommand module share these names, so they live
 here, below both: a subcommand never imports the entry point that imports it.
@@ -14,8 +16,19 @@ from typing import Any
 EXIT_OK, EXIT_NEGATIVE, EXIT_USAGE = 0, 1, 2
 
 
-class UsageError(Exception):
+class CommandError(Exception):
+    """A command's failure, told as one line; `exit_code` 1 (a negative outcome) unless given."""
+
+    def __init__(self, message: str, exit_code: int = EXIT_NEGATIVE) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class UsageError(CommandError):
     """Raised by a subcommand for bad arguments or an unusable environment (exit code 2)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, EXIT_USAGE)
 
 
 def _finite(obj: Any) -> Any:

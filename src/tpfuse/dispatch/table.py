@@ -23,15 +23,17 @@ file: it returns (None, why) for a missing, unreadable (not a regular file, over
 corrupt (not UTF-8, not JSON, a field of the wrong type or range per `tpfuse.dispatch.schema`,
 digest mismatch), stale (unreadable schema or other tpfuse/torch/driver versions) or foreign (other
 fingerprint) table, so that the Communicator can warn and fall back. Writing: `check_writable`
-before measuring, `merged_with_saved` (a run's buckets into the table already saved), `save`
-atomically (temp file, fsync, rename; it also removes the temp files of saves killed mid-write);
-the writers raise `CacheDirError` with the fix. Plain data: importing this imports no torch.
+before measuring, `save_merged` (a run's buckets into the table already saved, under a lock, a
+file it cannot merge kept aside), `save` atomically (temp file, fsync, rename; it also removes the
+temp files of saves killed mid-write); the writers raise `CacheDirError` with the fix. Plain data:
+importing this imports no torch.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
 import errno
+import fcntl
 import hashlib
 import json
 import os
@@ -181,14 +183,40 @@ class DispatchTable:
         return DispatchTable(other.versions, other.fingerprint, kept + other.entries, other.settings, other.created, other.schema)
 
 
-def merged_with_saved(measured: DispatchTable, path: str | Path, versions: dict, *, fresh: bool = False) -> DispatchTable:
-    """The table to save at `path` after a tuning run: `measured` merged into the current table
-    already there (its buckets replace same-key ones, the others are kept), or `measured` alone when
-    `fresh` or when `path` holds no current table for this fingerprint and these versions."""
-    if fresh:
-        return measured
-    old, _ = load(path, measured.fingerprint, versions)
-    return old.merged(measured) if old is not None else measured
+@dataclass(frozen=True)
+class Saved:
+    """What `save_merged` wrote: the table now at `path`, and where a file it could not merge went."""
+
+    table: DispatchTable
+    path: Path
+    kept: Path | None = None  # the unreadable or foreign file found at `path`, renamed aside
+    kept_why: str = ""  # why it could not be merged (load's reason)
+
+
+def save_merged(measured: DispatchTable, path: str | Path, *, fresh: bool = False) -> Saved:
+    """Save a tuning run's table at `path`: `measured` merged into the current table already there
+    (its buckets replace same-key ones, the others are kept), or `measured` alone when `fresh`.
+
+    Under an exclusive lock on a lock file beside `path`, and re-reading the table inside it, so
+    that concurrent tunes of one machine never lose each other's buckets. A file at `path` that is
+    not a current table for this fingerprint and `measured.versions` (corrupt, another schema,
+    other versions or fingerprint) is never overwritten: it is renamed aside first
+    (`<name>.kept-<UTC time>`, in `Saved.kept`). CacheDirError if the directory is not writable."""
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path.with_name(f".{path.name}.lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or when the process dies
+            old, why = load(path, measured.fingerprint, measured.versions)
+            kept = None
+            if old is None and os.path.lexists(path):
+                kept = path.with_name(f"{path.name}.kept-{_dt.datetime.now(_dt.timezone.utc):%Y%m%dT%H%M%S.%fZ}")
+                os.replace(path, kept)
+            table = measured if fresh or old is None else old.merged(measured)
+            save(table, path)
+    except OSError as exc:
+        raise _cannot_write(path.parent, exc) from None
+    return Saved(table, path, kept, why if kept else "")
 
 
 def now_iso() -> str:

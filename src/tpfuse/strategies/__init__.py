@@ -28,6 +28,18 @@ _REGISTRY: dict[str, str] = {
     "oneshot": "tpfuse.strategies.oneshot:OneShotStrategy",
     "twoshot": "tpfuse.strategies.twoshot:TwoShotStrategy",
 }
+# The built-ins whose `needs.cuda` is set, known without importing them (their modules import
+# torch), so that the CLI can refuse one for CPU ranks before torch loads; a test keeps this equal
+# to the classes' own declarations.
+_NEEDS_CUDA = frozenset({"nccl_epilogue", "nccl_eager", "oneshot", "twoshot"})
+_BUILT_IN = dict(_REGISTRY)
+
+
+def needs_cuda(name: str) -> bool | None:
+    """Whether the built-in strategy `name` needs CUDA tensors; None for a plugin (unknown until imported)."""
+    if name not in _BUILT_IN or _registry().get(name) != _BUILT_IN[name]:
+        return None
+    return name in _NEEDS_CUDA
 
 
 def _registry() -> dict[str, str]:

@@ -39,6 +39,7 @@ import socket
 import time
 from collections import Counter
 
+import torch
 import torch.distributed as dist
 
 from tpfuse import env
@@ -99,6 +100,18 @@ def _process_gone(pid: int) -> bool:
         return False
 
 
+def _gloo_group(store, rank: int, world_size: int, timeout_s: float):
+    """A gloo process group of its own whose timeout is `timeout_s`: a ProcessGroup over one gloo
+    backend, as torch.distributed builds its groups, so that its collectives are dispatched as the
+    `c10d::` ops profilers and hooks see (a bare backend's are not)."""
+    backend = dist.ProcessGroupGloo(dist.PrefixStore("pg/", store), rank, world_size,
+                                    datetime.timedelta(seconds=timeout_s))
+    group = dist.ProcessGroup(store, rank, world_size)
+    group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
+    return group
+
+
 class HostGroup:
     """The ranks of a gloo `group` on a private gloo process group whose own timeout is
     `timeout_s`, and the census of who failed (module doc). A collective to create: every rank of
@@ -113,8 +126,7 @@ class HostGroup:
         self.host = socket.gethostname()
         try:
             self.store.set(f"pid/{self.rank}", f"{self.host}\n{os.getpid()}")
-            self.pg = dist.ProcessGroupGloo(dist.PrefixStore("pg/", self.store), self.rank, self.world_size,
-                                            datetime.timedelta(seconds=timeout_s))
+            self.pg = _gloo_group(self.store, self.rank, self.world_size, timeout_s)
             # Every rank wrote its key before joining the group, so all are there now.
             self.peers = {r: tuple(self.store.get(f"pid/{r}").decode().split("\n")) for r in range(self.world_size)}
         except RuntimeError as exc:  # DistStoreError and gloo's connect errors are RuntimeErrors
