@@ -129,3 +129,13 @@ def test_profile_writes_the_traces_it_prints(tmp_path, capsys, fusion, names):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names)
     for name in names:
         assert json.loads((tmp_path / name).read_text())["traceEvents"]
+
+
+def test_profile_plot_without_matplotlib_names_both_install_commands_quoted(capsys, monkeypatch, tmp_path):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # what an environment without it imports
+    assert main(["profile", "--preset", "tiny", "--plot", str(tmp_path / "p.png")]) == 2
+    err = capsys.readouterr().err
+    assert "--plot needs matplotlib; install matplotlib with `pip install 'tpfuse[plot]'` (from a checkout: " \
+           "`pip install '.[plot]'`) or drop --plot" in err

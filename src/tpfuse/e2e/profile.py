@@ -237,7 +237,8 @@ def profile_rank(rank: int, world_size: int, spec, batch: int, steps: int, trace
 
 
 def plot_stages(result: dict, path: str) -> str:
-    """A PNG bar chart of time per step by stage, one bar per fusion mode (needs matplotlib: `pip install 'tpfuse[plot]'`)."""
+    """A PNG bar chart of time per step by stage, one bar per fusion mode (needs matplotlib:
+    `pip install 'tpfuse[plot]'`)."""
     import matplotlib
 
     matplotlib.use("Agg")
