@@ -40,7 +40,8 @@ def test_bench_e2e_cpu_json(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--preset", "glm5", "--layers", "2", "--experts", "4"], "--experts 4 is below glm5's top-8 routing; pass --experts 8"),
+    (["--preset", "glm5", "--layers", "2", "--experts", "4"],
+     "--experts 4 is below glm5's top-8 routing; pass --experts 8"),
     (["--preset", "tiny", "--world-size", "4"], "--world-size 4: num_kv_heads=2 does not split over 4 ranks; use a "
                                                 "--world-size that divides it"),
     (["--preset", "nope"], "invalid choice: 'nope' (choose from 'glm5', 'deepseek-v3', 'qwen3-235b', 'llama3-70b', "
