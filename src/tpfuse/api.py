@@ -38,7 +38,7 @@ from tpfuse.dispatch.agree import agreed_table
 from tpfuse.dispatch.choice import CONSERVATIVE_DEFAULT, Choice, choose, is_fused, warn_once
 from tpfuse.group import agree_group_facts, agree_settings, device_type_of
 from tpfuse.spec import Op, Problem, dtype_name
-from tpfuse.strategies import admission, canonical_name, get_strategy, strategy_names
+from tpfuse.strategies import admission, get_strategy, strategy_names
 from tpfuse.strategies.base import Strategy, StrategyContext
 from tpfuse.strategies.host_wait import PeerGuard, goes_through_host, strategy_timeout_s
 from tpfuse.validation import SUPPORTED_DTYPES, as_rows, check_all_reduce, check_quant, check_residual_rmsnorm
@@ -55,6 +55,7 @@ _SETTING_FIXES = {
     "strategy": "pass the same strategy= (and TPFUSE_STRATEGY) on every rank",
     "debug": "set TPFUSE_DEBUG (or debug=) the same on every rank",
     "device": "pass the same device= on every rank",
+    "plugins": "set TPFUSE_STRATEGIES the same on every rank",
 }
 
 
@@ -80,13 +81,16 @@ class Communicator:
         self.cpu_group = cpu_group if cpu_group is not None else self.group
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
-        requested, problem = canonical_name(env.strategy_override() or strategy), ""
-        if requested != "auto" and requested not in strategy_names():
-            problem = f"unknown strategy {requested!r}; use 'auto' or one of: {', '.join(strategy_names())}"
+        requested, problem, plugins = strategy, "", {}
         try:  # errors are raised on every rank by agree_settings, not here on this one alone
+            requested, plugins = env.strategy_override() or strategy, env.extra_strategies()
+            if requested != "auto" and requested not in strategy_names():
+                problem = f"unknown strategy {requested!r}; use 'auto' or one of: {', '.join(strategy_names())}"
+            elif requested != "auto":
+                get_strategy(requested)  # a plugin's target must import and be a Strategy
             debug_on = env.debug_enabled() if debug is None else bool(debug)
             strategy_timeout_s(options)  # read by the strategies at their first call
-        except ValueError as exc:
+        except (ValueError, ImportError) as exc:
             debug_on, problem = False, problem or str(exc)
         unknown = sorted(set(options) - set(OPTIONS))
         if unknown:
@@ -96,8 +100,8 @@ class Communicator:
         if device_type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("Communicator: device='cuda' but torch sees no CUDA GPU; use a gloo group with device='cpu'")
         # Collective, before any other: ranks that differ here would run different collectives.
-        agree_settings(self.cpu_group, "Communicator", {"strategy": requested, "debug": debug_on, "device": device_type},
-                       problem, fixes=_SETTING_FIXES)
+        agree_settings(self.cpu_group, "Communicator", {"strategy": requested, "debug": debug_on, "device": device_type,
+                                                        "plugins": plugins}, problem, fixes=_SETTING_FIXES)
         self.requested = requested
         self.debug = debug_on
         self.options = options
