@@ -287,19 +287,21 @@ def close_all() -> None:
 
 
 def plan_text(engine: str, group: EngineGroup, comm, hidden: int, dtype: torch.dtype, max_tokens: int) -> str:
-    """One line: the strategy of each run of token buckets that share strategy and reason."""
-    runs: list[list] = []  # [first, last, name, reason]
+    """One line: the strategy of each run of token buckets that share strategy and source
+    ("measured" for the dispatch table's buckets, else the first bucket's reason)."""
+    runs: list[list] = []  # [first, last, name, source, label]
     for tokens in buckets(max_tokens):
         choice = comm.strategy_for(Op.ALL_REDUCE_RESIDUAL_RMSNORM, tokens, hidden, dtype)
-        if runs and runs[-1][2:] == [choice.name, choice.reason]:
+        if runs and runs[-1][2:4] == [choice.name, choice.source]:
             runs[-1][1] = tokens
         else:
-            runs.append([tokens, tokens, choice.name, choice.reason])
+            runs.append([tokens, tokens, choice.name, choice.source,
+                         "measured" if choice.source == "table" else choice.reason])
     head = (f"tpfuse: {engine} group {group.name} (world size {comm.world_size}, {comm.facts.backend}, "
             f"{comm.facts.device_type}), allreduce + residual + RMSNorm, hidden {hidden} "
             f"{str(dtype).removeprefix('torch.')}:")
-    parts = [f"tokens {a}-{b}: {name} ({reason})" if a != b else f"tokens {a}: {name} ({reason})"
-             for a, b, name, reason in runs]
+    parts = [f"tokens {a}-{b}: {name} ({label})" if a != b else f"tokens {a}: {name} ({label})"
+             for a, b, name, _, label in runs]
     return " ".join([head, "; ".join(parts)])
 
 
