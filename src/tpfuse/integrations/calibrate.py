@@ -42,14 +42,22 @@ def missing_buckets(table, hidden: int, dtype: torch.dtype, buckets: tuple[int, 
     return sorted({b for b in buckets if b not in have})
 
 
-def _agreed(group, value, what: str):
-    """Collective on the CPU group: `value` if every rank has the same, else ValueError on every rank."""
+def _agreed_budget(group) -> float | None:
+    """Collective on the CPU group: every rank's TPFUSE_CALIBRATE budget, the same on every rank,
+    else ValueError on every rank naming the ranks that could not read it or that differ."""
+    try:
+        mine = (env.calibrate_budget_s(), "")
+    except ValueError as exc:
+        mine = (None, str(exc))
     everyone: list = [None] * dist.get_world_size(group.cpu_group)
-    dist.all_gather_object(everyone, value, group=group.cpu_group)
-    if any(v != everyone[0] for v in everyone):
-        raise ValueError(f"calibrate: ranks disagree on {what} ({', '.join(f'rank {r}: {v!r}' for r, v in enumerate(everyone))}); "
-                         "set it the same for every worker")
-    return everyone[0]
+    dist.all_gather_object(everyone, mine, group=group.cpu_group)
+    problems = [f"rank {r}: {p}" for r, (_, p) in enumerate(everyone) if p]
+    if problems:
+        raise ValueError("; ".join(problems))
+    if any(b != everyone[0][0] for b, _ in everyone):
+        raise ValueError("calibrate: ranks disagree on TPFUSE_CALIBRATE (" + ", ".join(
+            f"rank {r}: {b}" for r, (b, _) in enumerate(everyone)) + "); set it the same for every worker")
+    return everyone[0][0]
 
 
 def calibrate(engine: str, group, comm, *, hidden: int, dtype: torch.dtype, buckets: tuple[int, ...],
@@ -61,13 +69,7 @@ def calibrate(engine: str, group, comm, *, hidden: int, dtype: torch.dtype, buck
     missing = missing_buckets(comm.table, hidden, dtype, buckets)
     if not missing or comm.requested != "auto":  # both agreed by the Communicator's construction
         return None
-    try:
-        budget, problem = env.calibrate_budget_s(), ""
-    except ValueError as exc:
-        budget, problem = None, str(exc)
-    budget, problem = _agreed(group, (budget, problem), "TPFUSE_CALIBRATE")
-    if problem:
-        raise ValueError(problem)
+    budget = _agreed_budget(group)
     shape = f"hidden {hidden} {str(dtype).removeprefix('torch.')}"
     if budget is None:
         log_once(f"calibrate-off:{group.name}", f"tpfuse: {engine} group {group.name}: calibration off "
