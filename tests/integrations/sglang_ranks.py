@@ -83,7 +83,8 @@ def rank_main(rank: int, world_size: int, scenario: str) -> dict:
     # run_ranks already initialised torch.distributed; sglang adopts the existing world group.
     init_distributed_environment(world_size=world_size, rank=rank, local_rank=rank, backend="gloo")
     reset_context()
-    publish(ServerArgs(model_path="dummy", tp_size=world_size, device="cpu"), role="test", ranks=SpawnRanks(world_rank=rank))
+    publish(ServerArgs(model_path="dummy", tp_size=world_size, device="cpu"), role="test",
+            ranks=SpawnRanks(world_rank=rank))
     get_parallel().override_permanently(world_group=parallel_state._WORLD)
     initialize_model_parallel(backend="gloo")
 
@@ -139,7 +140,6 @@ def rank_main(rank: int, world_size: int, scenario: str) -> dict:
         return attn_owed(UnreducedOutput(partial=x, group=post_experts_reduction_group()), residual)
 
     calls = []
-    op = runtime.engine_all_reduce_residual_rmsnorm
     original_impl = runtime.unservable
     runtime.unservable = lambda name, *a: calls.append(name) or original_impl(name, *a)
 
@@ -176,7 +176,8 @@ def rank_main(rank: int, world_size: int, scenario: str) -> dict:
 
         before = len(calls)
         out["declined"] = {"float16": declined(dtype=torch.float16), "hidden 128": declined(hidden=128),
-                           "2049 tokens": declined(tokens=2049), "residual float32": declined(residual_dtype=torch.float32)}
+                           "2049 tokens": declined(tokens=2049),
+                           "residual float32": declined(residual_dtype=torch.float32)}
         out["declined_calls"] = len(calls) - before
 
         # The gate's cost per call after the first (reported, not asserted here).

@@ -60,7 +60,8 @@ def _agree_rank(rank, world_size):
 @pytest.mark.gloo
 def test_agreement_meets_a_rank_that_failed_outside_the_others_collective():
     results = run_ranks(_agree_rank, 2, timeout_s=120)
-    assert results[0] == results[1] == ("creating the Communicator failed on rank 1: RuntimeError: broken on rank 1", "")
+    want = ("creating the Communicator failed on rank 1: RuntimeError: broken on rank 1", "")
+    assert results[0] == results[1] == want
 
 
 def _setup_rank(rank, world_size, cache, calibrate):

@@ -78,7 +78,8 @@ def starts(tmp_path_factory):
 def _measured_up_to_8(plan: str) -> None:
     """The plan line: measured runs up to the largest captured size, then the conservative default."""
     runs = plan.split("bfloat16: ", 1)[1].split("; ")
-    assert runs[-1].startswith("tokens 16-2048: reference (conservative default (the dispatch table has no bucket"), plan
+    assert runs[-1].startswith("tokens 16-2048: reference (conservative default (the dispatch table has no "
+                               "bucket"), plan
     assert all(run.endswith("(measured)") for run in runs[:-1]) and runs[-2].split(":")[0].endswith("8"), plan
 
 

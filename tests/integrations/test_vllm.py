@@ -35,7 +35,8 @@ pytestmark = [pytest.mark.gloo, pytest.mark.slow]
 
 H, TOKENS, WORLD = 256, 5, 2
 SERVED = [f"{name} {kind}" for name in ("random", "exact") for kind in ("fused", "plain")] + ["closed"]
-TPFUSE_GRAPH = ["<built-in function getitem>", "aten.detach.default", "tpfuse.engine_all_reduce_residual_rmsnorm.default"]
+TPFUSE_GRAPH = ["<built-in function getitem>", "aten.detach.default",
+                "tpfuse.engine_all_reduce_residual_rmsnorm.default"]
 
 
 def _run(tmp, scenario, cache):

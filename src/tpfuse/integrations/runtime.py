@@ -182,7 +182,8 @@ def prepare(engine: str, group: EngineGroup, *, hidden: int, dtype: torch.dtype,
         return False
     st.prepared[(hidden, dtype)] = max_tokens
     _LIMITS.clear()
-    log_once(f"plan:{engine}:{group.name}:{hidden}:{dtype}", plan_text(engine, group, st.comm, hidden, dtype, max_tokens))
+    log_once(f"plan:{engine}:{group.name}:{hidden}:{dtype}",
+             plan_text(engine, group, st.comm, hidden, dtype, max_tokens))
     return True
 
 

@@ -31,7 +31,8 @@ GATE = "sglang.srt.layers.layer_boundary.residual.add_norm.flashinfer_ar_fusion_
 OP = f"{_FC}.flashinfer_allreduce_residual_rmsnorm"
 PREINIT = f"{_FC}.pre_initialize_workspaces"
 CLEANUP = f"{_FC}.cleanup_flashinfer_workspace"
-RUNNER_PREINIT = "sglang.srt.model_executor.runner.base_runner.BaseRunner._pre_initialize_flashinfer_allreduce_workspace"
+RUNNER_PREINIT = ("sglang.srt.model_executor.runner.base_runner.BaseRunner."
+                  "_pre_initialize_flashinfer_allreduce_workspace")
 TARGETS = (GATE, OP, PREINIT, CLEANUP, RUNNER_PREINIT)
 
 _registered = False
@@ -46,10 +47,12 @@ def plugin() -> None:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    for target, hook in ((GATE, _gate), (OP, _op), (PREINIT, _preinit), (CLEANUP, _cleanup), (RUNNER_PREINIT, _runner_preinit)):
+    hooks = ((GATE, _gate), (OP, _op), (PREINIT, _preinit), (CLEANUP, _cleanup), (RUNNER_PREINIT, _runner_preinit))
+    for target, hook in hooks:
         HookRegistry.register(target, hook, HookType.AROUND)
     _registered = True
-    runtime.log_once("sglang:on", "tpfuse: sglang hooks registered (fusion gate, fused op, workspace preparation, cleanup)")
+    runtime.log_once("sglang:on", "tpfuse: sglang hooks registered (fusion gate, fused op, workspace preparation, "
+                     "cleanup)")
 
 
 def stand_down_reason() -> str:

@@ -109,7 +109,8 @@ def op(input_tensor, residual, weight, eps=1e-6, max_token_num=2048, use_oneshot
     if group is None:
         return None, None  # one rank: the caller's norm is then the whole answer
     st = runtime.state(group.name)
-    eager = not torch.compiler.is_compiling() and not (input_tensor.is_cuda and torch.cuda.is_current_stream_capturing())
+    capturing = input_tensor.is_cuda and torch.cuda.is_current_stream_capturing()
+    eager = not torch.compiler.is_compiling() and not capturing
     if eager and (st is None or (not st.down and (input_tensor.shape[-1], input_tensor.dtype) not in st.prepared)):
         runtime.prepare(ENGINE, group, hidden=input_tensor.shape[-1], dtype=input_tensor.dtype, max_tokens=MAX_TOKENS)
         _CACHE.clear()

@@ -103,8 +103,9 @@ class TpfuseAllReduceNormPass(VllmInductorPass):
         if model is not None:
             max_tokens = config.scheduler_config.max_num_batched_tokens
             sizes = getattr(config.compilation_config, "cudagraph_capture_sizes", None) or ()
+            buckets = tuple(sorted({int(s) for s in sizes if 0 < s <= max_tokens}))
             runtime.prepare("vllm", runtime.EngineGroup.of(tp), hidden=model.get_hidden_size(), dtype=model.dtype,
-                            max_tokens=max_tokens, buckets=tuple(sorted({int(s) for s in sizes if 0 < s <= max_tokens})))
+                            max_tokens=max_tokens, buckets=buckets)
         else:
             runtime.log_once("vllm:nomodel", "tpfuse: vLLM config has no model; the op's fallback (vLLM's own "
                              "allreduce and norm) serves until a pass with a model prepares the group")

@@ -68,7 +68,8 @@ class TuneSpec:
         for op in self.ops:
             Op(op)
         if self.budget_s is not None and not self.budget_s > 0:
-            raise ValueError(f"TuneSpec: budget_s is a number of seconds > 0 (or None for no budget), got {self.budget_s}")
+            raise ValueError(f"TuneSpec: budget_s is a number of seconds > 0 (or None for no budget), "
+                             f"got {self.budget_s}")
 
     @property
     def num_steps(self) -> int:
