@@ -19,8 +19,8 @@ so every rank returns the identical table (same digest).
 
 With `TuneSpec.budget_s` (an engine's start-up calibration), buckets are measured smallest first
 until the budget is spent: before each bucket after the first, rank 0's clock decides (the
-decision is broadcast) whether the time spent plus the last bucket's duration stays within the
-budget; the table then holds only the buckets measured. `handshake_group` carries the object
+decision is broadcast) whether the time spent plus twice the last bucket's duration stays within
+the budget; the table then holds only the buckets measured. `handshake_group` carries the object
 collectives (an engine's gloo group) while the data and timing run on `group`.
 """
 
@@ -122,7 +122,9 @@ def tune_in_group(spec: TuneSpec, *, group=None, device=None, progress: Callable
     started, last_s = time.perf_counter(), 0.0
     try:
         for op, hidden, num_tokens in steps:
-            if entries and spec.budget_s is not None and _budget_spent(started, last_s, spec.budget_s, handshake):
+            # The next bucket holds up to twice the tokens of the last (engines capture 1, 2, 4, 8,
+            # ...), so it is predicted to take up to twice as long.
+            if entries and spec.budget_s is not None and _budget_spent(started, 2 * last_s, spec.budget_s, handshake):
                 break
             began = time.perf_counter()
             entries.append(_tune_bucket(spec, pool, op, hidden, num_tokens, dtype, max_tokens, facts, caps,
@@ -140,9 +142,9 @@ def tune_in_group(spec: TuneSpec, *, group=None, device=None, progress: Callable
     return parse(box[0])
 
 
-def _budget_spent(started: float, last_s: float, budget_s: float, group) -> bool:
-    """Collective: rank 0's answer to "would one more bucket like the last end past the budget?"."""
-    box = [time.perf_counter() - started + last_s > budget_s]
+def _budget_spent(started: float, next_s: float, budget_s: float, group) -> bool:
+    """Collective: rank 0's answer to "would one more bucket of `next_s` seconds end past the budget?"."""
+    box = [time.perf_counter() - started + next_s > budget_s]
     dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
     return bool(box[0])
 
