@@ -11,6 +11,9 @@ TPFUSE_TIMEOUT_S  seconds, finite, in (0, MAX_TIMEOUT_S]: bound on every device-
 TPFUSE_ENGINES    serving engines in which tpfuse takes the fused allreduce + residual + RMSNorm
                     call: "sglang", "vllm", both comma-separated, or "all"; unset or "0": none
                     (the engine plugins stay inert). Set it for the server and all its workers.
+TPFUSE_CALIBRATE  the engine plugins' start-up calibration, when the dispatch table lacks the
+                    engine's captured batch sizes: unset or "1": on, within 15 s; "0": off (the
+                    conservative default serves those sizes); "30s": on, within 30 s.
 TPFUSE_STRATEGIES extra strategies to register, "name=package.module:Class,..." (plugins; spawned
                     ranks inherit the environment, so they see the same registry as the parent).
 """
@@ -131,3 +134,25 @@ def engines_enabled() -> frozenset[str]:
     if unknown:
         raise ValueError(f"TPFUSE_ENGINES={raw!r}: unknown engine(s) {', '.join(unknown)}; use {', '.join(ENGINES)} or all")
     return frozenset(names)
+
+
+# The start-up calibration's default time budget: the issue's bound on what a server start may
+# spend measuring (a chosen default, said in the log line, overridable as "Ns").
+CALIBRATE_DEFAULT_S = 15.0
+
+
+def calibrate_budget_s() -> float | None:
+    """Seconds the engine plugins may spend calibrating at start-up, or None when TPFUSE_CALIBRATE=0."""
+    raw = os.environ.get("TPFUSE_CALIBRATE", "").strip().lower()
+    if raw in ("", "1", "on", "true"):
+        return CALIBRATE_DEFAULT_S
+    if raw in ("0", "off", "false"):
+        return None
+    try:
+        value = float(raw.removesuffix("s")) if raw.endswith("s") else float("nan")
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"TPFUSE_CALIBRATE={raw!r}: use 1 (on, {CALIBRATE_DEFAULT_S:g} s), 0 (off) "
+                         "or a budget in seconds such as 30s")
+    return value
