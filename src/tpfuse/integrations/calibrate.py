@@ -6,7 +6,7 @@ rank of the group (`tpfuse.tune.tuner.tune_in_group` on the engine's groups: dat
 the device group, handshakes on the CPU group), smallest first, within the TPFUSE_CALIBRATE budget
 (default 15 s), with the same do-no-harm rule as `tpfuse tune` (a fused strategy only where it
 beats the best unfused one by the margin). The buckets measured are merged into the table saved
-for this machine (`tpfuse.dispatch.table.merged_with_saved`, then `save`), which the Communicator
+for this machine (`tpfuse.dispatch.table.save_merged`), which the Communicator
 is then rebuilt on, and which the next start loads without measuring; buckets the budget did not
 reach use the conservative default now and are measured at the next start.
 
@@ -75,7 +75,7 @@ def calibrate(engine: str, group, comm, *, hidden: int, dtype: torch.dtype, buck
         log_once(f"calibrate-off:{group.name}", f"tpfuse: {engine} group {group.name}: calibration off "
                  f"(TPFUSE_CALIBRATE=0); {len(missing)} token bucket(s) of {shape} use the conservative default")
         return None
-    from tpfuse.dispatch.table import CacheDirError, check_writable, merged_with_saved, save, table_path, versions_of
+    from tpfuse.dispatch.table import CacheDirError, check_writable, save_merged, table_path
 
     try:
         check_writable(env.cache_dir())
@@ -99,10 +99,10 @@ def calibrate(engine: str, group, comm, *, hidden: int, dtype: torch.dtype, buck
                     ops=(OP.value,), rounds=ROUNDS, confirm_rounds=CONFIRM_ROUNDS, warmup=WARMUP, budget_s=budget)
     measured = tune_in_group(spec, group=group.device_group, handshake_group=group.cpu_group, device=group.device)
     path = table_path(measured.fingerprint)
-    # Every rank saves the same bytes (ranks of one host share the file; saves are atomic) to the
-    # path its next start loads; without an agreed table the file on disk was not used: replace it.
-    table = merged_with_saved(measured, path, versions_of(comm.caps), fresh=comm.table is None)
-    save(table, path)
+    # Every rank saves the same bytes (ranks of one host share the file; save_merged locks and
+    # re-reads it) to the path its next start loads; without an agreed table the file on disk was
+    # not used: replace it (a file that is not a current table is kept aside, never overwritten).
+    table = save_merged(measured, path, fresh=comm.table is None).table
     dist.barrier(group=group.cpu_group)
     comm.close()
     rebuilt = new_communicator(group)
