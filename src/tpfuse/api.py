@@ -36,7 +36,9 @@ import torch.distributed as dist
 from tpfuse import env
 from tpfuse.dispatch.agree import agreed_table
 from tpfuse.dispatch.choice import CONSERVATIVE_DEFAULT, Choice, choose, is_fused, warn_once
+from tpfuse.dispatch.table import token_buckets
 from tpfuse.group import agree_group_facts, agree_settings, device_type_of
+from tpfuse.probe import probe
 from tpfuse.spec import Op, Problem, dtype_name
 from tpfuse.strategies import admission, get_strategy, strategy_names
 from tpfuse.strategies.base import Strategy, StrategyContext
@@ -75,7 +77,6 @@ class Communicator:
                 "Communicator: torch.distributed is not initialized; call "
                 "torch.distributed.init_process_group('gloo' on CPU or 'nccl' on GPUs) first"
             )
-        from tpfuse.probe import probe
 
         self.group = group if group is not None else dist.group.WORLD
         self.cpu_group = cpu_group if cpu_group is not None else self.group
@@ -184,7 +185,6 @@ class Communicator:
 
     def prepare(self, *, hidden: int, dtype: torch.dtype, max_tokens: int) -> None:
         """Set up every strategy that calls up to `max_tokens x hidden` may use; call before graph capture."""
-        from tpfuse.dispatch.table import token_buckets
 
         if self._closed:
             raise RuntimeError("Communicator.prepare: called after close(); create a new Communicator and prepare it")

@@ -17,6 +17,8 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from tpfuse._version import __version__
+
 
 @dataclass(frozen=True)
 class ResultRow:
@@ -66,7 +68,6 @@ def environment() -> tuple[str, dict]:
         versions["triton"] = triton.__version__
     except ImportError:
         pass
-    from tpfuse._version import __version__
 
     versions["tpfuse"] = __version__
     return gpu, versions

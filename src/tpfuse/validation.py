@@ -15,6 +15,8 @@ import numbers
 
 import torch
 
+from tpfuse.quant import KINDS, LAYOUTS, NVFP4_BLOCK, QuantSpec
+
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _SUPPORTED = frozenset(SUPPORTED_DTYPES)
 
@@ -100,7 +102,6 @@ def as_rows(t: torch.Tensor) -> torch.Tensor:
 
 def check_quant(op: str, quant, hidden: int, *, device: torch.device) -> None:
     """`quant` is a tpfuse.quant.QuantSpec that fits rows of `hidden` on `device`."""
-    from tpfuse.quant import KINDS, LAYOUTS, NVFP4_BLOCK, QuantSpec
 
     if not isinstance(quant, QuantSpec):
         _fail(op, f"quant must be a tpfuse.QuantSpec (from tpfuse.fp8_static, fp8_per_token, fp8_per_group or nvfp4), got {type(quant).__name__}", TypeError)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 
 from tpfuse import env
+from tpfuse._version import __version__
 from tpfuse.integrations import runtime
 
 ENGINE = "vllm"
@@ -76,7 +77,6 @@ def plugin() -> None:
 
 def cache_factors() -> str:
     """What, besides vLLM's own config, decides the graphs vLLM compiles and caches with tpfuse on."""
-    from tpfuse._version import __version__
 
     tables = hashlib.sha256()
     directory = env.cache_dir()

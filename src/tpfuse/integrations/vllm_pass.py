@@ -21,6 +21,7 @@ import torch
 from torch import fx
 from vllm.compilation.passes.vllm_inductor_pass import VllmInductorPass
 
+from tpfuse._version import __version__
 from tpfuse.integrations import runtime
 
 
@@ -112,7 +113,6 @@ class TpfuseAllReduceNormPass(VllmInductorPass):
         self.disabled = False
 
     def uuid(self) -> str:
-        from tpfuse._version import __version__
 
         return self.hash_source(self, rewrite_allreduce_rmsnorm, __version__)
 

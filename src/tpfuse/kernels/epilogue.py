@@ -38,6 +38,8 @@ from tpfuse.kernels.quant import (
     quantize_chunk,
     zero_scale_padding,
 )
+from tpfuse.quant import QuantOutput
+from tpfuse.validation import check_quant
 
 SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -190,7 +192,6 @@ def residual_rmsnorm(
     a `tpfuse.quant.QuantOutput` (out, scale, residual, normed) is returned instead."""
     _check(s, residual, weight)
     if quant is not None:
-        from tpfuse.validation import check_quant
 
         check_quant("residual_rmsnorm", quant, s.shape[1], device=s.device)
     return launch_residual_rmsnorm(s, residual, weight, eps, out=out, config=config, quant=quant)
@@ -227,7 +228,6 @@ def launch_residual_rmsnorm(s, residual, weight, eps: float, *, out=None, config
 
 
 def _launch_quant(s, residual, weight, eps, quant, config):
-    from tpfuse.quant import QuantOutput
 
     m, h = s.shape
     key = (m, h, s.dtype, residual is not None, s.get_device(), config, quant.kind, quant.group, quant.layout,

@@ -22,6 +22,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from tpfuse import presets
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -144,9 +146,7 @@ TINY = ModelConfig(
 
 
 def preset_names() -> list[str]:
-    from tpfuse.presets import preset_names as shared
-
-    return [*shared(), "tiny"]
+    return [*presets.preset_names(), "tiny"]
 
 
 def model_config(
@@ -161,9 +161,8 @@ def model_config(
     if preset == "tiny":
         base = TINY
     else:
-        from tpfuse.presets import get_preset
 
-        p = get_preset(preset)
+        p = presets.get_preset(preset)
         kv_heads, head_dim, base_vocab = _ATTENTION[p.name]
         base = ModelConfig(
             name=p.name, hidden=p.hidden, num_heads=p.num_heads, num_kv_heads=kv_heads, head_dim=head_dim,

@@ -12,6 +12,8 @@ from collections.abc import Callable
 
 import torch
 
+from tpfuse.group import agree_group_facts, device_type_of
+from tpfuse.probe import probe
 from tpfuse.reference import random_inputs
 from tpfuse.spec import Op, Problem, Verdict
 from tpfuse.strategies import admission, get_strategy
@@ -39,8 +41,6 @@ class CandidatePool:
         `handshake_group`: where the facts are agreed (default `group`; an engine's gloo group)."""
         import torch.distributed as dist
 
-        from tpfuse.group import agree_group_facts, device_type_of
-        from tpfuse.probe import probe
 
         group = group if group is not None else dist.group.WORLD
         device_type = torch.device(device).type if device is not None else device_type_of(group)
