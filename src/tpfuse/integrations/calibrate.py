@@ -25,8 +25,10 @@ import torch
 import torch.distributed as dist
 
 from tpfuse import env
+from tpfuse.dispatch.table import CacheDirError, check_writable, save_merged, table_path
 from tpfuse.integrations.log import log_once, logger
 from tpfuse.spec import Op
+from tpfuse.tune.tuner import TuneSpec, tune_in_group
 
 # Samples per candidate at start-up: half of `tpfuse tune`'s defaults (20 first pass, 40
 # confirmation), so the budget reaches more buckets; the deciding rule and margin are tune's.
@@ -75,7 +77,6 @@ def calibrate(engine: str, group, comm, *, hidden: int, dtype: torch.dtype, buck
         log_once(f"calibrate-off:{group.name}", f"tpfuse: {engine} group {group.name}: calibration off "
                  f"(TPFUSE_CALIBRATE=0); {len(missing)} token bucket(s) of {shape} use the conservative default")
         return None
-    from tpfuse.dispatch.table import CacheDirError, check_writable, save_merged, table_path
 
     try:
         check_writable(env.cache_dir())
@@ -89,7 +90,6 @@ def calibrate(engine: str, group, comm, *, hidden: int, dtype: torch.dtype, buck
                  f"table could not be saved ({next(w for w in everyone if w)}); the conservative default serves",
                  level=logging.WARNING)
         return None
-    from tpfuse.tune.tuner import TuneSpec, tune_in_group
 
     logger.info("tpfuse: calibrating %s group %s for %s at %d token bucket(s) (%s) within a %g s budget; "
                 "TPFUSE_CALIBRATE=0 turns it off", engine, group.name, shape, len(missing),

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from tpfuse import env
+from tpfuse.api import Communicator
 from tpfuse.integrations.calibrate import calibrate
 from tpfuse.integrations.log import log_once, logger
 from tpfuse.spec import Op
@@ -188,7 +189,6 @@ def prepare(engine: str, group: EngineGroup, *, hidden: int, dtype: torch.dtype,
 
 
 def _new_communicator(group: EngineGroup):
-    from tpfuse.api import Communicator
 
     return Communicator(group.device_group, cpu_group=group.cpu_group, device=group.device)
 
