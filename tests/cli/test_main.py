@@ -1,7 +1,7 @@
 """The CLI's surface, frozen: every command's --help text and the exit code of every usage error.
 
 A change to a --help text fails here until the stored text under tests/cli/frozen/ is updated on
-purpose: `TPFUSE_FREEZE_CLI=1 python -m pytest -q tests/cli/test_frozen_cli.py` rewrites it.
+purpose: `TPFUSE_FREEZE_CLI=1 python -m pytest -q tests/cli/test_main.py` rewrites it.
 Usage errors must exit 2 with the fix named, before any rank is spawned or torch is imported
 (checked in a fresh interpreter, where an import of torch would show in sys.modules).
 """

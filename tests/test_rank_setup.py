@@ -16,7 +16,7 @@ import pytest
 
 pytestmark = pytest.mark.gloo
 
-SRC = str(Path(__file__).resolve().parents[2] / "src")
+SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 
 def _run(argv: list[str], *, tty: bool) -> tuple[int, str, str]:

@@ -7,11 +7,10 @@ import sys
 
 import pytest
 
+from diagnose.cli_helpers import run_cli, run_cli_json
+from diagnose.synth import BUSY, IDLE, WAITING, make_recording
 from tpfuse.diagnose import analysis
 from tpfuse.diagnose.samples import save_recording
-
-from .cli_helpers import run_cli, run_cli_json
-from .synth import BUSY, IDLE, WAITING, make_recording
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -7,7 +7,7 @@ import tomllib
 
 from tpfuse.cli.preflight import RUNTIME_PACKAGES
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _requirement_names(requirements: list[str]) -> set[str]:
