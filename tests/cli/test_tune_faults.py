@@ -10,9 +10,7 @@ import time
 
 import pytest
 
-from dispatch.test_table_faults import _table
 from tpfuse.cli.main import main
-from tpfuse.dispatch.table import CacheDirError, check_writable, save
 from tpfuse.spawn import failure_grace_s
 
 TESTS = os.path.dirname(os.path.dirname(__file__))
@@ -125,28 +123,6 @@ def test_an_unwritable_cache_dir_is_exit_2_before_measuring(tmp_path, monkeypatc
     assert "pass --cache-dir DIR (or set TPFUSE_CACHE_DIR) to a writable directory, or --no-save" in err
     assert "Traceback" not in err
     assert elapsed < 5, f"{elapsed:.1f} s: ranks were spawned before the check"
-
-
-def test_check_writable_and_save_leave_nothing_behind(tmp_path):
-    table = _table({"world_size": 2}, {"tpfuse": "0", "torch": "0", "driver": None, "cuda": None})
-    assert check_writable(tmp_path / "new" / "dir") == tmp_path / "new" / "dir"
-    assert os.listdir(tmp_path / "new" / "dir") == []
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    orphan = tmp_path / "new" / "dir" / f".t.json.{int(dead.stdout)}.0badc0de.tmp"  # a save killed mid-write
-    orphan.write_text('{"kind": "tpfuse-dispatch-ta')
-    alive = tmp_path / "new" / "dir" / f".t.json.{os.getpid()}.12345678.tmp"  # a save in progress right now
-    alive.write_text("{")
-    path = save(table, tmp_path / "new" / "dir" / "t.json")
-    assert sorted(os.listdir(path.parent)) == [alive.name, "t.json"] and path.read_text() == table.to_json()
-    alive.unlink()
-    (tmp_path / "a-file").write_text("x")
-    with pytest.raises(CacheDirError, match="cannot write the dispatch table in .*a-file.*--cache-dir DIR"):
-        save(table, tmp_path / "a-file" / "t.json")
-    target = tmp_path / "is-a-dir.json"
-    target.mkdir()
-    with pytest.raises(CacheDirError, match="Is a directory"):
-        save(table, target)
-    assert sorted(os.listdir(tmp_path)) == ["a-file", "is-a-dir.json", "new"]
 
 
 QUICK = ["tune", "--op", "all_reduce", "--strategies", "reference", "--rounds", "2", "--confirm-rounds", "2",

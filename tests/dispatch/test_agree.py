@@ -17,7 +17,7 @@ import torch
 from tpfuse.reference import all_reduce_ref, small_integer_inputs
 from tpfuse.spawn import run_ranks
 
-from .test_table_faults import _resigned, _set, _table
+from .test_table import _resigned, _set, _two_bucket_table
 
 pytestmark = pytest.mark.gloo
 
@@ -46,7 +46,7 @@ def _tables(rank, root):
     caps = probe()
     fp = fingerprint(agree_group_facts(dist.group.WORLD, caps), caps)
     os.environ["TPFUSE_CACHE_DIR"] = os.path.join(root, f"rank{rank}")
-    path = save(_table(fp, versions_of(caps)), table_path(fp))
+    path = save(_two_bucket_table(fp, versions_of(caps)), table_path(fp))
     if rank == 1:
         path.write_bytes(path.read_bytes().replace(b'"fastest"', b'"fast\xe9st"', 1))
     if rank == 2:
