@@ -2,11 +2,13 @@
 
 The script runs in a subprocess, as a user runs it (its ranks are spawned from its __main__). A
 test-only strategy that is wrong on rank 1 (tests/support/tune_test_strategies.py, registered through
-TPFUSE_STRATEGIES) must be rejected by the correctness check on every rank and never timed.
+TPFUSE_STRATEGIES) must be rejected by the correctness check on every rank and never timed. Its
+arguments, read in-process: the CLI's rank flags, and ranks it cannot run refused with the fix.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -15,8 +17,6 @@ from pathlib import Path
 import pytest
 
 from tpfuse.results import read_rows
-
-pytestmark = pytest.mark.gloo
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "bench_allreduce_norm.py"
@@ -40,6 +40,7 @@ def smoke(tmp_path_factory):
     return read_rows(out), proc.stdout
 
 
+@pytest.mark.gloo
 def test_every_bucket_has_the_cpu_providers(smoke):
     rows, _ = smoke
     got = sorted((r["shape"]["hidden"], r["shape"]["tokens"], r["strategy"]) for r in rows)
@@ -52,6 +53,7 @@ def test_every_bucket_has_the_cpu_providers(smoke):
         assert r["extra"]["check"].startswith("bit-exact")
 
 
+@pytest.mark.gloo
 def test_ratios_and_floor_recomputed(smoke):
     rows, _ = smoke
     # nccl_eager is not admitted on gloo CPU ranks: the ratio baseline is the reference strategy
@@ -66,6 +68,7 @@ def test_ratios_and_floor_recomputed(smoke):
         assert r["extra"]["ratio_vs_floor"] == pytest.approx(r["median"] / floor, rel=1e-12)
 
 
+@pytest.mark.gloo
 def test_not_timed_providers_have_reasons(smoke):
     rows, _ = smoke
     for r in rows:
@@ -80,6 +83,7 @@ def test_not_timed_providers_have_reasons(smoke):
     assert not any(r["strategy"] == "tpfuse/wrong_on_rank_one" for r in rows)
 
 
+@pytest.mark.gloo
 def test_table_printed_last(smoke):
     _, stdout = smoke
     lines = stdout.strip().splitlines()
@@ -89,3 +93,26 @@ def test_table_printed_last(smoke):
     assert all(" x1.00 " in line for line in body)  # the reference against itself
     assert any(line.startswith("cells: median us per call, x = ratio to tpfuse/reference") for line in lines)
     assert any(line.startswith("not timed: tpfuse/oneshot") for line in lines[header:])
+
+
+def _sweep_module():
+    spec = importlib.util.spec_from_file_location("bench_allreduce_norm", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_sweep_takes_the_same_rank_flags(capsys):
+    sweep = _sweep_module()
+    args = sweep.parse_args(["--world-size", "3", "--device", "cuda", "--shared-gpu"])
+    assert (args.world_size, args.device, args.shared_gpu, args.timeout) == (3, "cuda", True, 3600.0)
+    assert capsys.readouterr().err == ""
+    with pytest.raises(SystemExit):
+        sweep.parse_args(["--cpu-smoke"])  # the former flag is gone
+
+
+def test_the_sweep_refuses_ranks_it_cannot_run_with_the_fix(capsys):
+    assert _sweep_module().main(["--device", "cpu", "--shared-gpu"]) == 2
+    assert capsys.readouterr().err.strip() == ("bench_allreduce_norm: --shared-gpu needs --device cuda (or auto on a "
+                                               "GPU machine)")

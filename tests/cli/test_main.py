@@ -3,7 +3,8 @@
 A change to a --help text fails here until the stored text under tests/cli/frozen/ is updated on
 purpose: `TPFUSE_FREEZE_CLI=1 python -m pytest -q tests/cli/test_main.py` rewrites it.
 Usage errors must exit 2 with the fix named, before any rank is spawned or torch is imported
-(checked in a fresh interpreter, where an import of torch would show in sys.modules).
+(checked in a fresh interpreter, where an import of torch would show in sys.modules). Every command
+that spawns ranks takes the same rank flags, and the former flags are gone.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tpfuse.cli.main import main
+from tpfuse.cli.main import build_parser, main
 
 FROZEN = Path(__file__).parent / "frozen"
 UNDER_A_FILE = str(Path(__file__).resolve() / "out")  # a path no one can create: its parent is a file
@@ -232,8 +233,6 @@ def test_usage_error_with_json_prints_one_json_document(capsys):
 
 
 def _subparser(argv):
-    from tpfuse.cli.main import build_parser
-
     parser = build_parser()
     for name in argv:
         sub = next(a for a in parser._actions if isinstance(a, type(parser._subparsers._group_actions[0])))
@@ -248,3 +247,28 @@ def test_every_option_says_what_it_does(argv):
     assert parser.description
     silent = [a.option_strings or a.dest for a in parser._actions if a.help is None and a.dest != "help"]
     assert not silent, f"`tpfuse {' '.join(argv)} --help` lists options without a help text: {silent}"
+
+
+SPAWNING = (["selftest"], ["tune", "--hidden", "64"], ["verify", "--strategy", "ring", "--hidden", "64"],
+            ["bench", "e2e"], ["profile"])
+
+
+def _flags(argv: list[str]) -> set[str]:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command").choices[argv[0]]
+    if argv[0] == "bench":
+        sub = next(a for a in sub._actions if a.dest == "bench_command").choices["e2e"]
+    return {opt for action in sub._actions for opt in action.option_strings if action.help != "==SUPPRESS=="}
+
+
+@pytest.mark.parametrize("argv", SPAWNING, ids=lambda argv: argv[0])
+def test_every_command_that_spawns_ranks_has_the_same_rank_flags(argv):
+    assert {"--world-size", "--device", "--shared-gpu"} <= _flags(argv)
+
+
+@pytest.mark.parametrize("argv", [["selftest", "--backend", "gloo"], ["bench", "e2e", "--tp", "2"],
+                                  ["profile", "--tp", "2"], ["bench", "e2e", "--no-results"]])
+def test_the_former_flags_are_gone(argv, capsys):
+    """The project is unreleased: a renamed flag is renamed everywhere, with no alias left behind."""
+    assert main(argv) == 2
+    assert "unrecognized arguments" in capsys.readouterr().err
