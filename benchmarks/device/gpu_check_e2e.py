@@ -7,7 +7,7 @@
    256 experts, about 81 GB of bf16 weights: one GPU, TP1);
 2. `tpfuse profile` of the same cut at batch 64, fusion on and off: rows to
    <out>/results/profile.jsonl, Chrome traces and a PNG bar chart under <out>;
-3. `pytest -m gpu tests/models tests/e2e` (unless --no-tests).
+3. `pytest -m gpu tests/models tests/cli/test_bench.py tests/cli/test_profile.py` (unless --no-tests).
 Each step runs in its own process under a time limit taken from --budget-s (steps that do not fit
 are skipped and say so). Prints a short summary table last.
 """
@@ -80,7 +80,7 @@ def main() -> int:
                            "--trace", str(out / "trace.json"), "--plot", str(out / "profile.png"),
                            "--results", str(out / "results")], 60),
         ("gpu tests", [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
-                       "tests/models", "tests/e2e"], 70),
+                       "tests/models", "tests/cli/test_bench.py", "tests/cli/test_profile.py"], 70),
     ][: 2 if args.no_tests else 3]
     if shutil.which("nvidia-smi"):
         subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,power.limit,clocks.sm", "--format=csv"])
