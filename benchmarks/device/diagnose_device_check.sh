@@ -27,5 +27,5 @@ print("notes:", d["notes"], "tick_ms_median:", d["tick_ms_median"], "png:", d["p
 PY
 head -c 8 "$OUT/diagnose.png" | od -c | head -1
 python3 benchmarks/device/diagnose_phases.py "$OUT/samples.json" "$OUT/phases.json" --out "$OUT/diagnose.jsonl"
-python3 -m pytest -q -p no:cacheprovider -m gpu tests/diagnose 2>&1 | tail -5
+python3 -m pytest -q -p no:cacheprovider -m gpu tests/diagnose tests/cli/test_diagnose.py 2>&1 | tail -5
 eval "$FG diagnose --from $OUT/samples.json"

@@ -1,5 +1,6 @@
 """`tpfuse diagnose` on CPU: analysis of a saved recording (--from), the PNG, usage errors, and the
-no-NVML path (real: this machine has nvidia-ml-py but no driver; simulated: pynvml missing)."""
+no-NVML path (real: this machine has nvidia-ml-py but no driver; simulated: pynvml missing); and its
+live path end to end against a real GPU and driver (skipped without a CUDA GPU)."""
 
 from __future__ import annotations
 
@@ -142,3 +143,19 @@ def test_live_status_line_shows_each_gpu():
     line = status_text(12.34, 246, {1: sample(1, 612.4, 99.0), 0: sample(0, 247.6, 97.0)})
     assert line == "diagnose:   12.3 s, 246 samples | GPU0 248 W (35%) util 97% | GPU1 612 W (87%) util 99%"
     assert status_text(0.0, 0, {}) == "diagnose:    0.0 s, 0 samples"
+
+
+@pytest.mark.gpu
+def test_cli_duration_samples_every_gpu(monkeypatch, capfd):
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        count = pynvml.nvmlDeviceGetCount()
+    finally:
+        pynvml.nvmlShutdown()
+    code, doc, _ = run_cli_json(monkeypatch, capfd, "--duration", "1.0")
+    assert code == 0 and doc["source"] == "nvml" and doc["driver"]
+    assert [g["gpu"] for g in doc["gpus"]] == list(range(count))
+    for g in doc["gpus"]:
+        assert g["num_samples"] >= 5 and g["power_limit_w"] > 0 and g["power_mean_w"] > 0
