@@ -1,6 +1,7 @@
-"""`tpfuse.spawn.run_ranks` under faults: a rank the kernel's OOM killer ended is named so, with its
-last resident size; a plain SIGKILL is not; survivors get longer than the host strategies' peer bound
-to report before they are killed; and a killed parent leaves no "leaked semaphore" warning behind."""
+"""`tpfuse.spawn.run_ranks` under faults: a rank that raises is named with its error; a rank the
+kernel's OOM killer ended is named so, with its last resident size; a plain SIGKILL is not; survivors
+get longer than the host strategies' peer bound to report before they are killed; and a killed
+parent leaves no "leaked semaphore" warning behind."""
 
 from __future__ import annotations
 
@@ -114,3 +115,16 @@ def test_a_killed_parent_leaves_no_leaked_semaphore_warning(tmp_path, sig):
         if parent.poll() is None:
             parent.kill()
     assert "leaked semaphore" not in err, err
+
+
+def _raising_rank(rank, world_size):
+    if rank == 1:
+        raise RuntimeError("boom on rank 1")
+    return rank
+
+
+@pytest.mark.gloo
+def test_launcher_reports_the_failing_rank():
+    with pytest.raises(RankFailure) as info:
+        run_ranks(_raising_rank, 2, timeout_s=60)
+    assert list(info.value.failures) == [1] and "boom on rank 1" in info.value.failures[1]

@@ -174,7 +174,7 @@ def _quant_specs():
 
 
 def _quant_rank(rank, world_size, name):
-    from tests.test_quant_gloo import _pack
+    from support.quant_output import pack as _pack
 
     strategy = cpu_strategy(name, rank, world_size, timeout_s=5.0)
     strategy.prepare(hidden=64, dtype=torch.bfloat16, max_tokens=4)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from support.quant_output import pack
 from tpfuse.reference import (
     TOLERANCE,
     all_reduce_ref,
@@ -238,8 +239,6 @@ def split_quant_specs():
 
 
 def split_quant_rank(rank, world_size, name, h, chunk):
-    from tests.test_quant_gloo import _pack as pack
-
     from tpfuse import quant as Q
     from tpfuse.kernels.protocol import Plan
 
@@ -266,9 +265,7 @@ def split_quant_rank(rank, world_size, name, h, chunk):
 
 
 def check_quantized(name, results, xs, res, w, specs):
-    """Every rank's packed QuantOutputs (`tests.test_quant_gloo._pack`) equal the reference's, byte for byte."""
-    from tests.test_quant_gloo import _pack as pack
-
+    """Every rank's packed QuantOutputs (`support.quant_output.pack`) equal the reference's, byte for byte."""
     from tpfuse.reference import all_reduce_residual_rmsnorm_quant_ref
 
     for i, spec in enumerate(specs):
