@@ -5,7 +5,8 @@
 - Quantized output: every CPU strategy, every format, identical bits on every rank and equal to
   the reference (small-integer inputs: the sums are exact).
 - Construction: unknown keyword options, and a device torch does not know, are errors naming what
-  to pass; without an initialised process group it says so.
+  to pass; without an initialised process group it says so; with `cpu_group` (as engines pass
+  theirs) the handshake runs on that group.
 - A user's odd input: wrong shapes, dtypes, eps and devices name the argument and the fix; hidden
   size 0 is a ValueError naming the argument; inputs that require grad give detached outputs (the
   ops are inference-only); warnings point at the user's own line; debug mode turns a shape
@@ -449,3 +450,37 @@ def test_quantized_output_on_every_rank(strategy, world_size):
         assert results[rank]["empty"] == ((0, QUANT_H // 2), (0, 4))
         # every strategy implements quantized output; a forced one still says why it cannot run here
         assert "strategy 'oneshot' cannot run" in results[rank]["oneshot"] and "needs CUDA" in results[rank]["oneshot"]
+
+
+# ---- the handshake on a CPU group ----------------------------------------------------------------
+
+CPU_GROUP_H = 64
+
+
+def _cpu_group_rank(rank, world_size):
+    import torch.distributed as dist
+
+    from tpfuse import Communicator
+
+    data_group, cpu_group = dist.new_group([0, 1]), dist.new_group([0, 1], backend="gloo")
+    seen = []
+    original = dist.all_gather_object
+    dist.all_gather_object = lambda out, obj, group=None: seen.append(group) or original(out, obj, group=group)
+    try:
+        with Communicator(data_group, cpu_group=cpu_group) as comm:
+            handshakes = list(seen)
+            x, res = small_integer_inputs(rank, 3, CPU_GROUP_H, torch.bfloat16), small_integer_inputs(100, 3, CPU_GROUP_H, torch.bfloat16)
+            got = comm.all_reduce_residual_rmsnorm(x, res, torch.ones(CPU_GROUP_H, dtype=torch.bfloat16))
+    finally:
+        dist.all_gather_object = original
+    return {"handshakes_on_cpu": bool(handshakes) and all(g is cpu_group for g in handshakes), "out": got}
+
+
+@pytest.mark.gloo
+def test_communicator_handshakes_on_cpu_group():
+    results = run_ranks(_cpu_group_rank, 2, timeout_s=120)
+    xs = [small_integer_inputs(r, 3, CPU_GROUP_H, torch.bfloat16) for r in range(2)]
+    want = all_reduce_residual_rmsnorm_ref(xs, small_integer_inputs(100, 3, CPU_GROUP_H, torch.bfloat16), torch.ones(CPU_GROUP_H, dtype=torch.bfloat16))
+    for out in results:
+        assert out["handshakes_on_cpu"]
+        assert torch.equal(out["out"][0], want[0]) and torch.equal(out["out"][1], want[1])

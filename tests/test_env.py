@@ -1,5 +1,6 @@
 """Every TPFUSE_* variable is validated where it is read, and a bad value names the variable and the fix;
-a Communicator built under a bad TPFUSE_TIMEOUT_S refuses at construction instead of failing every call."""
+a Communicator built under a bad TPFUSE_TIMEOUT_S refuses at construction instead of failing every call;
+the engines' switches (TPFUSE_ENGINES, TPFUSE_CALIBRATE) read what they document."""
 
 from __future__ import annotations
 
@@ -83,3 +84,32 @@ def test_a_communicator_under_a_nan_timeout_refuses_at_construction_on_every_ran
 
     for text in run_ranks(_construct_rank, 2, timeout_s=120):
         assert text.startswith("Communicator: TPFUSE_TIMEOUT_S='nan': must be a finite number of seconds"), text
+
+
+# ---- the engines' switches -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("value, want", [("", set()), ("0", set()), ("all", {"sglang", "vllm"}), ("1", {"sglang", "vllm"}),
+                                         ("vllm", {"vllm"}), (" SGLang , vllm ", {"sglang", "vllm"})])
+def test_engines_switch(monkeypatch, value, want):
+    monkeypatch.setenv("TPFUSE_ENGINES", value)
+    assert env.engines_enabled() == want
+
+
+def test_engines_switch_rejects_unknown_names(monkeypatch):
+    monkeypatch.setenv("TPFUSE_ENGINES", "sglang,trtllm")
+    with pytest.raises(ValueError, match=r"TPFUSE_ENGINES='sglang,trtllm': unknown engine\(s\) trtllm; use sglang, vllm or all"):
+        env.engines_enabled()
+
+
+@pytest.mark.parametrize("value, want", [("", 15.0), ("1", 15.0), ("on", 15.0), ("0", None), ("off", None),
+                                         ("30s", 30.0), (" 0.5S ", 0.5)])
+def test_calibrate_switch(monkeypatch, value, want):
+    monkeypatch.setenv("TPFUSE_CALIBRATE", value)
+    assert env.calibrate_budget_s() == want
+
+
+@pytest.mark.parametrize("value", ["2", "-1s", "0s", "fast", "infs", "nans"])
+def test_calibrate_switch_rejects_other_values_naming_the_variable(monkeypatch, value):
+    monkeypatch.setenv("TPFUSE_CALIBRATE", value)
+    with pytest.raises(ValueError, match=r"^TPFUSE_CALIBRATE=.*: use 1 \(on, 15 s\), 0 \(off\) or a budget"):
+        env.calibrate_budget_s()
