@@ -1,17 +1,27 @@
 """probe() on a faked two-GPU machine (fake torch + fake pynvml): torch facts, NVML facts and link
-facts end up merged per GPU and per pair; libcudart discovery reads /proc/self/maps."""
+facts end up merged per GPU and per pair. On a machine without a GPU (CI): it says so, describes
+the CPU, fills the versions, lists the optional packages with reasons; and nothing is probed at
+import."""
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
+import json
+import os
+import platform
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 import tpfuse.probe
 import tpfuse.probe.links as links_module
 from support.fake_nvml import FakeNvml
+from tpfuse import __version__
 from tpfuse.probe import probe
-from tpfuse.probe.links import _loaded_libraries
 
 
 def props(uuid_head, bus):
@@ -62,12 +72,78 @@ def test_probe_without_nvml_or_atomics_keeps_torch_facts_and_says_why(two_gpu_to
     assert "native peer atomics unknown: no loadable libcudart" in caps.notes
 
 
-def test_loaded_libraries_are_read_from_the_process_map(tmp_path):
-    maps = tmp_path / "maps"
-    maps.write_text(
-        "7f0000000000-7f0000001000 r-xp 00000000 08:01 1 /venv/lib/python3.11/site-packages/nvidia/cu13/lib/libcudart.so.13\n"
-        "7f0000001000-7f0000002000 r--p 00001000 08:01 1 /venv/lib/python3.11/site-packages/nvidia/cu13/lib/libcudart.so.13\n"
-        "7f0000003000-7f0000004000 r-xp 00000000 08:01 2 /usr/lib/x86_64-linux-gnu/libc.so.6\n"
+# ---- on this machine, without a GPU --------------------------------------------------------------
+
+NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="describes a machine where torch sees no CUDA GPU")
+
+
+@pytest.fixture(scope="module")
+def caps():
+    return probe()
+
+
+@NO_GPU
+def test_no_gpu_is_said_with_the_reason(caps):
+    assert caps.gpus == () and caps.links == () and not caps.has_gpu
+    expected = "built without CUDA" if torch.version.cuda is None else "torch sees no CUDA device"
+    assert any(note.startswith("no GPU:") and expected in note for note in caps.notes), caps.notes
+
+
+@NO_GPU
+def test_cpu_is_described_with_real_cores_and_memory(caps):
+    assert caps.cpu.num_cores == os.cpu_count()
+    assert caps.cpu.num_usable_cores == len(os.sched_getaffinity(0))
+    # sysconf reads the same kernel total as /proc/meminfo's MemTotal, through another interface.
+    assert caps.cpu.memory_bytes == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert caps.cpu.arch == platform.machine()
+    assert caps.cpu.model and caps.cpu.model != "unknown"
+
+
+@NO_GPU
+def test_versions_are_filled(caps):
+    v = caps.versions
+    assert v.torch == torch.__version__ and v.python == platform.python_version() and v.tpfuse == __version__
+    assert v.cuda_runtime == torch.version.cuda
+    assert v.triton == importlib.metadata.version("triton")
+
+
+@NO_GPU
+def test_optional_packages_match_what_is_installed(caps):
+    names = [b.name for b in caps.packages]
+    assert names == ["triton", "flashinfer", "pynvml", "cuda-python", "matplotlib"]
+    for backend, module in zip(caps.packages, ["triton", "flashinfer", "pynvml", None, "matplotlib"]):
+        if module is not None:
+            assert backend.available == (importlib.util.find_spec(module) is not None), backend
+        if backend.available:
+            assert backend.version and backend.reason == ""
+        else:
+            assert backend.reason.startswith("not installed (pip install "), backend
+    assert caps.package("triton").available and caps.package("triton").version == importlib.metadata.version("triton")
+
+
+@NO_GPU
+def test_nvml_status_says_why_when_there_is_no_driver(caps):
+    if caps.nvml != "ok":
+        assert caps.nvml.startswith("NVML unavailable: ")
+
+
+@NO_GPU
+def test_to_dict_is_json_and_round_trips_the_facts(caps):
+    data = json.loads(json.dumps(caps.to_dict()))
+    assert data["gpus"] == [] and data["cpu"]["num_cores"] == os.cpu_count()
+    assert data["versions"]["torch"] == torch.__version__
+    assert {b["name"]: b["available"] for b in data["packages"]} == {b.name: b.available for b in caps.packages}
+
+
+@NO_GPU
+def test_import_probes_nothing():
+    """Importing the package, the probe package and the doctor command loads neither torch nor
+    NVML nor Triton: the probe functions cannot have run."""
+    code = (
+        "import sys, tpfuse, tpfuse.probe, tpfuse.probe.capabilities, tpfuse.cli.doctor;"
+        "heavy = [m for m in ('torch', 'pynvml', 'triton') if m in sys.modules];"
+        "probed = [m for m in ('tpfuse.probe.nvml', 'tpfuse.probe.links', 'tpfuse.probe.gpus') if m in sys.modules];"
+        "print(heavy, probed)"
     )
-    assert _loaded_libraries("libcudart.so", maps=str(maps)) == ["/venv/lib/python3.11/site-packages/nvidia/cu13/lib/libcudart.so.13"]
-    assert _loaded_libraries("libcudart.so", maps=str(tmp_path / "missing")) == []
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[] []"
