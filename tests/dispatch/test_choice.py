@@ -1,12 +1,12 @@
 """The decision rules as pure functions: the do-no-harm guard (tune and lookup), explicit-override
-warnings, and verify's KEEP / REVERT rule with its noise band."""
+warnings, the default choice's reasons, and verify's KEEP / REVERT rule with its noise band."""
 
 import math
 import random
 
 import pytest
 
-from tpfuse.dispatch.choice import choose, guarded
+from tpfuse.dispatch.choice import choose, default_choice, guarded
 from tpfuse.dispatch.table import DispatchTable, Entry
 from tpfuse.spec import GroupFacts, Op, Problem, Verdict
 from tpfuse.tune.tuner import decide
@@ -110,3 +110,8 @@ def test_undecided_samples_ask_for_more_rounds_and_a_regression_must_be_shown():
     assert verdict == "KEEP" and reason.startswith("not shown slower")
     assert settled([100.0 + 0.01 * i for i in range(8)], base, again, 0.03)  # clearly equal
     assert settled([150.0 + 0.01 * i for i in range(8)], base, again, 0.03)  # clearly slower
+
+
+def test_default_choice_explains_every_rejection():
+    with pytest.raises(ValueError, match="a: needs CUDA; b: too big"):
+        default_choice({"a": Verdict.no("needs CUDA"), "b": Verdict.no("too big")})

@@ -1,8 +1,10 @@
-"""The `nccl_epilogue` strategy (NCCL allreduce, then the epilogue kernel) on one GPU."""
+"""The `nccl_epilogue` strategy (NCCL allreduce, then the epilogue kernel) on one GPU, and its
+admission: any hidden alignment, a bounded hidden size."""
 
 import pytest
 import torch
 
+from support.caps import fake_caps
 from support.peer import GPU_ENV
 from tpfuse.reference import (
     TOLERANCE,
@@ -12,6 +14,8 @@ from tpfuse.reference import (
     small_integer_inputs,
 )
 from tpfuse.spawn import run_ranks
+from tpfuse.spec import GroupFacts, Op, Problem
+from tpfuse.strategies import get_strategy
 
 
 def _poison_cache(nbytes: int) -> None:
@@ -46,3 +50,17 @@ def test_nccl_epilogue_world_size_one():
         else:
             ref64 = all_reduce_residual_rmsnorm_ref([x], res, w[0], acc_dtype=torch.float64)[0]
             assert relative_error(normed, ref64) <= TOLERANCE[dtype]
+
+
+NCCL = GroupFacts(world_size=4, backend="nccl", device_type="cuda", devices=tuple(f"GPU-{i}" for i in range(4)), peer_access=True)
+
+
+def _problem(group, tokens=8, hidden=6144, dtype="bfloat16", op=Op.ALL_REDUCE_RESIDUAL_RMSNORM):
+    return Problem(op, tokens, hidden, dtype, group)
+
+
+def test_nccl_epilogue_takes_any_alignment_but_bounds_hidden():
+    cls = get_strategy("nccl_epilogue")
+    assert cls.admits(_problem(NCCL, hidden=6148), fake_caps(4)).ok  # the epilogue kernel masks any H
+    verdict = cls.admits(_problem(NCCL, hidden=20480), fake_caps(4))
+    assert not verdict.ok and "exceeds 16384" in verdict.reason

@@ -1,5 +1,6 @@
 """The peer strategies (`tpfuse.strategies.peer`: `oneshot`, `twoshot`) end to end, and their
-fail-stop guarantees: under every fault a call raises or returns correct data.
+fail-stop guarantees: under every fault a call raises or returns correct data. Their admission from
+capabilities, with the reasons, beside the unfused `nccl_epilogue` baseline (plain tier).
 
 Interpreter tier: spawned CPU ranks (TRITON_INTERPRET=1; kernel imports only inside the ranks).
 GPU tier: processes sharing one GPU over gloo, mapping each other's buffers through CUDA IPC
@@ -10,11 +11,13 @@ call. Each fault case accepts only two outcomes per element: the correct value, 
 error from the call or from `check()`.
 """
 
+import dataclasses
 import time
 
 import pytest
 import torch
 
+from support.caps import fake_caps
 from support.peer import GPU_ENV, INTERP, check_quantized, cpu_strategy
 from tpfuse.reference import (
     TOLERANCE,
@@ -25,6 +28,8 @@ from tpfuse.reference import (
     small_integer_inputs,
 )
 from tpfuse.spawn import run_ranks
+from tpfuse.spec import GroupFacts, Op, Problem
+from tpfuse.strategies import admission, get_strategy
 
 H = 1024
 
@@ -560,3 +565,52 @@ def test_two_streams_on_one_workspace_are_ordered(name):
         want = sum(small_integer_inputs(r, 4, H, torch.bfloat16, seed=i).float() for r in range(2)).bfloat16()
         for rank in range(2):
             assert torch.equal(results[rank][i], want), (i, rank)
+
+
+# ---- admission -----------------------------------------------------------------------------------
+
+NAMES = ["nccl_epilogue", "oneshot", "twoshot"]
+NCCL = GroupFacts(world_size=4, backend="nccl", device_type="cuda", devices=tuple(f"GPU-{i}" for i in range(4)), peer_access=True)
+SHARED = GroupFacts(world_size=2, backend="gloo", device_type="cuda", devices=("GPU-0", "GPU-0"), peer_access=True, shares_device=True)
+CPU = GroupFacts(world_size=2, backend="gloo", device_type="cpu", devices=("cpu", "cpu"))
+
+
+def _problem(group, tokens=8, hidden=6144, dtype="bfloat16", op=Op.ALL_REDUCE_RESIDUAL_RMSNORM):
+    return Problem(op, tokens, hidden, dtype, group)
+
+
+def test_all_admitted_on_nccl_gpus_with_peer_access():
+    verdicts = admission(_problem(NCCL), fake_caps(4), NAMES)
+    assert all(v.ok for v in verdicts.values()), verdicts
+    assert get_strategy("oneshot").fused and get_strategy("twoshot").fused
+    assert not get_strategy("nccl_epilogue").fused  # two kernels: the unfused baseline
+
+
+def test_ranks_sharing_one_gpu_over_gloo_admit_peer_strategies_only():
+    verdicts = admission(_problem(SHARED), fake_caps(1), NAMES)
+    assert verdicts["oneshot"].ok and verdicts["twoshot"].ok
+    assert "needs the NCCL process-group backend" in verdicts["nccl_epilogue"].reason
+
+
+@pytest.mark.parametrize(
+    "group, caps, problem_kw, reason",
+    [
+        (CPU, fake_caps(0), {}, "needs CUDA tensors"),
+        (dataclasses.replace(NCCL, peer_access=False), fake_caps(4), {}, "needs peer access"),
+        (dataclasses.replace(NCCL, num_hosts=2), fake_caps(4), {}, "spans 2 hosts"),
+        (NCCL, fake_caps(4), {"hidden": 6148}, "rows of 12296 bytes are not a multiple of 16"),
+        (NCCL, fake_caps(4), {"hidden": 6146, "dtype": "float32"}, "hidden % 4 == 0 for float32"),
+        (NCCL, fake_caps(4), {"hidden": 20480}, "exceeds 16384"),
+        (NCCL, fake_caps(4), {"tokens": 4096, "hidden": 8192}, "exceeds the limit of 16777216 bytes"),
+        (NCCL, fake_caps(4), {"dtype": "float64"}, "dtype float64 not supported"),
+    ],
+)
+def test_peer_strategies_refuse_with_the_reason(group, caps, problem_kw, reason):
+    for name in ("oneshot", "twoshot"):
+        verdict = get_strategy(name).admits(_problem(group, **problem_kw), caps)
+        assert not verdict.ok and reason in verdict.reason, (name, verdict.reason)
+
+
+def test_plain_allreduce_is_admitted_too():
+    for name in NAMES:
+        assert get_strategy(name).admits(_problem(NCCL, op=Op.ALL_REDUCE), fake_caps(4)).ok
