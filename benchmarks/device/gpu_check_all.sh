@@ -37,7 +37,7 @@ python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('selftest ws2
 
 G="$WORK/gputests"
 nvidia-cuda-mps-control -d && echo "MPS on"
-step "gpu tests: kernels, tune" 150 bash -c "python3 -m pytest -q -rs -m 'gpu or multi_gpu' -p no:cacheprovider tests/kernels tests/probe/test_fabric.py tests/test_timing_gpu.py > $G/kernels_tune.txt 2>&1"
+step "gpu tests: kernels, tune" 150 bash -c "python3 -m pytest -q -rs -m 'gpu or multi_gpu' -p no:cacheprovider tests/kernels tests/probe/test_fabric.py tests/test_timing.py > $G/kernels_tune.txt 2>&1"
 echo quit | nvidia-cuda-mps-control && echo "MPS off"
 step "gpu tests: models, e2e, diagnose, references, cli, probe" 120 bash -c "python3 -m pytest -q -rs -m 'gpu or multi_gpu' -p no:cacheprovider tests/models tests/e2e tests/diagnose tests/test_reference.py tests/cli tests/probe --ignore=tests/probe/test_fabric.py > $G/others.txt 2>&1"
 tail -n 15 "$G/kernels_tune.txt" "$G/others.txt"
