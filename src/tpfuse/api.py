@@ -99,7 +99,8 @@ class Communicator:
         device_type, device_problem = _device_type(device, self.group)
         problem = problem or device_problem
         if device_type == "cuda" and not torch.cuda.is_available():
-            raise RuntimeError("Communicator: device='cuda' but torch sees no CUDA GPU; use a gloo group with device='cpu'")
+            raise RuntimeError("Communicator: device='cuda' but torch sees no CUDA GPU; "
+                               "use a gloo group with device='cpu'")
         # Collective, before any other: ranks that differ here would run different collectives.
         agree_settings(self.cpu_group, "Communicator", {"strategy": requested, "debug": debug_on, "device": device_type,
                                                         "plugins": plugins}, problem, fixes=_SETTING_FIXES)
@@ -113,7 +114,8 @@ class Communicator:
                                           bounded=host)
         self.caps = probe()
         self.facts = agree_group_facts(self.group, self.caps, device_type=device_type, handshake_group=self.cpu_group)
-        self.device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+        self.device = (torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda"
+                       else torch.device("cpu"))
         self._instances: dict[str, Strategy] = {}
         self._choices: dict[tuple, Choice] = {}
         self._routes: dict[tuple, _Route] = {}
@@ -198,7 +200,8 @@ class Communicator:
         for instance in self._instances.values():
             instance.prepare(hidden=hidden, dtype=dtype, max_tokens=max_tokens)
 
-    def strategy_for(self, op: Op, num_tokens: int, hidden: int, dtype: torch.dtype, *, has_residual: bool = True) -> Choice:
+    def strategy_for(self, op: Op, num_tokens: int, hidden: int, dtype: torch.dtype, *,
+                     has_residual: bool = True) -> Choice:
         """Which strategy a call of this shape would use, and why."""
         return self._choose(Problem(Op(op), num_tokens, hidden, dtype_name(dtype), self.facts, has_residual))
 
@@ -308,7 +311,8 @@ class Communicator:
         if any(c != calls[0] for c in calls):
             table = "; ".join(f"rank {r}: {ops[c[0]].value} ({c[1]}, {c[2]}) {SUPPORTED_DTYPES[c[3]]}"
                               for r, c in enumerate(calls))
-            raise ValueError(f"{op.value}: ranks disagree on the call ({table}); every rank must pass the same shape and dtype")
+            raise ValueError(f"{op.value}: ranks disagree on the call ({table}); "
+                             "every rank must pass the same shape and dtype")
 
 
 class _Route(NamedTuple):

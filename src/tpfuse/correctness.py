@@ -147,11 +147,13 @@ def check_outputs(case: Case, inputs: CaseInputs, outputs: Sequence[torch.Tensor
     dtype = getattr(torch, case.dtype)
     names = case.output_names
     if len(outputs) != len(names):
-        return Check(False, float("inf"), 0.0, f"returned {len(outputs)} outputs, expected {len(names)} ({', '.join(names)})")
+        return Check(False, float("inf"), 0.0,
+                     f"returned {len(outputs)} outputs, expected {len(names)} ({', '.join(names)})")
     shape = (case.num_tokens, case.hidden)
     for o in outputs:
         if tuple(o.shape) != shape or o.dtype != dtype:
-            return Check(False, float("inf"), 0.0, f"output has shape {tuple(o.shape)} {o.dtype}, expected {shape} {dtype}")
+            return Check(False, float("inf"), 0.0,
+                         f"output has shape {tuple(o.shape)} {o.dtype}, expected {shape} {dtype}")
         if x is not None and o.data_ptr() == x.data_ptr():
             return Check(False, float("inf"), 0.0, "output aliases the input (the op is out of place)")
     outs = tuple(o.detach().cpu() for o in outputs)
@@ -242,5 +244,7 @@ def agree_verdict(mine: list[tuple[str, str]], cases: list[Case], *, group, worl
         return Verdict.no("; ".join(failures))
     for i, case in enumerate(cases):
         if len({results[i][1] for results in everyone}) != 1:
-            return Verdict.no(f"{case.kind} case: ranks returned different bits (every rank must return identical outputs)")
-    return Verdict.yes(f"bit-exact on small integers, within tolerance on random inputs, identical on {world_size} ranks")
+            return Verdict.no(f"{case.kind} case: ranks returned different bits "
+                              "(every rank must return identical outputs)")
+    return Verdict.yes(f"bit-exact on small integers, within tolerance on random inputs, "
+                       f"identical on {world_size} ranks")

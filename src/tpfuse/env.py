@@ -132,7 +132,8 @@ def engines_enabled() -> frozenset[str]:
     names = {part.strip() for part in raw.split(",") if part.strip()}
     unknown = sorted(names - set(ENGINES))
     if unknown:
-        raise ValueError(f"TPFUSE_ENGINES={raw!r}: unknown engine(s) {', '.join(unknown)}; use {', '.join(ENGINES)} or all")
+        raise ValueError(f"TPFUSE_ENGINES={raw!r}: unknown engine(s) {', '.join(unknown)}; "
+                         f"use {', '.join(ENGINES)} or all")
     return frozenset(names)
 
 

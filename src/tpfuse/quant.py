@@ -46,7 +46,8 @@ NVFP4_BLOCK = 16  # elements per e4m3 block scale (NVFP4's definition)
 DEEPGEMM_GROUP = 128  # DeepGEMM's activation group along K
 
 KINDS = ("fp8_static", "fp8_per_token", "fp8_per_group", "nvfp4")
-LAYOUTS = {"fp8_static": ("row",), "fp8_per_token": ("row",), "fp8_per_group": ("row", "col"), "nvfp4": ("linear", "swizzled")}
+LAYOUTS = {"fp8_static": ("row",), "fp8_per_token": ("row",), "fp8_per_group": ("row", "col"),
+           "nvfp4": ("linear", "swizzled")}
 # The compute capability from which PTX has an e4m3 conversion (cvt.rn.satfinite.e4m3x2.f32,
 # PTX ISA: requires sm_89). Below it the software conversion runs; it gives the same bits.
 FP8_CVT_MIN_CAPABILITY = (8, 9)
@@ -128,7 +129,8 @@ def nvfp4(global_scale, *, swizzled: bool = True, with_normed: bool = False) -> 
 def _ub(op: str, scale_ub):
     if scale_ub is None:
         return None
-    if isinstance(scale_ub, bool) or not isinstance(scale_ub, (int, float)) or not scale_ub > 0 or scale_ub == float("inf"):
+    if (isinstance(scale_ub, bool) or not isinstance(scale_ub, (int, float)) or not scale_ub > 0
+            or scale_ub == float("inf")):
         raise ValueError(f"{op}: scale_ub {scale_ub!r} must be a finite number > 0; omit it for no bound")
     return float(scale_ub)
 
@@ -143,12 +145,14 @@ def conversion_path(kind: str, compute_capability: tuple[int, int] | None) -> tu
     (None: CPU / interpreter). Both paths give the same bits; only the instruction count differs."""
     fp8_hw = compute_capability is not None and tuple(compute_capability) >= FP8_CVT_MIN_CAPABILITY
     fp4_hw = compute_capability is not None and tuple(compute_capability) >= FP4_CVT_MIN_CAPABILITY
-    cc = "no GPU" if compute_capability is None else f"compute capability {compute_capability[0]}.{compute_capability[1]}"
+    cc = ("no GPU" if compute_capability is None
+          else f"compute capability {compute_capability[0]}.{compute_capability[1]}")
     fp8 = ("e4m3 by the hardware cvt (PTX cvt.rn.satfinite.e4m3x2 exists from sm_89; " + cc + ")" if fp8_hw
            else "e4m3 by the software conversion from integer ops (" + cc + "; the e4m3 cvt needs sm_89)")
     if kind == "nvfp4":
         fp4 = ("e2m1 by the hardware cvt (cvt.rn.satfinite.e2m1x2, sm_100a-class; " + cc + ")" if fp4_hw
-               else "e2m1 by the software conversion from integer ops (" + cc + "; the e2m1 cvt needs sm_100a-class targets)")
+               else "e2m1 by the software conversion from integer ops (" + cc
+               + "; the e2m1 cvt needs sm_100a-class targets)")
         return fp8_hw, fp4 + "; block scales " + fp8
     return fp8_hw, fp8
 

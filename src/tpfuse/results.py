@@ -73,7 +73,8 @@ def environment() -> tuple[str, dict]:
     return gpu, versions
 
 
-def make_row(op: str, strategy: str, shape: dict, dtype: str, world_size: int, samples: list[float], unit: str, **extra) -> ResultRow:
+def make_row(op: str, strategy: str, shape: dict, dtype: str, world_size: int, samples: list[float], unit: str,
+             **extra) -> ResultRow:
     """A row of `samples`; with no samples (nothing could be measured; say why in `extra`) its
     median, p20 and p80 are None."""
     median, p20, p80 = percentiles(samples) if samples else (None, None, None)

@@ -32,9 +32,12 @@ def check_tensor(op: str, arg: str, t, *, device: torch.device) -> None:
         _fail(op, f"{arg} is a 0-dim tensor; pass at least (hidden,) or (tokens, hidden), e.g. {arg}.reshape(1, -1)")
     if t.dtype not in SUPPORTED_DTYPES:
         names = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
-        _fail(op, f"{arg} has dtype {t.dtype}; supported floating dtypes are {names}; cast with {arg}.to(torch.bfloat16)", TypeError)
-    if t.device.type != device.type or (device.type == "cuda" and device.index is not None and t.device.index != device.index):
-        _fail(op, f"{arg} is on {t.device} but this communicator works on {device}; move it with {arg}.to({str(device)!r})")
+        _fail(op, f"{arg} has dtype {t.dtype}; supported floating dtypes are {names}; "
+                  f"cast with {arg}.to(torch.bfloat16)", TypeError)
+    if t.device.type != device.type or (device.type == "cuda" and device.index is not None
+                                        and t.device.index != device.index):
+        _fail(op, f"{arg} is on {t.device} but this communicator works on {device}; "
+                  f"move it with {arg}.to({str(device)!r})")
 
 
 def check_hidden(op: str, x) -> None:
@@ -78,12 +81,15 @@ def check_residual_rmsnorm(x, residual, weight, eps, *, device: torch.device) ->
     if residual is not None:
         check_tensor(op, "residual", residual, device=device)
         if residual.shape != x.shape:
-            _fail(op, f"residual has shape {tuple(residual.shape)} but x has {tuple(x.shape)}; they must match (pass residual=None for the first layer)")
+            _fail(op, f"residual has shape {tuple(residual.shape)} but x has {tuple(x.shape)}; "
+                      "they must match (pass residual=None for the first layer)")
         if residual.dtype != x.dtype:
-            _fail(op, f"residual has dtype {residual.dtype} but x has {x.dtype}; cast with residual.to(x.dtype)", TypeError)
+            _fail(op, f"residual has dtype {residual.dtype} but x has {x.dtype}; cast with residual.to(x.dtype)",
+                  TypeError)
     check_tensor(op, "weight", weight, device=device)
     if weight.shape != (hidden,):
-        _fail(op, f"weight has shape {tuple(weight.shape)} but the hidden size of x is {hidden}; weight must have shape ({hidden},)")
+        _fail(op, f"weight has shape {tuple(weight.shape)} but the hidden size of x is {hidden}; "
+                  f"weight must have shape ({hidden},)")
     if weight.dtype != x.dtype:
         _fail(op, f"weight has dtype {weight.dtype} but x has {x.dtype}; cast with weight.to(x.dtype)", TypeError)
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
@@ -104,21 +110,29 @@ def check_quant(op: str, quant, hidden: int, *, device: torch.device) -> None:
     """`quant` is a tpfuse.quant.QuantSpec that fits rows of `hidden` on `device`."""
 
     if not isinstance(quant, QuantSpec):
-        _fail(op, f"quant must be a tpfuse.QuantSpec (from tpfuse.fp8_static, fp8_per_token, fp8_per_group or nvfp4), got {type(quant).__name__}", TypeError)
+        _fail(op, "quant must be a tpfuse.QuantSpec (from tpfuse.fp8_static, fp8_per_token, fp8_per_group or nvfp4), "
+                  f"got {type(quant).__name__}", TypeError)
     if quant.kind not in KINDS or quant.layout not in LAYOUTS[quant.kind]:
-        _fail(op, f"quant {quant.kind!r} with layout {quant.layout!r} is not a format; build it with tpfuse.{'/'.join(KINDS)}()")
+        _fail(op, f"quant {quant.kind!r} with layout {quant.layout!r} is not a format; "
+                  f"build it with tpfuse.{'/'.join(KINDS)}()")
     if quant.kind == "fp8_per_group" and (quant.group < 16 or quant.group & (quant.group - 1)):
         _fail(op, f"fp8_per_group group {quant.group} must be a power of two >= 16; use tpfuse.fp8_per_group(128)")
     group = quant.group if quant.kind == "fp8_per_group" else NVFP4_BLOCK if quant.kind == "nvfp4" else 1
     if hidden % group:
-        _fail(op, f"hidden size {hidden} is not a multiple of {group}, the {quant.kind} group; pad the hidden dimension or use a group that divides it")
+        _fail(op, f"hidden size {hidden} is not a multiple of {group}, the {quant.kind} group; "
+                  "pad the hidden dimension or use a group that divides it")
     if quant.kind in ("fp8_static", "nvfp4"):
         what = "scale" if quant.kind == "fp8_static" else "global_scale"
         value = quant.scale
         if isinstance(value, torch.Tensor):
             if value.numel() != 1 or value.dtype != torch.float32:
-                _fail(op, f"the {quant.kind} {what} has shape {tuple(value.shape)} and dtype {value.dtype}; pass a float32 tensor of one element", TypeError)
-            if value.device.type != device.type or (device.type == "cuda" and device.index is not None and value.device.index != device.index):
-                _fail(op, f"the {quant.kind} {what} is on {value.device} but the data is on {device}; move it with .to({str(device)!r})")
-        elif isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
-            _fail(op, f"the {quant.kind} {what} is {value!r}; pass a finite number > 0 or a float32 tensor of one element")
+                _fail(op, f"the {quant.kind} {what} has shape {tuple(value.shape)} and dtype {value.dtype}; "
+                          "pass a float32 tensor of one element", TypeError)
+            if value.device.type != device.type or (device.type == "cuda" and device.index is not None
+                                                    and value.device.index != device.index):
+                _fail(op, f"the {quant.kind} {what} is on {value.device} but the data is on {device}; "
+                          f"move it with .to({str(device)!r})")
+        elif (isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value)
+              or value <= 0):
+            _fail(op, f"the {quant.kind} {what} is {value!r}; "
+                      "pass a finite number > 0 or a float32 tensor of one element")

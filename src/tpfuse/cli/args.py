@@ -68,7 +68,8 @@ def hiddens(args, example: str) -> tuple[int, ...]:
     if not sizes:
         raise UsageError(f"give --preset ({', '.join(PRESET_CHOICES)}) or --hidden H, e.g. `{example}`")
     if any(h < 1 for h in sizes):
-        raise UsageError(f"--hidden must be >= 1, got {', '.join(map(str, sizes))}; pass the model's hidden size, e.g. --hidden 4096")
+        raise UsageError(f"--hidden must be >= 1, got {', '.join(map(str, sizes))}; "
+                         "pass the model's hidden size, e.g. --hidden 4096")
     check_positive(max_tokens=args.max_tokens)
     return tuple(dict.fromkeys(sizes))
 

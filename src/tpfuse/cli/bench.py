@@ -42,10 +42,12 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="model preset (default: glm5 on CUDA ranks, tiny on CPU ranks)")
     p.add_argument("--layers", type=int, help="cut the model to this many layers (dense:MoE ratio kept)")
     p.add_argument("--experts", type=int, help="routed experts (top-k and expert width kept)")
-    p.add_argument("--dense-layers", type=int, help="how many of the first layers are dense (default: the preset's ratio)")
+    p.add_argument("--dense-layers", type=int,
+                   help="how many of the first layers are dense (default: the preset's ratio)")
     p.add_argument("--vocab", type=int, help="vocabulary size (default: the preset's)")
     add_rank_args(p, default_world_size=DEFAULT_WORLD_SIZE)
-    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), help="default bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"),
+                   help="default bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--strategy", default="auto", help="Communicator strategy (default auto)")
     p.add_argument("--moe-runner", help="force one MoE runner (loop, dense, grouped_mm); default: measured choice")
     p.add_argument("--prompt-len", type=int, default=16, help="prompt tokens per sequence (default 16)")
@@ -67,8 +69,10 @@ def add_parser(subparsers) -> None:
     e2e = sub.add_parser("e2e", help="prefill + CUDA-graph decode of the reference TP MoE model, fusion on/off",
                          description=__doc__.split("\n\n")[0])
     add_model_arguments(e2e)
-    e2e.add_argument("--batch", type=_int_list, default=(1, 8, 64), help="decode batch sizes, comma-separated (default 1,8,64)")
-    e2e.add_argument("--fusion", choices=("on", "off", "both"), default="both", help="fused allreduce+norm (default both)")
+    e2e.add_argument("--batch", type=_int_list, default=(1, 8, 64),
+                     help="decode batch sizes, comma-separated (default 1,8,64)")
+    e2e.add_argument("--fusion", choices=("on", "off", "both"), default="both",
+                     help="fused allreduce+norm (default both)")
     e2e.add_argument("--steps", type=int, default=20, help="timed decode steps per point, at least (default 20)")
     e2e.add_argument("--min-seconds", type=float, default=1.0,
                      help="time each point for at least this long, for the NVML energy counter (default 1.0)")
@@ -155,7 +159,8 @@ def _check_split(cfg, world_size: int) -> None:
 
 
 def _itemsize(spec) -> int:
-    return {"bfloat16": 2, "float16": 2, "float32": 4}[spec.dtype or ("bfloat16" if spec.device == "cuda" else "float32")]
+    dtype = spec.dtype or ("bfloat16" if spec.device == "cuda" else "float32")
+    return {"bfloat16": 2, "float16": 2, "float32": 4}[dtype]
 
 
 def _check_memory(spec, cfg, ranks, *, explicit_preset: bool) -> None:
@@ -249,7 +254,8 @@ def run(args) -> int:
     path = None
     if args.results:
         path = str(append_rows(results_file(args.results, "e2e.jsonl"), e2e_rows(spec, result)).resolve())
-    counts_ok = all(sum(p["allreduces_per_step"].values()) == p["expected_allreduces_per_step"] for p in result["points"])
+    counts_ok = all(sum(p["allreduces_per_step"].values()) == p["expected_allreduces_per_step"]
+                    for p in result["points"])
     if args.json:
         out = dict(result, results_file=path, allreduce_count_ok=counts_ok)
         for p in out["points"]:

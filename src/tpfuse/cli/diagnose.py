@@ -37,9 +37,11 @@ def add_parser(subparsers) -> None:
                    help=f"seconds between samples (default {DEFAULT_INTERVAL_S}: NVML updates utilisation every "
                         "1/6 s to 1 s and power as a 1 s average, so 100 ms reads every update)")
     p.add_argument("--json", action="store_true", help="print one JSON document on stdout instead of tables")
-    p.add_argument("--png", metavar="FILE", help="write a PNG of power/limit and utilisation over time (needs matplotlib)")
+    p.add_argument("--png", metavar="FILE",
+                   help="write a PNG of power/limit and utilisation over time (needs matplotlib)")
     p.add_argument("--save", metavar="FILE", help="save the samples as JSON, to re-analyse later with --from")
-    p.add_argument("--from", dest="from_file", metavar="FILE", help="analyse a recording saved with --save; no NVML needed")
+    p.add_argument("--from", dest="from_file", metavar="FILE",
+                   help="analyse a recording saved with --save; no NVML needed")
     # dest is not "command": tpfuse.cli.main stores the subcommand's name there.
     p.add_argument("workload", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
                    help="run COMMAND as a child and sample until it exits")
@@ -100,7 +102,8 @@ def _record(args, command: list[str]):
         from rich.live import Live
         from rich.text import Text
 
-        with Live(Text("diagnose: starting"), console=Console(stderr=True), refresh_per_second=4, transient=True) as live:
+        with Live(Text("diagnose: starting"), console=Console(stderr=True), refresh_per_second=4,
+                  transient=True) as live:
             return watch(nvml, status=lambda line: live.update(Text(line)), **kwargs), None
     except ValueError as exc:  # the command could not start
         raise UsageError(str(exc).removeprefix("diagnose: ")) from None

@@ -32,7 +32,8 @@ def add_parser(subparsers) -> None:
         description=__doc__.split("\n\n")[0],
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    p.add_argument("--world-size", type=int, default=None, help="ranks of the problem (default: the number of GPUs, or 2 on CPU)")
+    p.add_argument("--world-size", type=int, default=None,
+                   help="ranks of the problem (default: the number of GPUs, or 2 on CPU)")
     p.add_argument("--hidden", type=int, default=DEFAULT_HIDDEN, help=f"hidden size (default {DEFAULT_HIDDEN}, GLM-5)")
     p.add_argument("--tokens", dest="num_tokens", metavar="TOKENS", type=int, default=DEFAULT_TOKENS,
                    help=f"tokens per call (default {DEFAULT_TOKENS})")
@@ -43,8 +44,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="where the problem's ranks hold their tensors (auto: cuda when the probe finds a GPU)")
     p.add_argument("--shared-gpu", action="store_true",
-                   help="model ranks that share one GPU (gloo with CUDA tensors); allows --world-size above the GPU count")
-    p.add_argument("--measure", action="store_true", help="also measure peer read/write bandwidth and latency between GPUs")
+                   help="model ranks that share one GPU (gloo with CUDA tensors); "
+                        "allows --world-size above the GPU count")
+    p.add_argument("--measure", action="store_true",
+                   help="also measure peer read/write bandwidth and latency between GPUs")
     p.set_defaults(run=run)
 
 

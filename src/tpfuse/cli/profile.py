@@ -24,7 +24,8 @@ def add_parser(subparsers) -> None:
     add_model_arguments(p)
     p.add_argument("--batch", type=int, default=8, help="decode batch size (default 8)")
     p.add_argument("--steps", type=int, default=5, help="profiled decode steps (default 5)")
-    p.add_argument("--fusion", choices=("on", "off", "both"), default="both", help="fused allreduce+norm (default both)")
+    p.add_argument("--fusion", choices=("on", "off", "both"), default="both",
+                   help="fused allreduce+norm (default both)")
     p.add_argument("--trace", help="write a Chrome trace to this .json path (with --fusion both: "
                                    "<stem>.fusion-on.json and <stem>.fusion-off.json beside it)")
     p.add_argument("--plot", help="write a PNG bar chart of the breakdown to this path")
@@ -135,6 +136,7 @@ def _print(result: dict) -> None:
     if not result.get("results_file"):
         console.print("result rows not kept (pass --results PATH to keep them)", highlight=False)
     per_mode = ", ".join(f"fusion {'on' if m['fusion'] else 'off'} "
-                         f"{sum(r['time_us_per_step'] for r in m['stages'].values()):.1f} us/step" for m in result["modes"])
+                         f"{sum(r['time_us_per_step'] for r in m['stages'].values()):.1f} us/step"
+                         for m in result["modes"])
     console.print(f"profile: {per_mode}; allreduce count {'ok' if result['allreduce_count_ok'] else 'WRONG'}",
                   highlight=False, soft_wrap=True)

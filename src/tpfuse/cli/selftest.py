@@ -95,7 +95,8 @@ def _print_table(rows, skipped, ranks, elapsed, ok) -> None:
 
     table = Table(title=f"tpfuse selftest: world size {ranks.world_size}, {ranks.backend}")
     for col in ("strategy", "op", "check", "shape", "dtype", "error", "tol", "median us", "verdict"):
-        table.add_column(col, justify="right" if col in ("error", "tol", "median us") else "left", no_wrap=col != "verdict")
+        table.add_column(col, justify="right" if col in ("error", "tol", "median us") else "left",
+                         no_wrap=col != "verdict")
     for r in rows:
         c = r.case
         op = _OP_LABEL[c.op] if c.has_residual or c.op == "all_reduce" else "ar+norm"

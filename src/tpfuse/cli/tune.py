@@ -47,7 +47,8 @@ def add_parser(subparsers) -> None:
                    help="a fused strategy must beat the best unfused one by this fraction (default 0.03)")
     p.add_argument("--rounds", type=int, default=20, help="timed samples per candidate, first pass")
     p.add_argument("--confirm-rounds", type=int, default=40, help="timed samples per leader, confirmation pass")
-    p.add_argument("--cache-dir", default=None, help="where to write the table (default: TPFUSE_CACHE_DIR or XDG cache)")
+    p.add_argument("--cache-dir", default=None,
+                   help="where to write the table (default: TPFUSE_CACHE_DIR or XDG cache)")
     p.add_argument("--fresh", action="store_true", help="replace the existing table instead of merging into it")
     p.add_argument("--no-save", action="store_true", help="measure and print, write nothing")
     add_rank_args(p, default_timeout_s=1800.0)
@@ -129,7 +130,8 @@ def _reject_unservable(strategies, problems, world_size, backend, device) -> Non
             reasons = "; ".join(f"{name}: {refused[name] if name in refused else verdicts[name][problem].reason}"
                                 for name in strategies)
             op, num_tokens, hidden, dtype, _ = problem
-            raise UsageError(f"--strategies {','.join(strategies)}: none is admitted for {op} {num_tokens}x{hidden} {dtype} "
+            raise UsageError(f"--strategies {','.join(strategies)}: none is admitted for "
+                             f"{op} {num_tokens}x{hidden} {dtype} "
                              f"on {world_size} {backend} rank(s) on {device} ({reasons}); add an admitted strategy "
                              "(`tpfuse doctor` lists them) or drop --strategies")
 
@@ -157,7 +159,8 @@ def run(args) -> int:
     world_size, backend, device = ranks.world_size, ranks.backend, ranks.device
     check_rank_memory(check_bytes(args.max_tokens, max(sizes)), world_size=world_size, device=device,
                       shared_gpu=ranks.shared_gpu, what=f"--max-tokens {args.max_tokens} at hidden {max(sizes)}",
-                      fix="pass a smaller --max-tokens (default 128), a smaller hidden size or fewer --world-size ranks")
+                      fix="pass a smaller --max-tokens (default 128), a smaller hidden size "
+                          "or fewer --world-size ranks")
     if strategies:
         _reject_unservable(strategies, [(op, t, h, args.dtype, op == "all_reduce_residual_rmsnorm")
                                         for op in ops for h in sizes for t in buckets], world_size, backend, device)

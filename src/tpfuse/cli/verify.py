@@ -129,6 +129,7 @@ def _print_report(report: dict) -> None:
     console.print(out)
     style = "red" if report["verdict"] == "REVERT" else "green"
     reverted = sum(b["verdict"] == "REVERT" for b in report["buckets"])
-    console.print(f"verify: [bold {style}]{report['verdict']}[/bold {style}] {report['strategy']} vs {report['baseline']}: "
+    console.print(f"verify: [bold {style}]{report['verdict']}[/bold {style}] "
+                  f"{report['strategy']} vs {report['baseline']}: "
                   f"{len(report['buckets']) - reverted} of {len(report['buckets'])} bucket(s) KEEP, {reverted} REVERT, "
                   f"in {report['seconds']:.1f} s", soft_wrap=True, highlight=False)

@@ -152,7 +152,8 @@ def _pct(x: float | None) -> str:
 
 def _gpu_findings(s: GpuSummary, any_other_active: bool, num_active_samples: int) -> list[Finding]:
     if s.num_samples == 0:
-        return [Finding("no_samples", "warn", (s.gpu,), f"GPU {s.gpu}: no samples were read; see the recording's notes")]
+        return [Finding("no_samples", "warn", (s.gpu,),
+                        f"GPU {s.gpu}: no samples were read; see the recording's notes")]
     if s.util_mean_pct is None:
         return [Finding("no_samples", "warn", (s.gpu,), f"GPU {s.gpu}: NVML reported no utilisation; cannot judge it")]
     if s.util_mean_pct < IDLE_UTIL_PCT:
@@ -161,10 +162,12 @@ def _gpu_findings(s: GpuSummary, any_other_active: bool, num_active_samples: int
             return [Finding("idle", "warn", (s.gpu,),
                             f"GPU {s.gpu} was idle (mean utilisation {s.util_mean_pct:.1f}%) while other GPUs worked: "
                             "the workload did not use it (check CUDA_VISIBLE_DEVICES and the world size)", evidence)]
-        return [Finding("idle", "info", (s.gpu,), f"GPU {s.gpu} was idle (mean utilisation {s.util_mean_pct:.1f}%)", evidence)]
+        return [Finding("idle", "info", (s.gpu,), f"GPU {s.gpu} was idle (mean utilisation {s.util_mean_pct:.1f}%)",
+                        evidence)]
     if num_active_samples < MIN_ACTIVE_SAMPLES or s.waiting_share is None:
         why = "power was unreadable" if s.waiting_share is None else f"only {num_active_samples} active samples"
-        return [Finding("unjudged", "info", (s.gpu,), f"GPU {s.gpu}: too little to judge ({why}; need {MIN_ACTIVE_SAMPLES})",
+        return [Finding("unjudged", "info", (s.gpu,),
+                        f"GPU {s.gpu}: too little to judge ({why}; need {MIN_ACTIVE_SAMPLES})",
                         {"active_samples": num_active_samples})]
     evidence = {"waiting_share": s.waiting_share, "power_fraction_active": s.power_fraction_active,
                 "util_mean_pct": s.util_mean_pct, "power_limit_w": s.power_limit_w}

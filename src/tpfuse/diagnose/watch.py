@@ -67,7 +67,8 @@ def watch(nvml: Nvml, *, command: list[str] | None = None, pid: int | None = Non
         try:
             child = subprocess.Popen(command, stdout=child_stdout)
         except OSError as exc:
-            raise ValueError(f"diagnose: cannot start {command[0]!r} ({exc.strerror}); check the command after --") from None
+            raise ValueError(f"diagnose: cannot start {command[0]!r} ({exc.strerror}); "
+                             "check the command after --") from None
     root = child.pid if child is not None else pid
     sampler = Sampler(nvml, interval_s=interval_s, target_root=root).start()
     interrupted, timed_out, exit_code = False, False, None

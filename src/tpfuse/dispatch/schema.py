@@ -45,8 +45,8 @@ def _int(path: str, value, low: int) -> None:
 def _number(path: str, value, low: float, high: float | None = None) -> None:
     ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value >= low
     if not ok or (high is not None and value >= high):
-        raise _bad(path, f"a finite number in [{low:g}, {high:g})" if high is not None else f"a finite number >= {low:g}",
-                   value)
+        raise _bad(path, (f"a finite number in [{low:g}, {high:g})" if high is not None
+                          else f"a finite number >= {low:g}"), value)
 
 
 def _str(path: str, value, *, nonempty: bool = False) -> None:

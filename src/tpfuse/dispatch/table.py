@@ -180,7 +180,8 @@ class DispatchTable:
             raise ValueError("DispatchTable.merged: tables have different fingerprints; tune again instead of merging")
         keys = {(e.op, e.dtype, e.hidden, e.tokens) for e in other.entries}
         kept = tuple(e for e in self.entries if (e.op, e.dtype, e.hidden, e.tokens) not in keys)
-        return DispatchTable(other.versions, other.fingerprint, kept + other.entries, other.settings, other.created, other.schema)
+        return DispatchTable(other.versions, other.fingerprint, kept + other.entries, other.settings, other.created,
+                             other.schema)
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,8 @@ class E2ESpec:
         if self.tp < 1:
             raise ValueError(f"E2ESpec: tp must be >= 1, got {self.tp}")
         if not 1 <= self.prompt_len < self.context:
-            raise ValueError(f"E2ESpec: need 1 <= prompt_len ({self.prompt_len}) < context ({self.context}); raise --context")
+            raise ValueError(f"E2ESpec: need 1 <= prompt_len ({self.prompt_len}) < context ({self.context}); "
+                             "raise --context")
         if self.steps < 1 or self.warmup < 0:
             raise ValueError(f"E2ESpec: steps must be >= 1 and warmup >= 0 (got {self.steps}, {self.warmup})")
         if self.device not in ("auto", "cpu", "cuda"):
@@ -111,7 +112,8 @@ def build_model(spec: E2ESpec, rank: int, world_size: int, *, fusion: bool = Tru
     import tpfuse
     from tpfuse.models.decoder import TPDecoder
 
-    device = torch.device("cuda", torch.cuda.current_device()) if resolve_device(spec) == "cuda" else torch.device("cpu")
+    device = (torch.device("cuda", torch.cuda.current_device()) if resolve_device(spec) == "cuda"
+              else torch.device("cpu"))
     dtype = getattr(torch, spec.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     comm = tpfuse.Communicator(strategy=spec.strategy, device=device.type)
     model = TPDecoder(spec.config(), comm, group=dist.group.WORLD, rank=rank, world_size=world_size, seed=spec.seed,
@@ -284,7 +286,8 @@ def run_e2e(spec: E2ESpec, *, timeout_s: float = 1800.0, runner=None) -> dict:
         import torch
 
         if torch.cuda.device_count() < spec.tp:
-            raise RuntimeError(f"bench e2e: --tp {spec.tp} needs {spec.tp} GPUs, torch sees {torch.cuda.device_count()}")
+            raise RuntimeError(f"bench e2e: --tp {spec.tp} needs {spec.tp} GPUs, "
+                               f"torch sees {torch.cuda.device_count()}")
     backend = "nccl" if device == "cuda" else "gloo"
     return (runner or run_ranks)(_e2e_rank, spec.tp, backend=backend, args=(spec,), timeout_s=timeout_s)[0]
 
@@ -297,9 +300,9 @@ def e2e_rows(spec: E2ESpec, result: dict) -> list[ResultRow]:
         shape = {"preset": spec.preset, "layers": cfg["num_layers"], "dense_layers": cfg["first_dense_layers"],
                  "experts": cfg["num_experts"], "top_k": cfg["top_k"], "hidden": cfg["hidden"], "batch": p["batch"],
                  "prompt_len": spec.prompt_len, "context": spec.context}
-        extra = {k: p[k] for k in ("fusion", "tok_per_s", "j_per_token", "energy_j", "energy_note", "allreduces_per_step",
-                                   "expected_allreduces_per_step", "moe_runner", "moe_runner_why", "prefill_ms",
-                                   "cuda_graphs", "steps", "strategy_source")}
+        extra = {k: p[k] for k in ("fusion", "tok_per_s", "j_per_token", "energy_j", "energy_note",
+                                   "allreduces_per_step", "expected_allreduces_per_step", "moe_runner",
+                                   "moe_runner_why", "prefill_ms", "cuda_graphs", "steps", "strategy_source")}
         extra.update(device=result["device"], notes=result["notes"])
         rows.append(make_row("e2e_decode_step", p["strategy"], shape, result["dtype"], result["world_size"],
                              p["step_us"], "us", **extra))

@@ -45,7 +45,8 @@ def residual_rmsnorm_op(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     from tpfuse.kernels.epilogue import residual_rmsnorm
 
-    return residual_rmsnorm(s.contiguous(), None if residual is None else residual.contiguous(), weight.contiguous(), eps)
+    return residual_rmsnorm(s.contiguous(), None if residual is None else residual.contiguous(), weight.contiguous(),
+                            eps)
 
 
 @residual_rmsnorm_op.register_fake
@@ -59,8 +60,10 @@ def all_reduce_residual_rmsnorm_op(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     strategy = _INSTANCES.get(handle)
     if strategy is None:
-        raise ValueError(f"tpfuse::all_reduce_residual_rmsnorm: no open strategy has handle {handle}; it was closed or never created")
-    return strategy.all_reduce_residual_rmsnorm(x.contiguous(), None if residual is None else residual.contiguous(), weight.contiguous(), eps)
+        raise ValueError(f"tpfuse::all_reduce_residual_rmsnorm: no open strategy has handle {handle}; "
+                         "it was closed or never created")
+    return strategy.all_reduce_residual_rmsnorm(x.contiguous(), None if residual is None else residual.contiguous(),
+                                                weight.contiguous(), eps)
 
 
 @all_reduce_residual_rmsnorm_op.register_fake
@@ -77,7 +80,8 @@ def _residual_rmsnorm_quant(
     from tpfuse.quant import QuantSpec
 
     quant = QuantSpec(kind, group, layout, scale_ub, with_normed, scale)
-    out = residual_rmsnorm(s.contiguous(), None if residual is None else residual.contiguous(), weight.contiguous(), eps, quant=quant)
+    out = residual_rmsnorm(s.contiguous(), None if residual is None else residual.contiguous(), weight.contiguous(),
+                           eps, quant=quant)
     scales = out.scale
     if kind == "fp8_static":
         scales = s.new_empty(0, dtype=torch.float32)

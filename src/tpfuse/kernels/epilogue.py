@@ -274,12 +274,14 @@ def _quant_constexprs(buf, block: int) -> dict:
 def _check(s: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor) -> None:
     op = "residual_rmsnorm"
     if s.dim() != 2 or not s.is_contiguous():
-        raise ValueError(f"{op}: s must be a contiguous (tokens, hidden) tensor, got shape {tuple(s.shape)}; use s.contiguous().view(-1, hidden)")
+        raise ValueError(f"{op}: s must be a contiguous (tokens, hidden) tensor, got shape {tuple(s.shape)}; "
+                         "use s.contiguous().view(-1, hidden)")
     if s.dtype not in SUPPORTED:
         raise TypeError(f"{op}: dtype {s.dtype} is not supported; use bfloat16, float16 or float32")
     if s.shape[1] > MAX_HIDDEN:
         raise ValueError(f"{op}: hidden size {s.shape[1]} exceeds {MAX_HIDDEN}; use the reference strategy")
-    if residual is not None and (residual.shape != s.shape or residual.dtype != s.dtype or not residual.is_contiguous()):
+    if residual is not None and (residual.shape != s.shape or residual.dtype != s.dtype
+                                 or not residual.is_contiguous()):
         raise ValueError(f"{op}: residual must be contiguous with the shape and dtype of s {tuple(s.shape)} {s.dtype}")
     if weight.shape != (s.shape[1],) or weight.dtype != s.dtype or not weight.is_contiguous():
         raise ValueError(f"{op}: weight must be contiguous, shape ({s.shape[1]},) and dtype {s.dtype}")

@@ -50,7 +50,8 @@ KIND_FP8_STATIC = 1
 KIND_FP8_TOKEN = 2
 KIND_FP8_GROUP = 3
 KIND_NVFP4 = 4
-KIND_BY_NAME = {"fp8_static": KIND_FP8_STATIC, "fp8_per_token": KIND_FP8_TOKEN, "fp8_per_group": KIND_FP8_GROUP, "nvfp4": KIND_NVFP4}
+KIND_BY_NAME = {"fp8_static": KIND_FP8_STATIC, "fp8_per_token": KIND_FP8_TOKEN, "fp8_per_group": KIND_FP8_GROUP,
+                "nvfp4": KIND_NVFP4}
 
 # Globals read inside @triton.jit functions must be tl.constexpr instances.
 E4M3_MAX_BITS = tl.constexpr(0x43E00000)  # 448.0
@@ -382,7 +383,8 @@ class QuantBuffers:
             self.scales = self.codes  # any tensor: the kernel stores no scales
 
     def constexprs(self, block: int) -> dict:
-        return dict(KIND=self.kind, GROUP=self.group, BLOCK=block, SWIZZLED=self.swizzled, HAS_UB=self.has_ub, HW_CVT=self.hw_cvt)
+        return dict(KIND=self.kind, GROUP=self.group, BLOCK=block, SWIZZLED=self.swizzled, HAS_UB=self.has_ub,
+                    HW_CVT=self.hw_cvt)
 
 
 def _param(value, device):

@@ -51,14 +51,17 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig: {field} must be >= 1, got {getattr(self, field)}")
         if not 0 <= self.first_dense_layers <= self.num_layers:
             raise ValueError(
-                f"ModelConfig: first_dense_layers={self.first_dense_layers} must lie in [0, num_layers={self.num_layers}]"
+                f"ModelConfig: first_dense_layers={self.first_dense_layers} must lie in "
+                f"[0, num_layers={self.num_layers}]"
             )
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"ModelConfig: num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+            raise ValueError(f"ModelConfig: num_heads={self.num_heads} is not a multiple of "
+                             f"num_kv_heads={self.num_kv_heads}")
         if self.head_dim % 2:
             raise ValueError(f"ModelConfig: head_dim={self.head_dim} must be even (rotary embedding pairs)")
         if self.first_dense_layers > 0 and self.dense_inter < 1:
-            raise ValueError(f"ModelConfig: {self.first_dense_layers} dense layers need dense_inter >= 1; pass dense_layers=0")
+            raise ValueError(f"ModelConfig: {self.first_dense_layers} dense layers need dense_inter >= 1; "
+                             "pass dense_layers=0")
         if self.num_moe_layers > 0:
             if self.num_experts < 1 or not 1 <= self.top_k <= self.num_experts or self.expert_inter < 1:
                 raise ValueError(

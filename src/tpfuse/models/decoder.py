@@ -100,7 +100,8 @@ class TPDecoder(nn.Module):
         ) if cfg.num_moe_layers else None
         common = dict(rank=rank, world_size=world_size, seed=seed, dtype=dtype, device=self.device)
         self.embed = Embedding(cfg.vocab, cfg.hidden, seed=seed, dtype=dtype, device=self.device)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, selector=self.selector, **common) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, selector=self.selector, **common)
+                                    for i in range(cfg.num_layers))
         self.final_norm = nn.Parameter(rms_norm_weight(cfg.hidden, seed=seed, layer=-1, name="final_norm",
                                                        dtype=dtype, device=self.device), requires_grad=False)
         self.lm_head = ParallelLMHead(cfg.hidden, cfg.vocab, group=group, **common)

@@ -53,9 +53,11 @@ class RunnerSelector:
         self.verdicts = moe_runners.admission(problem, caps, device=device)
         if only is not None:
             if only not in self.verdicts:
-                raise ValueError(f"RunnerSelector: unknown MoE runner {only!r}; choose one of {', '.join(self.verdicts)}")
+                raise ValueError(f"RunnerSelector: unknown MoE runner {only!r}; "
+                                 f"choose one of {', '.join(self.verdicts)}")
             if not self.verdicts[only].ok:
-                raise ValueError(f"RunnerSelector: MoE runner {only!r} is not admitted here: {self.verdicts[only].reason}")
+                raise ValueError(f"RunnerSelector: MoE runner {only!r} is not admitted here: "
+                                 f"{self.verdicts[only].reason}")
         self.only = only
         self.choices: dict[int, moe_runners.RunnerChoice] = {}
 
@@ -89,8 +91,8 @@ class RunnerSelector:
         choice = self.choices.get(num_tokens)
         if choice is None:
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError(f"RunnerSelector: no MoE runner chosen for {num_tokens} tokens before graph capture; "
-                                   "call model.prepare(batch) first")
+                raise RuntimeError(f"RunnerSelector: no MoE runner chosen for {num_tokens} tokens "
+                                   "before graph capture; call model.prepare(batch) first")
             choice = self.prepare(num_tokens, block)
         return moe_runners.RUNNERS[choice.name]
 

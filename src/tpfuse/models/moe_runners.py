@@ -10,7 +10,8 @@ this device, dtype and capture mode (a torch op, no host sync, a probe call that
 reference), none of the process-group facts (NCCL, peer access, hosts) a collective needs.
 
 Runners (all compute `moe_experts_ref` up to rounding; outputs are partial sums, accumulated in
-tpfuse.reference.accumulation_dtype (fp32; float64 for float64 models), over the rank's local experts, weighted by the routing weights):
+tpfuse.reference.accumulation_dtype (fp32; float64 for float64 models), over the rank's local
+experts, weighted by the routing weights):
 - `loop`: per-expert gather / SwiGLU / scatter over the tokens routed to it. Reads the per-expert
   token counts on the host (one sync per call), so it cannot be captured in a CUDA graph.
 - `dense`: every local expert on every token, weighted by a dense (T, E) combine matrix. No host
@@ -102,7 +103,8 @@ def run_loop(x, ids, weights, w13, w2, first_expert):
     for e, count in enumerate(counts):
         if count:
             r = rows[start:start + count]
-            out.index_add_(0, r, _expert(x[r], w13[e], w2[e]).to(out.dtype) * w[start:start + count, None].to(out.dtype))
+            weighted = _expert(x[r], w13[e], w2[e]).to(out.dtype) * w[start:start + count, None].to(out.dtype)
+            out.index_add_(0, r, weighted)
             start += count
     return out
 
@@ -133,7 +135,8 @@ def run_grouped_mm(x, ids, weights, w13, w2, first_expert):
     y = torch._grouped_mm((F.silu(gate) * up).contiguous(), w2.transpose(1, 2), offs=offs)
     # Rows past offs[-1] (pairs owned by other ranks) are never written by _grouped_mm: mask, don't multiply.
     out = torch.zeros(x.shape[0], x.shape[1], dtype=accumulation_dtype(x.dtype), device=x.device)
-    contrib = torch.where((key_sorted < num_local)[:, None], y.to(out.dtype) * weights.flatten()[order, None].to(out.dtype), 0.0)
+    contrib = torch.where((key_sorted < num_local)[:, None],
+                          y.to(out.dtype) * weights.flatten()[order, None].to(out.dtype), 0.0)
     out.index_add_(0, rows, contrib)
     return out
 
@@ -210,7 +213,8 @@ def _probe_call(runner: MoERunner, problem: RunnerProblem, device) -> Verdict:
             torch.cuda.synchronize()
     except Exception as exc:  # the probe exists to turn "cannot run here" into a reason
         how = "captured in a CUDA graph" if capture else "probe call"
-        verdict = Verdict.no(f"{how} failed on {problem.device_type} {problem.dtype}: {type(exc).__name__}: {str(exc)[:160]}")
+        verdict = Verdict.no(f"{how} failed on {problem.device_type} {problem.dtype}: "
+                             f"{type(exc).__name__}: {str(exc)[:160]}")
     else:
         ref = moe_experts_ref(*[t.cpu() for t in args], 0)
         err = float((out.double().cpu() - ref).norm() / ref.norm())
@@ -243,7 +247,8 @@ def check_runner_needs(needs: RunnerNeeds, problem: RunnerProblem, caps: Capabil
     if problem.device_type == "cuda" and caps is not None and not caps.has_gpu:
         return Verdict.no("the model runs on CUDA but the probe found no GPU")
     if problem.capture and needs.host_sync:
-        return Verdict.no("reads per-expert token counts on the host (a sync), so it cannot be captured in a CUDA graph")
+        return Verdict.no("reads per-expert token counts on the host (a sync), "
+                          "so it cannot be captured in a CUDA graph")
     if needs.torch_op is not None and not hasattr(torch, needs.torch_op):
         return Verdict.no(f"torch {torch.__version__} has no torch.{needs.torch_op}")
     return Verdict.yes("all needs met")
@@ -276,10 +281,12 @@ def choose(verdicts: dict[str, Verdict], timings_us: dict[str, float]) -> Runner
     admitted = [n for n, v in verdicts.items() if v.ok and n in timings_us]
     if not admitted:
         reasons = "; ".join(f"{n}: {v.reason}" for n, v in verdicts.items())
-        raise ValueError(f"choose: no MoE runner is admitted ({reasons}); run eagerly (no CUDA graphs) or use another dtype")
+        raise ValueError(f"choose: no MoE runner is admitted ({reasons}); "
+                         "run eagerly (no CUDA graphs) or use another dtype")
     best = min(admitted, key=lambda n: timings_us[n])
     others = ", ".join(f"{n} {timings_us[n]:.0f} us" for n in admitted if n != best)
-    reason = f"measured fastest: {timings_us[best]:.0f} us" + (f" (vs {others})" if others else " (only admitted runner)")
+    reason = (f"measured fastest: {timings_us[best]:.0f} us"
+              + (f" (vs {others})" if others else " (only admitted runner)"))
     return RunnerChoice(best, "measured", reason, dict(timings_us))
 
 
@@ -300,7 +307,8 @@ def runner_report(caps: Capabilities, *, dtype: str = "bfloat16", device_type: s
         choice = choose(verdicts, timings_us)
     else:
         first = next((n for n in DEFAULT_ORDER if verdicts[n].ok), None)
-        choice = RunnerChoice(first or "", "default", "default order (not measured here; the model measures at prepare)", {})
+        choice = RunnerChoice(first or "", "default",
+                              "default order (not measured here; the model measures at prepare)", {})
     return [
         {"name": name, "admitted": v.ok, "reason": v.reason, "chosen": name == choice.name,
          "why": choice.reason if name == choice.name else ""}

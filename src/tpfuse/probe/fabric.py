@@ -192,14 +192,16 @@ def _all_to_all_gbps_per_gpu(devices: list[int], nbytes: int, reps: int) -> floa
     blocks = triton.cdiv(n, COPY_BLOCK)
     src = {d: torch.arange(n, dtype=torch.int32, device=f"cuda:{d}") + d for d in devices}
     # recv[d][s]: the region on GPU d that GPU s writes into.
-    recv = {d: {s: torch.full((n,), -1, dtype=torch.int32, device=f"cuda:{d}") for s in devices if s != d} for d in devices}
+    recv = {d: {s: torch.full((n,), -1, dtype=torch.int32, device=f"cuda:{d}") for s in devices if s != d}
+            for d in devices}
     tables = {s: torch.tensor([recv[d][s].data_ptr() for d in devices if d != s], dtype=torch.int64, device=f"cuda:{s}")
               for s in devices}
 
     def launch_all():
         for s in devices:
             with torch.cuda.device(s):
-                scatter_kernel[(blocks * (len(devices) - 1),)](src[s].data_ptr(), tables[s], n, blocks, BLOCK=COPY_BLOCK)
+                scatter_kernel[(blocks * (len(devices) - 1),)](src[s].data_ptr(), tables[s], n, blocks,
+                                                               BLOCK=COPY_BLOCK)
 
     def sync_all():
         for d in devices:

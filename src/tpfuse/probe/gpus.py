@@ -66,7 +66,8 @@ def read_gpu(torch, index: int) -> GpuInfo:
         pcie_generation=None,
         pcie_width=None,
         pci_bus_id=pci_bus_id(
-            getattr(props, "pci_domain_id", None), getattr(props, "pci_bus_id", None), getattr(props, "pci_device_id", None)
+            getattr(props, "pci_domain_id", None), getattr(props, "pci_bus_id", None),
+            getattr(props, "pci_device_id", None),
         ),
     )
 

@@ -143,7 +143,8 @@ def _match_handles(g: _Guarded, gpus: list[GpuInfo]) -> tuple[dict[int, object],
     for gpu in gpus:
         hit = by_uuid.get(_norm_uuid(gpu.uuid)) or by_pci.get(parse_pci_bus_id(gpu.pci_bus_id))
         if hit is None:
-            notes.append(f"GPU {gpu.index}: no NVML device with its UUID or PCI address (MIG instance?); NVML facts omitted")
+            notes.append(f"GPU {gpu.index}: no NVML device with its UUID or PCI address (MIG instance?); "
+                         "NVML facts omitted")
             continue
         handles[gpu.index], pcis[gpu.index] = hit
     return handles, pcis, notes

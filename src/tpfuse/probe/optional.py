@@ -60,7 +60,8 @@ def read_package(package: OptionalPackage) -> PackageStatus:
         try:
             module = importlib.import_module(package.module)
         except Exception as exc:  # any import failure (missing shared library, ABI mismatch) is the reason
-            return PackageStatus(package.name, False, version, f"installed but import failed: {type(exc).__name__}: {exc}")
+            return PackageStatus(package.name, False, version,
+                                 f"installed but import failed: {type(exc).__name__}: {exc}")
         version = version or getattr(module, "__version__", None)
     return PackageStatus(package.name, True, version, "")
 

@@ -37,7 +37,8 @@ def cpu_table(caps: Capabilities) -> Table:
     table = Table(title="Machine", show_header=False)
     table.add_column("fact", style="bold")
     table.add_column("value")
-    cores = f"{cpu.num_cores} logical" + (f" ({cpu.num_usable_cores} usable by this process)" if cpu.num_usable_cores not in (None, cpu.num_cores) else "")
+    cores = f"{cpu.num_cores} logical" + (f" ({cpu.num_usable_cores} usable by this process)"
+                                          if cpu.num_usable_cores not in (None, cpu.num_cores) else "")
     add_row(table, "CPU", f"{cpu.model} ({cpu.arch})" if cpu.arch else cpu.model)
     add_row(table, "cores", cores)
     add_row(table, "memory", _size(cpu.memory_bytes, "GiB"))
@@ -85,8 +86,9 @@ def pair_table(caps: Capabilities) -> Table:
         table.add_column(column)
     pairs = [l for l in caps.links if l.a != l.b] or list(caps.links)
     for link in pairs:
-        add_row(table, f"{link.a} -> {link.b}", link_text(link), link.pcie_level or ("-" if link.a == link.b else UNKNOWN),
-                      _yes_no(link.peer_access), _yes_no(link.native_atomics))
+        add_row(table, f"{link.a} -> {link.b}", link_text(link),
+                link.pcie_level or ("-" if link.a == link.b else UNKNOWN),
+                _yes_no(link.peer_access), _yes_no(link.native_atomics))
     return table
 
 
@@ -95,8 +97,9 @@ def versions_table(caps: Capabilities) -> Table:
     table = Table(title="Versions", show_header=False)
     table.add_column("software", style="bold")
     table.add_column("version")
-    rows = [("python", v.python), ("tpfuse", v.tpfuse), ("torch", v.torch), ("CUDA runtime (torch)", v.cuda_runtime),
-            ("NVIDIA driver", v.driver), ("CUDA (driver)", v.cuda_driver), ("NCCL (torch)", v.nccl), ("Triton", v.triton)]
+    rows = [("python", v.python), ("tpfuse", v.tpfuse), ("torch", v.torch),
+            ("CUDA runtime (torch)", v.cuda_runtime), ("NVIDIA driver", v.driver), ("CUDA (driver)", v.cuda_driver),
+            ("NCCL (torch)", v.nccl), ("Triton", v.triton)]
     for name, value in rows:
         add_row(table, name, value or "not present")
     return table
@@ -117,7 +120,8 @@ def fabric_table(fabric: FabricMeasurements) -> Table:
         table.add_column(column)
     for p in fabric.pairs:
         add_row(table, f"{p.a} -> {p.b}", f"{p.read_gbps:.1f}", f"{p.write_gbps:.1f}", f"{p.latency_us:.2f}")
-    table.caption = f"all-to-all score {fabric.all_to_all_score:.2f} (all pairs at once / one at a time); prefers {fabric.prefers}"
+    table.caption = (f"all-to-all score {fabric.all_to_all_score:.2f} (all pairs at once / one at a time); "
+                     f"prefers {fabric.prefers}")
     return table
 
 

@@ -36,8 +36,9 @@ Concurrency: calls on one workspace never overlap: an eager call from a stream o
 last one used first waits for that stream's work (`_bind_stream`). Calls being captured into a
 CUDA graph cannot wait on work outside the capture, so graph replays must be ordered with the
 workspace's other calls by the caller (replay on the stream that makes the eager calls). Every
-rank must issue the same calls in the same order (a collective). Allocation, rendezvous and the sentinel fill happen outside graph capture.
-`close()` is collective and explicit; nothing is released in `__del__`.
+rank must issue the same calls in the same order (a collective). Allocation, rendezvous and the
+sentinel fill happen outside graph capture. `close()` is collective and explicit; nothing is
+released in `__del__`.
 """
 
 from __future__ import annotations
@@ -75,7 +76,8 @@ class PeerTimeoutError(RuntimeError):
     peers that delivered another call's data (ERR_EPOCH).
     """
 
-    def __init__(self, where: str, rank: int, code: int, ranks: list[int], row: int, call: int, timeout_s: float) -> None:
+    def __init__(self, where: str, rank: int, code: int, ranks: list[int], row: int, call: int,
+                 timeout_s: float) -> None:
         self.ranks, self.code = ranks, code
         names = ", ".join(str(r) for r in ranks)
         if code == ERR_ABORTED:
@@ -110,7 +112,8 @@ class PeerBuffers:
         return self.views[self.rank]
 
 
-def open_peer_buffers(numel: int, dtype: torch.dtype, *, group, rank: int, world_size: int, device: torch.device) -> PeerBuffers:
+def open_peer_buffers(numel: int, dtype: torch.dtype, *, group, rank: int, world_size: int,
+                      device: torch.device) -> PeerBuffers:
     """Collective: allocate `numel` elements on this rank and map every rank's buffer."""
     if device.type == "cuda":
         return _symmetric_buffers(numel, dtype, group=group, rank=rank, world_size=world_size, device=device)
@@ -138,7 +141,8 @@ def _shm_buffers(numel, dtype, *, group, rank, world_size) -> PeerBuffers:
     names = [os.path.join(shm_dir, f"tpfuse-{token[0]}-{r}") for r in range(world_size)]
     local = torch.from_file(names[rank], shared=True, size=numel, dtype=dtype)
     dist.barrier(group=group)
-    views = tuple(local if r == rank else torch.from_file(names[r], shared=True, size=numel, dtype=dtype) for r in range(world_size))
+    views = tuple(local if r == rank else torch.from_file(names[r], shared=True, size=numel, dtype=dtype)
+                  for r in range(world_size))
     dist.barrier(group=group)
     os.unlink(names[rank])  # the mappings stay valid; nothing is left behind if a rank dies later
     return PeerBuffers(views, rank, lambda: None)
@@ -183,7 +187,8 @@ class LamportWorkspace:
         self.peers = peers
         fill_buffer(self.peers.local, layout)
         # norm partials of split rows, one int64 per item, tagged with no epoch yet (-1)
-        self.partials = torch.full((partials_len(self.region_elems, dtype.itemsize),), -1, dtype=torch.int64, device=device)
+        self.partials = torch.full((partials_len(self.region_elems, dtype.itemsize),), -1, dtype=torch.int64,
+                                   device=device)
         self.state = torch.zeros(STATE_WORDS, dtype=torch.int32, device=device)
         self.err = torch.zeros(ERR_WORDS, dtype=torch.int32, device=device)
         # the error words' host-mapped mirror (pinned memory, which the GPU addresses directly);

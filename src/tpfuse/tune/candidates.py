@@ -27,8 +27,10 @@ def admitted(problem: Problem, caps, names: list[str] | None = None) -> tuple[li
 
 
 class CandidatePool:
-    def __init__(self, *, group, rank: int, world_size: int, facts, caps, device: torch.device, options: dict | None = None) -> None:
-        self.group, self.rank, self.world_size, self.facts, self.caps, self.device = group, rank, world_size, facts, caps, device
+    def __init__(self, *, group, rank: int, world_size: int, facts, caps, device: torch.device,
+                 options: dict | None = None) -> None:
+        self.group, self.rank, self.world_size = group, rank, world_size
+        self.facts, self.caps, self.device = facts, caps, device
         self._ctx = StrategyContext(group=group, rank=rank, world_size=world_size, facts=facts,
                                     caps=caps, device=device, options=dict(options or {}))
         self._instances: dict[str, Strategy] = {}
@@ -47,8 +49,8 @@ class CandidatePool:
         dev = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
         caps = probe()
         facts = agree_group_facts(group, caps, device_type=device_type, handshake_group=handshake_group)
-        return cls(group=group, rank=dist.get_rank(group), world_size=dist.get_world_size(group), facts=facts, caps=caps,
-                   device=dev, options=options)
+        return cls(group=group, rank=dist.get_rank(group), world_size=dist.get_world_size(group), facts=facts,
+                   caps=caps, device=dev, options=options)
 
     def get(self, name: str, *, hidden: int, dtype: torch.dtype, max_tokens: int) -> Strategy:
         instance = self._instances.get(name)

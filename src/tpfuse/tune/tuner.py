@@ -112,7 +112,8 @@ def tune_in_group(spec: TuneSpec, *, group=None, device=None, progress: Callable
     `handshake_group` (default `group`): where the object collectives run.
     """
     pool = CandidatePool.for_group(group, device=device, options=options, handshake_group=handshake_group)
-    group, rank, world_size, facts, caps, dev = pool.group, pool.rank, pool.world_size, pool.facts, pool.caps, pool.device
+    group, rank, world_size = pool.group, pool.rank, pool.world_size
+    facts, caps, dev = pool.facts, pool.caps, pool.device
     handshake = handshake_group if handshake_group is not None else group
     dtype = getattr(torch, spec.dtype)
     max_tokens = max(spec.buckets)

@@ -92,13 +92,17 @@ def judge(a: list[float], b: list[float], b2: list[float], margin: float) -> tup
     ratio, threshold, noise = math.exp(m), math.exp(bound + half), offset + half
     n = len(d)
     if m - half > bound:
-        return "REVERT", ratio, threshold, noise, f"slower: {ratio:.3f}x the baseline, above {threshold:.3f}x (margin {margin:.0%} + noise; {n} rounds)"
+        return "REVERT", ratio, threshold, noise, (f"slower: {ratio:.3f}x the baseline, above {threshold:.3f}x "
+                                                   f"(margin {margin:.0%} + noise; {n} rounds)")
     if m + half < -bound:
         return "KEEP", ratio, threshold, noise, f"faster: {ratio:.3f}x the baseline ({n} rounds)"
     if m + half <= bound:
-        return "KEEP", ratio, threshold, noise, f"equal within noise: {ratio:.3f}x, REVERT above {threshold:.3f}x ({n} rounds)"
-    return "KEEP", ratio, threshold, noise, (f"not shown slower: {ratio:.3f}x, interval up to {math.exp(m + half):.3f}x "
-                                             f"crosses the {math.exp(bound):.3f}x bound after {n} rounds (too noisy to tell)")
+        return "KEEP", ratio, threshold, noise, (f"equal within noise: {ratio:.3f}x, "
+                                                 f"REVERT above {threshold:.3f}x ({n} rounds)")
+    return "KEEP", ratio, threshold, noise, (f"not shown slower: {ratio:.3f}x, "
+                                             f"interval up to {math.exp(m + half):.3f}x "
+                                             f"crosses the {math.exp(bound):.3f}x bound after {n} rounds "
+                                             "(too noisy to tell)")
 
 
 def settled(a: list[float], b: list[float], b2: list[float], margin: float) -> bool:
@@ -120,24 +124,27 @@ def verify_in_group(strategy: str, *, hiddens: tuple[int, ...], buckets: tuple[i
         raise ValueError(f"verify: rounds must be >= 2 to measure noise, got {rounds}")
     max_rounds = max(rounds, max_rounds if max_rounds is not None else 4 * rounds)
     pool = CandidatePool.for_group(group, device=device, options=options)
-    group, rank, world_size, facts, caps, dev = pool.group, pool.rank, pool.world_size, pool.facts, pool.caps, pool.device
+    group, rank, world_size = pool.group, pool.rank, pool.world_size
+    facts, caps, dev = pool.facts, pool.caps, pool.device
     torch_dtype = getattr(torch, dtype)
     the_op = Op(op)
     max_tokens = max(buckets)
 
     def call(name, hidden, num_tokens):
         instance = pool.get(name, hidden=hidden, dtype=torch_dtype, max_tokens=max_tokens)
-        return timed_call(instance, the_op, rank=rank, num_tokens=num_tokens, hidden=hidden, dtype=torch_dtype, device=dev)
+        return timed_call(instance, the_op, rank=rank, num_tokens=num_tokens, hidden=hidden, dtype=torch_dtype,
+                          device=dev)
 
     try:
         if baseline is None:
-            baseline = _best_unfused(strategy, the_op, hiddens[0], max_tokens, dtype, facts, caps, pool, call, group, rank,
-                                     world_size, dev, rounds)
+            baseline = _best_unfused(strategy, the_op, hiddens[0], max_tokens, dtype, facts, caps, pool, call, group,
+                                     rank, world_size, dev, rounds)
         results = []
         for hidden in hiddens:
             for num_tokens in sorted(buckets):
-                results.append(_verify_bucket(strategy, baseline, the_op, hidden, num_tokens, dtype, torch_dtype, facts, caps,
-                                              pool, call, group, rank, world_size, dev, margin, rounds, max_rounds, warmup, max_tokens))
+                results.append(_verify_bucket(strategy, baseline, the_op, hidden, num_tokens, dtype, torch_dtype, facts,
+                                              caps, pool, call, group, rank, world_size, dev, margin, rounds,
+                                              max_rounds, warmup, max_tokens))
                 if progress is not None:
                     progress(f"{num_tokens}x{hidden}: {results[-1].verdict}")
     finally:
@@ -145,7 +152,8 @@ def verify_in_group(strategy: str, *, hiddens: tuple[int, ...], buckets: tuple[i
     return VerifyReport(strategy, baseline, margin, tuple(results))
 
 
-def _best_unfused(strategy, op, hidden, num_tokens, dtype, facts, caps, pool, call, group, rank, world_size, dev, rounds) -> str:
+def _best_unfused(strategy, op, hidden, num_tokens, dtype, facts, caps, pool, call, group, rank, world_size, dev,
+                  rounds) -> str:
     """The fastest admitted unfused strategy that also passes the correctness check (a wrong
     baseline would make any candidate look good)."""
     names, _ = admitted(Problem(op, num_tokens, hidden, dtype, facts), caps)
@@ -171,15 +179,15 @@ def _verify_bucket(strategy, baseline, op, hidden, num_tokens, dtype, torch_dtyp
     _, verdicts = admitted(problem, caps, list(dict.fromkeys([strategy, baseline])))
     for name in (strategy, baseline):
         if not verdicts[name].ok:
-            return BucketVerdict(op.value, hidden, num_tokens, "REVERT", math.nan, math.nan, math.nan, math.nan, math.nan,
-                                 f"{name} is not admitted: {verdicts[name].reason}")
+            return BucketVerdict(op.value, hidden, num_tokens, "REVERT", math.nan, math.nan, math.nan, math.nan,
+                                 math.nan, f"{name} is not admitted: {verdicts[name].reason}")
     for name in dict.fromkeys([strategy, baseline]):
         instance = pool.get(name, hidden=hidden, dtype=torch_dtype, max_tokens=max_tokens)
         verdict = check_candidate(instance, op, num_tokens=num_tokens, hidden=hidden, dtype=torch_dtype, group=group,
                                   rank=rank, world_size=world_size, device=dev)
         if not verdict.ok:
-            return BucketVerdict(op.value, hidden, num_tokens, "REVERT", math.nan, math.nan, math.nan, math.nan, math.nan,
-                                 f"{name} failed correctness: {verdict.reason}")
+            return BucketVerdict(op.value, hidden, num_tokens, "REVERT", math.nan, math.nan, math.nan, math.nan,
+                                 math.nan, f"{name} failed correctness: {verdict.reason}")
     fa, fb = call(strategy, hidden, num_tokens), call(baseline, hidden, num_tokens)
     samples = time_interleaved({"A": fa, "B": fb, "B2": fb}, group=group, device=dev, rounds=rounds, warmup=warmup)
     # Undecided (the interval straddles the bound): more rounds, up to max_rounds. The samples are
