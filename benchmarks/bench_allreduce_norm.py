@@ -112,7 +112,8 @@ def flashinfer_factory(group, rank: int, world_size: int, hidden: int, max_token
     import flashinfer.comm as fc
     import torch
 
-    handles, workspace = fc.trtllm_create_ipc_workspace_for_all_reduce_fusion(rank, world_size, max_tokens, hidden, group=group)
+    handles, workspace = fc.trtllm_create_ipc_workspace_for_all_reduce_fusion(rank, world_size, max_tokens, hidden,
+                                                                               group=group)
 
     def factory(x, residual, weight):
         normed, new_res = torch.empty_like(x), torch.empty_like(x)
@@ -220,7 +221,8 @@ def sweep_bucket(spec, ctx, hidden: int, tokens: int, factories: dict, not_timed
         if not graphs:
             calls[name] = call
             continue
-        calls[name], why = attempt(lambda: graph_replays(call, spec.reps), group, world_size, "CUDA graph capture failed")
+        calls[name], why = attempt(lambda: graph_replays(call, spec.reps), group, world_size,
+                                   "CUDA graph capture failed")
         if why:
             not_timed[name] = why
             del checks[name], calls[name]
@@ -258,13 +260,15 @@ def rank_main(rank: int, world_size: int, spec: SweepSpec):
 
     try:
         for hidden in spec.hiddens:
-            verdicts = {t: admission(Problem(Op.ALL_REDUCE_RESIDUAL_RMSNORM, t, hidden, spec.dtype, base.facts), base.caps)
+            verdicts = {t: admission(Problem(Op.ALL_REDUCE_RESIDUAL_RMSNORM, t, hidden, spec.dtype, base.facts),
+                                     base.caps)
                         for t in spec.buckets}
             ready = {}
             for name in strategy_names():  # same order on every rank: construction and prepare are collective
                 admitted = [t for t in spec.buckets if verdicts[t][name].ok]
                 if admitted:
-                    ready[name] = attempt(lambda: setup(name, hidden, max(admitted)), group, world_size, "set-up failed")
+                    ready[name] = attempt(lambda: setup(name, hidden, max(admitted)), group, world_size,
+                                          "set-up failed")
             extra, extra_notes, cleanups = third_party(spec, group, rank, world_size, hidden, device)
             for tokens in spec.buckets:
                 factories, not_timed = {}, dict(extra_notes)
@@ -302,7 +306,8 @@ def build_rows(results: list[dict], spec: SweepSpec, world_size: int, peer_gbps:
         made = {name: make_row(OP, name, shape, spec.dtype, world_size, s, "us") for name, s in b["samples"].items()}
         baseline = next((n for n in RATIO_BASELINES if n in made), None)
         base_us = made[baseline].median if baseline else None
-        floor = floor_us(b["tokens"], b["hidden"], DTYPE_BYTES[spec.dtype], world_size, peer_gbps) if peer_gbps else None
+        floor = (floor_us(b["tokens"], b["hidden"], DTYPE_BYTES[spec.dtype], world_size, peer_gbps) if peer_gbps
+                 else None)
         for name, row in made.items():
             row.extra.update(mode=spec.mode, functional_only=spec.mode != "nccl", timing=timing, max_over_ranks=True,
                              check=b["checks"][name], ratio_baseline=baseline,
@@ -329,10 +334,12 @@ def print_table(rows: list, results: list[dict]) -> None:
             r, cell = cells.get(key + (p,)), "-"
             if r:
                 ratio = r.extra["ratio_vs_baseline"]
-                cell = f"{r.median:.1f}" + (f" x{ratio:.2f}" if ratio else "") + (f" f{r.extra['ratio_vs_floor']:.1f}" if has_floor else "")
+                cell = (f"{r.median:.1f}" + (f" x{ratio:.2f}" if ratio else "")
+                        + (f" f{r.extra['ratio_vs_floor']:.1f}" if has_floor else ""))
             line += f" | {cell:>{width}}"
         print(line)
-    baselines = ", ".join(dict.fromkeys(r.extra["ratio_baseline"] for r in rows if r.extra["ratio_baseline"])) or "none timed"
+    baselines = (", ".join(dict.fromkeys(r.extra["ratio_baseline"] for r in rows if r.extra["ratio_baseline"]))
+                 or "none timed")
     print(f"cells: median us per call, x = ratio to {baselines}" + (", f = ratio to the floor" if has_floor else ""))
     notes: dict = {}  # (provider, reason) -> buckets, so a reason shared by every bucket prints once
     for b in results:
@@ -370,13 +377,16 @@ def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     from tpfuse.cli.args import add_rank_args
 
-    p.add_argument("--hidden", default=None, help="comma-separated hidden sizes (default 6144,7168; 64 with --device cpu)")
+    p.add_argument("--hidden", default=None,
+                   help="comma-separated hidden sizes (default 6144,7168; 64 with --device cpu)")
     p.add_argument("--max-tokens", type=int, default=None, help="largest bucket (default 16384; 4 with --device cpu)")
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
-    p.add_argument("--trials", type=int, default=None, help="interleaved samples per provider (default 30; 5 on CPU or a shared GPU)")
+    p.add_argument("--trials", type=int, default=None,
+                   help="interleaved samples per provider (default 30; 5 on CPU or a shared GPU)")
     p.add_argument("--reps", type=int, default=20, help="calls per timed graph replay batch")
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--peer-gbps", type=float, default=None, help="measured peer bandwidth, GB/s (tpfuse doctor --measure)")
+    p.add_argument("--peer-gbps", type=float, default=None,
+                   help="measured peer bandwidth, GB/s (tpfuse doctor --measure)")
     p.add_argument("--out", default="benchmarks/results/allreduce_norm.jsonl")
     p.add_argument("--plot", default=None, metavar="PNG")
     add_rank_args(p, default_timeout_s=3600.0)

@@ -64,7 +64,8 @@ def providers(eps: float):
     def tpfuse_inplace(x, res, w):
         return lambda: residual_rmsnorm(x, res, w, eps, out=(x, res))  # FlashInfer's in-place contract
 
-    table = {"tpfuse": tpfuse_fn(), "tpfuse_inplace": tpfuse_inplace, "torch_eager": eager, "torch_compile": lambda x, r, w: (lambda: compiled(x, r, w))}
+    table = {"tpfuse": tpfuse_fn(), "tpfuse_inplace": tpfuse_inplace, "torch_eager": eager,
+             "torch_compile": lambda x, r, w: (lambda: compiled(x, r, w))}
     for warps in (4, 8, 16):
         table[f"tpfuse[w={warps}]"] = tpfuse_fn(warps)
     notes = {}
@@ -140,7 +141,8 @@ def main(argv=None) -> int:
 
 def _print_summary(summary, copy_gbps, notes) -> None:
     print(f"\ndevice copy bandwidth: {copy_gbps:,.0f} GB/s (read + write)")
-    print(f"{'tokens':>6} {'hidden':>6} | {'tpfuse us':>11} {'GB/s':>6} {'%copy':>6} | {'eager':>7} {'compile':>7} {'flashinf':>8} | "
+    print(f"{'tokens':>6} {'hidden':>6} | {'tpfuse us':>11} {'GB/s':>6} {'%copy':>6} | "
+          f"{'eager':>7} {'compile':>7} {'flashinf':>8} | "
           f"{'x eager':>7} {'x FI':>5} | best warps   (x FI: in place vs in place)")
     for tokens, hidden, med, nbytes, failed in summary:
         fg = med.get("tpfuse", float("nan"))
@@ -149,9 +151,12 @@ def _print_summary(summary, copy_gbps, notes) -> None:
         fgi = med.get("tpfuse_inplace", float("nan"))
         variants = {k: v for k, v in med.items() if k.startswith("tpfuse[")}
         best = min(variants, key=variants.get) if variants else "-"
-        print(f"{tokens:>6} {hidden:>6} | {fg:>11.2f} {gbps:>6.0f} {gbps / copy_gbps:>6.1%} | {med.get('torch_eager', float('nan')):>7.2f} "
-              f"{med.get('torch_compile', float('nan')):>7.2f} {fi:>8.2f} | {med.get('torch_eager', float('nan')) / fg:>7.2f} "
-              f"{fi / fgi:>5.2f} | {best} {variants.get(best, float('nan')):.2f}" + (f"  failed: {failed}" if failed else ""))
+        print(f"{tokens:>6} {hidden:>6} | {fg:>11.2f} {gbps:>6.0f} {gbps / copy_gbps:>6.1%} | "
+              f"{med.get('torch_eager', float('nan')):>7.2f} "
+              f"{med.get('torch_compile', float('nan')):>7.2f} {fi:>8.2f} | "
+              f"{med.get('torch_eager', float('nan')) / fg:>7.2f} "
+              f"{fi / fgi:>5.2f} | {best} {variants.get(best, float('nan')):.2f}"
+              + (f"  failed: {failed}" if failed else ""))
     for name, why in notes.items():
         print(f"{name} not run: {why}")
 

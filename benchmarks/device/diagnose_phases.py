@@ -43,7 +43,8 @@ def main() -> None:
         fracs = [s.power_fraction for s in inside]
         util = statistics.median(s.util_pct for s in inside if s.util_pct is not None)
         clock = statistics.median(s.sm_clock_mhz for s in inside if s.sm_clock_mhz is not None)
-        row = make_row("nvml_power_fraction", phase["name"], {"gemm_n": log["gemm_n"], "spin_cycles": log["spin_cycles"]},
+        row = make_row("nvml_power_fraction", phase["name"],
+                       {"gemm_n": log["gemm_n"], "spin_cycles": log["spin_cycles"]},
                        "bfloat16", 1, fracs, "fraction_of_enforced_power_limit",
                        util_median_pct=util, sm_clock_median_mhz=clock, power_limit_w=inside[0].power_limit_w,
                        num_samples=len(inside), trim_s=TRIM_S, interval_s=rec.interval_s,

@@ -39,7 +39,8 @@ def _functional_rank(rank, world_size, name, shapes, calls):
     with Communicator(strategy=name, device="cuda", timeout_s=20.0) as comm:
         for tokens, hidden in shapes:
             comm.prepare(hidden=hidden, dtype=torch.bfloat16, max_tokens=tokens)
-            x, res, w = (small_integer_inputs(r, tokens, hidden, torch.bfloat16, device="cuda") for r in (rank, 100, 101))
+            x, res, w = (small_integer_inputs(r, tokens, hidden, torch.bfloat16, device="cuda")
+                         for r in (rank, 100, 101))
             comm.all_reduce_residual_rmsnorm(x, res, w[0])
             torch.cuda.synchronize()
             dist.barrier()
@@ -73,10 +74,12 @@ def functional_check(out_dir: Path) -> list[str]:
                                                       small_integer_inputs(101, tokens, hidden, torch.bfloat16)[0])
                 exact = all(torch.equal(res[i][3], ref[0]) and torch.equal(res[i][4], ref[1]) for res in results)
                 times = [res[i][2] for res in results]
-                rows.append(make_row("all_reduce_residual_rmsnorm", name, {"tokens": tokens, "hidden": hidden}, "bfloat16", world,
-                                     times, "us", functional_only=True, bit_exact=exact, calls=calls,
-                                     note="processes sharing one GPU under MPS: a functional check, not a performance figure"))
-                lines.append(f"{name} W={world} {tokens}x{hidden}: bit-exact on all ranks={exact}, ~{max(times):.0f} us/call (functional only)")
+                rows.append(make_row("all_reduce_residual_rmsnorm", name, {"tokens": tokens, "hidden": hidden},
+                                     "bfloat16", world, times, "us", functional_only=True, bit_exact=exact, calls=calls,
+                                     note="processes sharing one GPU under MPS: a functional check, "
+                                          "not a performance figure"))
+                lines.append(f"{name} W={world} {tokens}x{hidden}: bit-exact on all ranks={exact}, "
+                             f"~{max(times):.0f} us/call (functional only)")
     append_rows(out_dir / "kernels_functional.jsonl", rows)
     return lines
 
@@ -109,14 +112,16 @@ def main(argv=None) -> int:
     summary = [f"GPU: {torch.cuda.get_device_name()} torch {torch.__version__}"]
     # The benchmark first and without MPS: it is one process, and its figures are the ones reported.
     if not args.skip_bench:
-        summary.append(_run("bench_epilogue", [sys.executable, "benchmarks/bench_epilogue.py", "--out", str(out_dir / "epilogue.jsonl"),
-                                               *args.bench_args.split()], args.bench_timeout))
+        summary.append(_run("bench_epilogue", [sys.executable, "benchmarks/bench_epilogue.py",
+                                               "--out", str(out_dir / "epilogue.jsonl"), *args.bench_args.split()],
+                            args.bench_timeout))
     summary.append(_mps(True))
     try:
         if not args.skip_tests:
-            summary.append(_run("pytest -m gpu tests/kernels", [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/kernels",
-                                                               "-p", "no:cacheprovider", "-rf", "--junitxml", str(out_dir / "pytest.xml"),
-                                                               *args.pytest_args.split()], args.tests_timeout))
+            summary.append(_run("pytest -m gpu tests/kernels",
+                                [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/kernels",
+                                 "-p", "no:cacheprovider", "-rf", "--junitxml", str(out_dir / "pytest.xml"),
+                                 *args.pytest_args.split()], args.tests_timeout))
         if not args.skip_functional:
             t0 = time.time()
             summary += functional_check(out_dir)

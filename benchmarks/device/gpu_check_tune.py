@@ -95,7 +95,8 @@ def main(argv=None) -> int:
     p.add_argument("--verify-max-tokens", type=int, default=4)
     p.add_argument("--strategy", default="oneshot", help="strategy for the verify step")
     p.add_argument("--shared-gpu", action="store_true", help="share GPU 0 between 2 ranks even with several GPUs")
-    p.add_argument("--budget-s", type=float, default=160.0, help="whole-run time budget; each step's limit is cut to fit")
+    p.add_argument("--budget-s", type=float, default=160.0,
+                   help="whole-run time budget; each step's limit is cut to fit")
     args = p.parse_args(argv)
     deadline = time.perf_counter() + args.budget_s
 
@@ -145,8 +146,9 @@ def main(argv=None) -> int:
 
     note(_mps(True) if shared else "MPS: not used (one rank per device)")
     try:
-        code, secs = _run("tune", CLI + ["tune", *ranks, "--preset", args.preset, "--max-tokens", str(args.max_tokens),
-                                         "--op", "all_reduce_residual_rmsnorm", "--rounds", "8", "--confirm-rounds", "12",
+        code, secs = _run("tune", CLI + ["tune", *ranks, "--preset", args.preset,
+                                         "--max-tokens", str(args.max_tokens), "--op", "all_reduce_residual_rmsnorm",
+                                         "--rounds", "8", "--confirm-rounds", "12",
                                          "--json", "--results", str(out / "tune_shared_gpu.jsonl")],
                           limit(90), out / "tune.json")
         note(f"tune: exit {code} after {secs:.0f} s")
