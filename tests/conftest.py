@@ -32,8 +32,9 @@ def _cuda_count() -> int:
 def pytest_configure(config):
     registered = {line.split(":", 1)[0].strip() for line in config.getini("markers")}
     if registered != set(MARKERS):
-        raise pytest.UsageError(f"tests/conftest.py: pyproject.toml registers the markers {sorted(registered)}, this file "
-                                f"describes {sorted(MARKERS)}; make [tool.pytest.ini_options] markers and this file agree")
+        raise pytest.UsageError(f"tests/conftest.py: pyproject.toml registers the markers {sorted(registered)}, "
+                                f"this file describes {sorted(MARKERS)}; "
+                                "make [tool.pytest.ini_options] markers and this file agree")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -219,7 +219,8 @@ def test_api_matches_reference_on_every_rank(world_size):
         xs = [random_inputs(r, 5, CALLS_H, dtype) for r in range(world_size)]
         res = random_inputs(100, 5, CALLS_H, dtype)
         xs64 = [x.double() for x in xs]
-        ref_normed, ref_res = all_reduce_residual_rmsnorm_ref(xs64, res.double(), _weight(dtype).double(), acc_dtype=torch.float64)
+        ref_normed, ref_res = all_reduce_residual_rmsnorm_ref(xs64, res.double(), _weight(dtype).double(),
+                                                              acc_dtype=torch.float64)
         exact_normed, exact_res = all_reduce_residual_rmsnorm_ref(xs, res, _weight(dtype))
         for rank, out in enumerate(results):
             normed, new_res = out[("fused", dtype)]
@@ -241,13 +242,15 @@ def test_api_matches_reference_on_every_rank(world_size):
             assert torch.equal(out[("ar", dtype)], results[0][("ar", dtype)])
 
     xi = [small_integer_inputs(r, 7, CALLS_H, torch.bfloat16) for r in range(world_size)]
-    want = all_reduce_residual_rmsnorm_ref(xi, small_integer_inputs(100, 7, CALLS_H, torch.bfloat16), torch.full((CALLS_H,), 2.0, dtype=torch.bfloat16))
+    want = all_reduce_residual_rmsnorm_ref(xi, small_integer_inputs(100, 7, CALLS_H, torch.bfloat16),
+                                           torch.full((CALLS_H,), 2.0, dtype=torch.bfloat16))
     for out in results:
         assert torch.equal(out["exact"][0], want[0]) and torch.equal(out["exact"][1], want[1])
         normed3, res3 = out["3d"]
         assert normed3.shape == (2, 3, CALLS_H) and res3.shape == (2, 3, CALLS_H)
         assert torch.equal(out["noncontig"][0], out["noncontig"][1])
-        assert out["empty"][0].shape == (0, CALLS_H) and out["empty"][1].shape == (0, CALLS_H) and out["empty_ar"].shape == (0, CALLS_H)
+        assert (out["empty"][0].shape == (0, CALLS_H) and out["empty"][1].shape == (0, CALLS_H)
+                and out["empty_ar"].shape == (0, CALLS_H))
         assert out["choice"].name == "reference"
 
 
@@ -326,7 +329,8 @@ def test_debug_mode_turns_a_shape_disagreement_into_an_error_naming_ranks():
     messages = run_ranks(_debug_rank, 2, timeout_s=60)
     for message in messages:
         assert message is not None
-        assert "ranks disagree" in message and "rank 0: all_reduce (3, 8)" in message and "rank 1: all_reduce (4, 8)" in message
+        assert ("ranks disagree" in message and "rank 0: all_reduce (3, 8)" in message
+                and "rank 1: all_reduce (4, 8)" in message)
 
 
 def test_communicator_needs_an_initialised_process_group():
@@ -350,7 +354,8 @@ def _user_input_rank(rank, world_size):
         out["warnings"] = [(w.category.__name__, w.filename, str(w.message)) for w in caught]
     with Communicator(strategy="reference") as comm:
         for name, call in (("ar", lambda: comm.all_reduce(torch.empty(3, 0))),
-                           ("fused", lambda: comm.all_reduce_residual_rmsnorm(torch.empty(3, 0), None, torch.empty(0)))):
+                           ("fused",
+                            lambda: comm.all_reduce_residual_rmsnorm(torch.empty(3, 0), None, torch.empty(0)))):
             try:
                 call()
                 out[name] = None
@@ -378,7 +383,8 @@ def test_hidden_zero_and_grad_inputs(tmp_path):
     out = run_ranks(_user_input_rank, 1, timeout_s=120, env={"TPFUSE_CACHE_DIR": str(tmp_path)})[0]
     # The no-table warning names the caller's line (this file), not a line inside tpfuse.
     [(category, filename, message)] = out["warnings"]
-    assert category == "DispatchWarning" and filename == __file__ and message.startswith("Communicator: no dispatch table")
+    assert (category == "DispatchWarning" and filename == __file__
+            and message.startswith("Communicator: no dispatch table"))
     for name, op in (("ar", "all_reduce"), ("fused", "all_reduce_residual_rmsnorm")):
         kind, message = out[name]
         assert kind == "ValueError"
@@ -391,7 +397,8 @@ def test_hidden_zero_and_grad_inputs(tmp_path):
     normed, new_res, y = out["values"]
     assert torch.equal(normed, ref_normed) and torch.equal(new_res, ref_res) and torch.equal(y, x)
     for bad, message in zip((0, -3, 2.5, True), out["prepare"]):
-        assert message is not None and message.startswith(f"Communicator.prepare: max_tokens must be an integer >= 1, got {bad!r}"), message
+        assert message is not None and message.startswith(
+            f"Communicator.prepare: max_tokens must be an integer >= 1, got {bad!r}"), message
 
 
 # ---- quantized output ---------------------------------------------------------------------------
@@ -408,7 +415,8 @@ def _quant_specs():
 
 def _quant_inputs(rank):
     x = small_integer_inputs(rank, QUANT_M, QUANT_H, torch.bfloat16)
-    return x, small_integer_inputs(100, QUANT_M, QUANT_H, torch.bfloat16), small_integer_inputs(101, 1, QUANT_H, torch.bfloat16)[0]
+    return (x, small_integer_inputs(100, QUANT_M, QUANT_H, torch.bfloat16),
+            small_integer_inputs(101, 1, QUANT_H, torch.bfloat16)[0])
 
 
 def _quant_rank(rank, world_size, strategy):
@@ -444,7 +452,8 @@ def test_quantized_output_on_every_rank(strategy, world_size):
             for name, g, r in zip(("out", "scale", "residual", "normed"), got, ref):
                 assert (g is None) == (r is None), (spec.key, name)
                 if g is not None:
-                    assert g[:2] == r[:2] and torch.equal(g[3], r[3]), f"{strategy} rank {rank} {spec.key}: {name} differs"
+                    assert g[:2] == r[:2] and torch.equal(g[3], r[3]), (
+                        f"{strategy} rank {rank} {spec.key}: {name} differs")
     for rank in range(world_size):
         assert results[rank]["3d"] == ((1, QUANT_M, QUANT_H), (1, QUANT_M, 1), (1, QUANT_M, QUANT_H))
         assert results[rank]["empty"] == ((0, QUANT_H // 2), (0, 4))
@@ -469,7 +478,8 @@ def _cpu_group_rank(rank, world_size):
     try:
         with Communicator(data_group, cpu_group=cpu_group) as comm:
             handshakes = list(seen)
-            x, res = small_integer_inputs(rank, 3, CPU_GROUP_H, torch.bfloat16), small_integer_inputs(100, 3, CPU_GROUP_H, torch.bfloat16)
+            x = small_integer_inputs(rank, 3, CPU_GROUP_H, torch.bfloat16)
+            res = small_integer_inputs(100, 3, CPU_GROUP_H, torch.bfloat16)
             got = comm.all_reduce_residual_rmsnorm(x, res, torch.ones(CPU_GROUP_H, dtype=torch.bfloat16))
     finally:
         dist.all_gather_object = original
@@ -480,7 +490,8 @@ def _cpu_group_rank(rank, world_size):
 def test_communicator_handshakes_on_cpu_group():
     results = run_ranks(_cpu_group_rank, 2, timeout_s=120)
     xs = [small_integer_inputs(r, 3, CPU_GROUP_H, torch.bfloat16) for r in range(2)]
-    want = all_reduce_residual_rmsnorm_ref(xs, small_integer_inputs(100, 3, CPU_GROUP_H, torch.bfloat16), torch.ones(CPU_GROUP_H, dtype=torch.bfloat16))
+    want = all_reduce_residual_rmsnorm_ref(xs, small_integer_inputs(100, 3, CPU_GROUP_H, torch.bfloat16),
+                                           torch.ones(CPU_GROUP_H, dtype=torch.bfloat16))
     for out in results:
         assert out["handshakes_on_cpu"]
         assert torch.equal(out["out"][0], want[0]) and torch.equal(out["out"][1], want[1])

@@ -49,7 +49,8 @@ def test_one_wrong_element_fails_the_exact_case_with_the_count():
     normed[1, 7] += 1
     check = V.check_outputs(case, V.case_inputs(case, 2), (normed, new_residual))
     assert not check.passed and check.error == 1.0
-    assert check.reason == "not bit-exact on small integers (with residual): normed differs from the reference in 1 of 384 elements"
+    assert check.reason == ("not bit-exact on small integers (with residual): "
+                            "normed differs from the reference in 1 of 384 elements")
 
 
 def test_an_unwritten_element_reads_nan_and_fails():
@@ -62,7 +63,8 @@ def test_an_unwritten_element_reads_nan_and_fails():
     exact = V.Case("exact", FUSED, 3, 128, "bfloat16")
     poisoned = tuple(torch.full_like(t, float("nan")) for t in _reference_outputs(exact))
     check = V.check_outputs(exact, V.case_inputs(exact, 2), poisoned)
-    assert not check.passed and check.error == float("inf") and "differs from the reference in 384 of 384" in check.reason
+    assert (not check.passed and check.error == float("inf")
+            and "differs from the reference in 384 of 384" in check.reason)
 
 
 def test_random_case_tolerance_is_the_reference_table_and_not_looser():

@@ -88,8 +88,9 @@ def test_a_communicator_under_a_nan_timeout_refuses_at_construction_on_every_ran
 
 # ---- the engines' switches -----------------------------------------------------------------------
 
-@pytest.mark.parametrize("value, want", [("", set()), ("0", set()), ("all", {"sglang", "vllm"}), ("1", {"sglang", "vllm"}),
-                                         ("vllm", {"vllm"}), (" SGLang , vllm ", {"sglang", "vllm"})])
+@pytest.mark.parametrize("value, want", [("", set()), ("0", set()), ("all", {"sglang", "vllm"}),
+                                         ("1", {"sglang", "vllm"}), ("vllm", {"vllm"}),
+                                         (" SGLang , vllm ", {"sglang", "vllm"})])
 def test_engines_switch(monkeypatch, value, want):
     monkeypatch.setenv("TPFUSE_ENGINES", value)
     assert env.engines_enabled() == want
@@ -97,7 +98,8 @@ def test_engines_switch(monkeypatch, value, want):
 
 def test_engines_switch_rejects_unknown_names(monkeypatch):
     monkeypatch.setenv("TPFUSE_ENGINES", "sglang,trtllm")
-    with pytest.raises(ValueError, match=r"TPFUSE_ENGINES='sglang,trtllm': unknown engine\(s\) trtllm; use sglang, vllm or all"):
+    with pytest.raises(ValueError,
+                       match=r"TPFUSE_ENGINES='sglang,trtllm': unknown engine\(s\) trtllm; use sglang, vllm or all"):
         env.engines_enabled()
 
 

@@ -35,7 +35,8 @@ def test_admission_states_the_conversion_path(kind):
     problem = Problem(Op.ALL_REDUCE_RESIDUAL_RMSNORM, 8, 6144, "bfloat16", NCCL, quant=kind)
     for cc, fp8_words in (((9, 0), "hardware cvt"), ((8, 0), "software conversion")):
         verdicts = admission(problem, _caps(cc), ["reference", "nccl_epilogue", "nccl_eager", "oneshot", "twoshot"])
-        assert verdicts["nccl_epilogue"].ok and fp8_words in verdicts["nccl_epilogue"].reason, verdicts["nccl_epilogue"].reason
+        assert verdicts["nccl_epilogue"].ok and fp8_words in verdicts["nccl_epilogue"].reason, (
+            verdicts["nccl_epilogue"].reason)
         if kind == "nvfp4":
             assert "e2m1 by the software conversion" in verdicts["nccl_epilogue"].reason
         assert verdicts["reference"].ok and verdicts["nccl_eager"].ok

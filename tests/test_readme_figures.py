@@ -38,7 +38,8 @@ def test_the_h200_peer_kernel_table_is_the_v3_run():
               and r["extra"]["suite_case"] != "alternating" and r["shape"]["hidden"] == 6144]
     columns = [("oneshot", 1), ("oneshot", 2), ("oneshot", 4), ("oneshot", 8), ("twoshot", 2), ("twoshot", 8)]
     table = ["| tokens | oneshot W=1 | W=2 | W=4 | W=8 | twoshot W=2 | W=8 |", "|---|---|---|---|---|---|---|"]
-    table += ["| " + " | ".join([str(t)] + [_cell(steady, s, w, t) for s, w in columns]) + " |" for t in (1, 16, 64, 256)]
+    table += ["| " + " | ".join([str(t)] + [_cell(steady, s, w, t) for s, w in columns]) + " |"
+              for t in (1, 16, 64, 256)]
     assert "\n".join(table) in README
     text = " ".join(README.split())
     shared = {r["world_size"]: r["median"] for r in steady if r["extra"]["suite_case"] == "pdl1_spin2"}

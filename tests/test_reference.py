@@ -137,7 +137,8 @@ def test_e4m3_reference_equals_torch_conversion_in_range():
     # on [-448, 448] with every binade, the subnormals and fp32 subnormals included.
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(100_000, generator=gen) * torch.exp2(torch.randint(-30, 10, (100_000,), generator=gen).float())
-    x = torch.cat([x.clamp(-448, 448), torch.tensor([0.0, -0.0, 2.0**-9, 2.0**-10, 3 * 2.0**-11, 1e-40, -1e-40, 448.0])])
+    x = torch.cat([x.clamp(-448, 448),
+                   torch.tensor([0.0, -0.0, 2.0**-9, 2.0**-10, 3 * 2.0**-11, 1e-40, -1e-40, 448.0])])
     assert torch.equal(_e4m3_codes(x.double()), x.to(torch.float8_e4m3fn).view(torch.uint8))
 
 
@@ -148,7 +149,8 @@ def test_e4m3_ties_saturation_and_specials():
     even = torch.where(lower % 2 == 0, lower, lower + 1).to(torch.uint8)
     assert torch.equal(_e4m3_codes(mids), even)
     assert torch.equal(_e4m3_codes(-mids), even | 0x80)
-    special = torch.tensor([464.0, 1e30, float("inf"), -float("inf"), float("nan"), -float("nan"), -0.0, 2.0**-10, 3 * 2.0**-10])
+    special = torch.tensor([464.0, 1e30, float("inf"), -float("inf"), float("nan"), -float("nan"), -0.0, 2.0**-10,
+                            3 * 2.0**-10])
     assert _e4m3_codes(special.double()).tolist() == [0x7E, 0x7E, 0x7E, 0xFE, 0x7F, 0x7F, 0x80, 0x00, 0x02]
 
 
@@ -179,7 +181,8 @@ def test_per_token_and_group_scales_by_definition():
     y = torch.tensor([[0.0] * 8, [1.0, -2.0, 3.0, -448.0, 0.5, 0.25, 7.0, 9.0]], dtype=torch.float32)
     codes, scale = quantize_ref(y, Q.fp8_per_token())
     assert scale.tolist() == [[0.0], [1.0]]  # all-zero row: scale 0, codes 0
-    assert torch.equal(codes[1].float(), y[1]) and torch.equal(codes[0].view(torch.uint8), torch.zeros(8, dtype=torch.uint8))
+    assert torch.equal(codes[1].float(), y[1]) and torch.equal(codes[0].view(torch.uint8),
+                                                               torch.zeros(8, dtype=torch.uint8))
     z = torch.cat([y.repeat(1, 2), y.repeat(1, 2) / 4], dim=1)  # two groups of 16 per row
     codes, scale = quantize_ref(z, Q.fp8_per_group(16))
     assert scale.tolist() == [[0.0, 0.0], [1.0, 0.25]]

@@ -57,7 +57,8 @@ def test_every_bucket_has_the_cpu_providers(smoke):
 def test_ratios_and_floor_recomputed(smoke):
     rows, _ = smoke
     # nccl_eager is not admitted on gloo CPU ranks: the ratio baseline is the reference strategy
-    base = {(r["shape"]["hidden"], r["shape"]["tokens"]): r["median"] for r in rows if r["strategy"] == "tpfuse/reference"}
+    base = {(r["shape"]["hidden"], r["shape"]["tokens"]): r["median"]
+            for r in rows if r["strategy"] == "tpfuse/reference"}
     for r in rows:
         h, t = r["shape"]["hidden"], r["shape"]["tokens"]
         assert r["extra"]["ratio_baseline"] == "tpfuse/reference"

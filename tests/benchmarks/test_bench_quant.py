@@ -28,11 +28,13 @@ def test_torch_baseline_quantizers_match_the_reference(kind):
     differ = (as_bytes(codes) != as_bytes(ref_codes)).float().mean().item()
     # fp8: the same fp32 steps; nvfp4: bucketize sends e2m1 ties up instead of to even (rare)
     assert differ == 0.0 if kind != "nvfp4" else differ < 0.01, differ
-    assert bench_quant.out_bytes(kind, 130, 512) == as_bytes(codes).numel() + (0 if kind == "fp8_static" else as_bytes(ref_scales).numel())
+    assert bench_quant.out_bytes(kind, 130, 512) == (as_bytes(codes).numel()
+                                                     + (0 if kind == "fp8_static" else as_bytes(ref_scales).numel()))
 
 
 def test_without_gpu_exits_2():
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: the script would benchmark")
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_quant.py"), "--tokens", "1"], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_quant.py"), "--tokens", "1"],
+                          capture_output=True, text=True)
     assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr

@@ -116,8 +116,8 @@ def test_bench_e2e_writes_nothing_unasked_and_its_tune_hint_is_accepted(empty_cw
     assert "result rows not kept (pass --results PATH to keep them)" in out
     hint = re.search(r"measure it with `tpfuse (tune --world-size 1 --preset tiny)`", out)
     assert hint
-    assert re.search(r"^bench e2e: 1 point\(s\) in [\d.]+ s, best [\d.]+ tok/s \(batch 1, fusion on\); allreduce count ok$",
-                     out, re.M)
+    assert re.search(r"^bench e2e: 1 point\(s\) in [\d.]+ s, best [\d.]+ tok/s \(batch 1, fusion on\); "
+                     r"allreduce count ok$", out, re.M)
     # The hint's command passes tune's argument checks (here stopped right after them by --rounds 0).
     assert main([*hint.group(1).split(), "--rounds", "0"]) == 2
     assert "--rounds must be >= 1" in capfd.readouterr().err

@@ -89,7 +89,8 @@ def test_tables_show_cpu_versions_and_every_strategy_with_its_reason(capsys, nee
     assert f"CPU    │ {caps.cpu.model} ({caps.cpu.arch})" in out
     assert f"{caps.cpu.num_cores} logical" in out
     assert "no GPU: torch" in out
-    for name, version in (("torch", torch.__version__), ("python", caps.versions.python), ("Triton", caps.versions.triton)):
+    for name, version in (("torch", torch.__version__), ("python", caps.versions.python),
+                          ("Triton", caps.versions.triton)):
         assert f"{name}" in out and version in out
     assert "world size 2 (gloo, cpu, peer access no)" in out
     assert "admitted" in row_of(out, "reference") and "not admitted" not in row_of(out, "reference")
@@ -101,7 +102,8 @@ def test_tables_show_cpu_versions_and_every_strategy_with_its_reason(capsys, nee
     for name in strategies.strategy_names():
         row_of(out, name)  # every registered strategy has exactly one row
     flashinfer = row_of(out, "flashinfer")
-    assert ("not installed (pip install flashinfer-python)" in flashinfer) == (caps.package("flashinfer").available is False)
+    assert (("not installed (pip install flashinfer-python)" in flashinfer)
+            == (caps.package("flashinfer").available is False))
 
 
 def test_json_has_the_same_content_and_nothing_else_on_stdout(capsys, needs_cuda_strategy):
@@ -116,9 +118,11 @@ def test_json_has_the_same_content_and_nothing_else_on_stdout(capsys, needs_cuda
     assert list(report["admission"]) == strategies.strategy_names()
     assert report["admission"]["reference"] == {"admitted": True, "reason": "all needs met"}
     if not report["probe"]["gpus"]:
-        assert report["admission"]["needs_cuda"] == {"admitted": False, "reason": "needs CUDA tensors; this group runs on cpu"}
+        assert report["admission"]["needs_cuda"] == {"admitted": False,
+                                                     "reason": "needs CUDA tensors; this group runs on cpu"}
     moe = report["moe_runners"]
-    assert set(moe) == {"available", "reason", "runners"} and (moe["available"] or moe["reason"].startswith("not available"))
+    assert set(moe) == {"available", "reason", "runners"} and (moe["available"]
+                                                               or moe["reason"].startswith("not available"))
     assert report["fabric"] is None
 
 
@@ -152,7 +156,8 @@ def no_moe_section(monkeypatch):
     """On a faked GPU probe the real MoE runner report would try real CUDA; its section is stubbed."""
     import tpfuse.cli.doctor as doctor
 
-    monkeypatch.setattr(doctor, "moe_runner_section", lambda caps: {"available": False, "reason": "stubbed", "runners": []})
+    monkeypatch.setattr(doctor, "moe_runner_section",
+                        lambda caps: {"available": False, "reason": "stubbed", "runners": []})
 
 
 def fake_gpu_caps(*, atomics: bool = True) -> Capabilities:
@@ -167,13 +172,14 @@ def fake_gpu_caps(*, atomics: bool = True) -> Capabilities:
         LinkInfo(1, 0, True, "nvlink", 18, "node", atomics, "switch"),
         LinkInfo(1, 1, True, "same_device", native_atomics=True),
     )
-    return Capabilities(gpus, links, Versions("3.11.7", "0.1.0", "2.11.0+cu130", "13.0", "580.95.05", "2.27.5", "3.6.0", "13.0"),
+    return Capabilities(gpus, links,
+                        Versions("3.11.7", "0.1.0", "2.11.0+cu130", "13.0", "580.95.05", "2.27.5", "3.6.0", "13.0"),
                         (PackageStatus("triton", True, "3.6.0"),), CpuInfo("Intel Xeon", 64, 2**40, "x86_64", 64), "ok")
 
 
 def args(**overrides):
-    base = dict(world_size=None, hidden=6144, num_tokens=8, dtype="bfloat16", op="all_reduce_residual_rmsnorm", shared_gpu=False,
-                device="auto")
+    base = dict(world_size=None, hidden=6144, num_tokens=8, dtype="bfloat16", op="all_reduce_residual_rmsnorm",
+                shared_gpu=False, device="auto")
     return argparse.Namespace(**{**base, **overrides})
 
 
@@ -225,7 +231,8 @@ def test_measure_failure_is_reported_and_exit_is_still_0(capsys, monkeypatch):
     assert "Fabric not measured: measure_fabric: needs at least 2 GPUs, found 0" in capsys.readouterr().out
     assert main(["doctor", "--measure", "--json"]) == 0
     fabric = json.loads(capsys.readouterr().out)["fabric"]
-    assert fabric == {"measured": False, "reason": "measure_fabric: needs at least 2 GPUs, found 0; run on a machine with two or more GPUs"}
+    assert fabric == {"measured": False, "reason": "measure_fabric: needs at least 2 GPUs, found 0; "
+                                                   "run on a machine with two or more GPUs"}
 
 
 def test_measure_missing_module_is_a_reason(capsys, monkeypatch):
@@ -256,7 +263,8 @@ def test_measure_result_table_and_json(capsys, monkeypatch, no_moe_section):
     assert main(["doctor", "--measure", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["fabric"] == {"measured": True, "reason": ""}
-    assert report["probe"]["fabric"]["pairs"][0] == {"a": 0, "b": 1, "read_gbps": 52.5, "write_gbps": 48.25, "latency_us": 2.5}
+    assert report["probe"]["fabric"]["pairs"][0] == {"a": 0, "b": 1, "read_gbps": 52.5, "write_gbps": 48.25,
+                                                     "latency_us": 2.5}
     assert report["probe"]["fabric"]["prefers"] == "pull"
 
 
@@ -267,13 +275,15 @@ def test_moe_runner_rows_are_shown_and_a_missing_module_is_said(capsys, monkeypa
     module = types.ModuleType("tpfuse.models.moe_runners")
     module.runner_report = lambda caps: [
         {"name": "grouped_mm", "admitted": True, "reason": "all needs met", "chosen": True, "why": "fastest measured"},
-        {"name": "flashinfer_cutlass", "admitted": False, "reason": "needs the package 'flashinfer'", "chosen": False, "why": ""},
+        {"name": "flashinfer_cutlass", "admitted": False, "reason": "needs the package 'flashinfer'", "chosen": False,
+         "why": ""},
     ]
     monkeypatch.setitem(sys.modules, "tpfuse.models.moe_runners", module)
     assert main(["doctor"]) == 0
     out = capsys.readouterr().out
     assert " admitted " in row_of(out, "grouped_mm") and " fastest measured " in row_of(out, "grouped_mm")
-    assert " not admitted " in row_of(out, "flashinfer_cutlass") and "needs the package 'flashinfer'" in row_of(out, "flashinfer_cutlass")
+    assert (" not admitted " in row_of(out, "flashinfer_cutlass")
+            and "needs the package 'flashinfer'" in row_of(out, "flashinfer_cutlass"))
     assert main(["doctor", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["moe_runners"]["runners"][1]["name"] == "flashinfer_cutlass"
     monkeypatch.setitem(sys.modules, "tpfuse.models.moe_runners", None)
@@ -307,7 +317,8 @@ def test_quant_admission_reasons(capsys, monkeypatch, no_moe_section, kind):
         assert "e2m1 by the software conversion" in fused["reason"]
     for name in ("oneshot", "twoshot"):  # the peer allreduce, then the quantizing epilogue
         peer = admission[name]
-        assert peer["admitted"] and "quantized output in the peer kernel" in peer["reason"] and "hardware cvt" in peer["reason"]
+        assert (peer["admitted"] and "quantized output in the peer kernel" in peer["reason"]
+                and "hardware cvt" in peer["reason"])
     assert admission["nccl_eager"]["admitted"]
     assert main(["doctor", "--quant", kind]) == 0  # the table names the format
     assert f"{kind} output" in capsys.readouterr().out

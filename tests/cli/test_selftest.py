@@ -20,7 +20,8 @@ def test_selftest_two_ranks_passes_and_prints_the_table(capsys):
     for text in ("reference", "ar+add+norm", "exact", "random", "4x6144", "4x8192", "bf16", "fp16", "fp32", "PASS"):
         assert text in out
     assert "21 passed, 0 failed" in out
-    assert out.rstrip().splitlines()[-1].startswith("selftest PASSED: 21 passed, 0 failed (reference) on 2 gloo rank(s) in ")
+    assert out.rstrip().splitlines()[-1].startswith("selftest PASSED: 21 passed, 0 failed (reference) "
+                                                    "on 2 gloo rank(s) in ")
 
 
 @pytest.mark.gloo

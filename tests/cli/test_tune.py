@@ -36,7 +36,8 @@ SRC = os.path.join(os.path.dirname(TESTS_DIR), "src")
 @pytest.mark.slow
 @pytest.mark.gloo
 def test_tune_writes_a_table_that_loads(tmp_path, capsys):
-    rc = main(["tune", "--hidden", "64", "--max-tokens", "2", "--world-size", "2", "--op", "all_reduce_residual_rmsnorm",
+    rc = main(["tune", "--hidden", "64", "--max-tokens", "2", "--world-size", "2",
+               "--op", "all_reduce_residual_rmsnorm",
                "--rounds", "5", "--confirm-rounds", "5", "--cache-dir", str(tmp_path), "--json",
                "--results", str(tmp_path / "rows.jsonl")])
     assert rc == 0

@@ -126,4 +126,5 @@ def test_ranks_agree_at_construction_or_all_fail_alike(tmp_path):
         assert message.startswith("ValueError: Communicator: ") and text in message, (case, message)
     for r in results:
         assert torch.equal(r["debug_sum"], want)
-        assert "ranks disagree on the call" in r["debug_mismatch"] and "rank 2: all_reduce (4, 16)" in r["debug_mismatch"]
+        assert ("ranks disagree on the call" in r["debug_mismatch"]
+                and "rank 2: all_reduce (4, 16)" in r["debug_mismatch"])

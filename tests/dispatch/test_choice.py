@@ -57,8 +57,10 @@ def test_explicit_override_is_honoured_with_a_warning_when_measurements_contradi
                    rejected={"twoshot": "failed correctness: rank 1: differs"})
     slow = choose(_problem(), ALL_OK, requested="ring", table=table, is_fused=is_fused)
     assert (slow.name, slow.source) == ("ring", "explicit") and "1.50x" in slow.warning
-    broken = choose(_problem(), ALL_OK, requested="twoshot", table=table, is_fused=is_fused, requested_by="TPFUSE_STRATEGY")
-    assert broken.name == "twoshot" and "failed the correctness check" in broken.warning and "TPFUSE_STRATEGY" in broken.reason
+    broken = choose(_problem(), ALL_OK, requested="twoshot", table=table, is_fused=is_fused,
+                    requested_by="TPFUSE_STRATEGY")
+    assert (broken.name == "twoshot" and "failed the correctness check" in broken.warning
+            and "TPFUSE_STRATEGY" in broken.reason)
     close = choose(_problem(), ALL_OK, requested="oneshot", table=table, is_fused=is_fused)  # within the margin
     assert close.warning == ""
     with pytest.raises(ValueError, match="cannot run .* needs NCCL"):

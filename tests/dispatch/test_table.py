@@ -77,7 +77,8 @@ def test_round_trip_keeps_every_field_and_digest(here, tmp_path):
 
 def test_lookup_rounds_up_to_the_next_bucket_and_never_extrapolates(here):
     table = _table(here, [_entry(1, "a"), _entry(2, "b"), _entry(4, "c"), _entry(8, "d"), _entry(4, "e", hidden=128)])
-    assert [table.lookup("all_reduce_residual_rmsnorm", "bfloat16", 64, n).choice for n in (1, 2, 3, 4, 5, 8)] == list("abccdd")
+    assert ([table.lookup("all_reduce_residual_rmsnorm", "bfloat16", 64, n).choice for n in (1, 2, 3, 4, 5, 8)]
+            == list("abccdd"))
     assert table.lookup("all_reduce_residual_rmsnorm", "bfloat16", 64, 9) is None  # beyond the largest bucket
     assert table.lookup("all_reduce_residual_rmsnorm", "bfloat16", 96, 1) is None  # hidden not tuned
     assert table.lookup("all_reduce_residual_rmsnorm", "float16", 64, 1) is None  # dtype not tuned
@@ -165,7 +166,8 @@ WRONG_TYPED = [
     ("entries.0.choice", _set("entries.0.choice", 3), "entries[0].choice: expected a non-empty string"),
     ("entries.0.op", _set("entries.0.op", "all_gather"), "entries[0].op: expected one of"),
     ("entries.0.best_unfused", _set("entries.0.best_unfused", ["ring"]), "entries[0].best_unfused"),
-    ("median", _set("entries.0.times_us.ring.median", "fast"), "entries[0].times_us.ring.median: expected a finite number"),
+    ("median", _set("entries.0.times_us.ring.median", "fast"),
+     "entries[0].times_us.ring.median: expected a finite number"),
     ("negative", _set("entries.0.times_us.ring.p20", -1.0), "entries[0].times_us.ring.p20"),
     ("n", _set("entries.0.times_us.ring.n", 2.5), "entries[0].times_us.ring.n: expected an integer"),
     ("times_us", _set("entries.0.times_us", [1, 2]), "entries[0].times_us: expected an object"),

@@ -96,7 +96,8 @@ import transformers.utils.import_utils as _iu
 assert not _iu.is_torchvision_available()
 class InterpolationMode(enum.Enum):
     NEAREST = "nearest"; BILINEAR = "bilinear"; BICUBIC = "bicubic"
-_tv, _tr, _fn = (types.ModuleType(n) for n in ("torchvision", "torchvision.transforms", "torchvision.transforms.functional"))
+_tv, _tr, _fn = (types.ModuleType(n)
+                 for n in ("torchvision", "torchvision.transforms", "torchvision.transforms.functional"))
 _tr.InterpolationMode = _fn.InterpolationMode = InterpolationMode
 _tv.transforms, _tr.functional = _tr, _fn
 sys.modules.update({"torchvision": _tv, "torchvision.transforms": _tr, "torchvision.transforms.functional": _fn})

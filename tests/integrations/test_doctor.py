@@ -11,7 +11,8 @@ def test_doctor_rows(monkeypatch, tmp_path):
     monkeypatch.setenv("TPFUSE_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("TPFUSE_CALIBRATE", raising=False)
     monkeypatch.setattr(doctor, "_version", lambda dist: {"sglang": "0.5.23"}.get(dist))
-    monkeypatch.setattr(doctor, "_entry_point", lambda group: "tpfuse.integrations.sglang:plugin" if group == "sglang.srt.plugins" else None)
+    monkeypatch.setattr(doctor, "_entry_point",
+                        lambda group: "tpfuse.integrations.sglang:plugin" if group == "sglang.srt.plugins" else None)
     monkeypatch.setenv("TPFUSE_ENGINES", "sglang")
     rows = {r["engine"]: r for r in doctor.engine_rows(environ={})}
     assert rows["sglang"]["enabled"] and rows["sglang"]["would"].startswith("it replaces the fused allreduce")

@@ -217,7 +217,8 @@ def test_engine_op_captured_and_replayed_with_oneshot_on_a_shared_gpu():
         assert chosen == "oneshot"
         for step, (normed, new_res) in enumerate(outs):
             xs = [small_integer_inputs(r, GRAPH_M, GRAPH_H, GRAPH_DTYPE, seed=step) for r in range(2)]
-            want = all_reduce_residual_rmsnorm_ref(xs, small_integer_inputs(100, GRAPH_M, GRAPH_H, GRAPH_DTYPE, seed=step),
-                                                   small_integer_inputs(101, GRAPH_M, GRAPH_H, GRAPH_DTYPE, seed=step)[0])
+            want = all_reduce_residual_rmsnorm_ref(
+                xs, small_integer_inputs(100, GRAPH_M, GRAPH_H, GRAPH_DTYPE, seed=step),
+                small_integer_inputs(101, GRAPH_M, GRAPH_H, GRAPH_DTYPE, seed=step)[0])
             assert torch.equal(new_res, want[1]), step  # small-integer sums are exact
             assert torch.equal(normed, want[0]), step

@@ -15,7 +15,8 @@ def test_legacy_import_hook_patches_the_modules_as_they_import(monkeypatch, tmp_
     for part in (tmp_path / "sglang", tmp_path / "sglang" / "srt", pkg):
         (part / "__init__.py").write_text("")
     (pkg / "communicator.py").write_text("def apply_flashinfer_allreduce_fusion(batch_size):\n    return False\n")
-    (pkg / "flashinfer_comm_fusion.py").write_text("def flashinfer_allreduce_residual_rmsnorm(*a, **k):\n    return None, None\n")
+    (pkg / "flashinfer_comm_fusion.py").write_text("def flashinfer_allreduce_residual_rmsnorm(*a, **k):\n"
+                                                   "    return None, None\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv("TPFUSE_ENGINES", "sglang")
     for name in [m for m in sys.modules if m.split(".")[0] == "sglang"]:

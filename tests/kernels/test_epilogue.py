@@ -225,7 +225,8 @@ def _epilogue_rank(rank, world_size, cases):
         make = small_integer_inputs if kind == "int" else random_inputs
         s = make(0, m, h, dtype, seed=h)
         res = make(1, m, h, dtype, seed=h) if with_res else None
-        w = (1 + 0.1 * random_inputs(2, 1, h, torch.float32, seed=h)[0]).to(dtype) if kind != "int" else make(2, 1, h, dtype)[0]
+        w = ((1 + 0.1 * random_inputs(2, 1, h, torch.float32, seed=h)[0]).to(dtype) if kind != "int"
+             else make(2, 1, h, dtype)[0])
         out = residual_rmsnorm(s, res, w, 1e-6, out=nan_pair(s))
         op_out = residual_rmsnorm_op(s, res, w, 1e-6)
         results.append((s, res, w, out, op_out))
@@ -235,7 +236,8 @@ def _epilogue_rank(rank, world_size, cases):
 @pytest.mark.interpreter
 def test_epilogue_matches_reference_in_interpreter():
     cases = [(kind, dtype, m, h, with_res)
-             for kind in ("int", "rand") for dtype in DTYPES for (m, h) in ((3, 64), (2, 40)) for with_res in (True, False)]
+             for kind in ("int", "rand") for dtype in DTYPES for (m, h) in ((3, 64), (2, 40))
+             for with_res in (True, False)]
     (results,) = run_ranks(_epilogue_rank, 1, args=(cases,), env=INTERP, timeout_s=120)
     for (kind, dtype, m, h, with_res), (s, res, w, (normed, new_res), op_out) in zip(cases, results):
         ref_normed, ref_new_res = residual_rmsnorm_ref(s, res, w, 1e-6)
@@ -256,7 +258,8 @@ def _poison_cache(nbytes: int) -> None:
 
 
 # Every hidden size in bf16; the other dtypes on the awkward sizes (each case is a compile).
-EPILOGUE_CASES = [(h, torch.bfloat16) for h in HIDDENS] + [(h, d) for h in (100, 2880, 16384) for d in (torch.float16, torch.float32)]
+EPILOGUE_CASES = [(h, torch.bfloat16) for h in HIDDENS] + [(h, d) for h in (100, 2880, 16384)
+                                                            for d in (torch.float16, torch.float32)]
 
 
 @pytest.mark.gpu

@@ -42,7 +42,8 @@ def _bits(t):
     if isinstance(t, tuple):
         return t[4]
     t = t if t.dim() == 0 or t.stride(-1) == 1 else t.contiguous()
-    return t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int32) if t.element_size() == 4 else t.view(torch.int16)
+    return (t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int32) if t.element_size() == 4
+            else t.view(torch.int16))
 
 
 def _meta(t):
@@ -61,7 +62,8 @@ def crafted_rows() -> torch.Tensor:
     ties = (e4m3[1:] + e4m3[:-1]) / 2  # every e4m3 midpoint (126 values)
     edge = torch.tensor([448.0, -448.0, 464.0, -464.0, 479.9, 500.0, 1e30, -float("inf"), float("inf"), -0.0,
                          2.0**-9, 2.0**-10, 3 * 2.0**-11, 2.0**-6, 2.0**-7 * 1.9375, 1e-40, -1e-40, 2.0**-126])
-    e2m1_ties = torch.tensor([6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -5.0, 7.0, 0.2500001, 0.0, -0.0, 1e-30, -6.5])
+    e2m1_ties = torch.tensor([6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -5.0, 7.0, 0.2500001, 0.0, -0.0, 1e-30,
+                              -6.5])
     gen = torch.Generator().manual_seed(3)
     wide = torch.randn(H, generator=gen) * torch.exp2(torch.randint(-20, 12, (H,), generator=gen).float())
     rows = torch.zeros(5, H)
@@ -97,14 +99,16 @@ def _opchecks():
     import tpfuse.kernels.custom_ops  # noqa: F401  (registers the ops)
 
     s, r, w = (small_integer_inputs(i, 3, 64, torch.bfloat16) for i in range(3))
-    cases = [("fp8_per_group", 16, "col", None, False, None), ("nvfp4", 16, "swizzled", None, True, torch.tensor([2.0])),
+    cases = [("fp8_per_group", 16, "col", None, False, None),
+             ("nvfp4", 16, "swizzled", None, True, torch.tensor([2.0])),
              ("fp8_static", 0, "row", None, False, torch.tensor([0.5])), ("fp8_per_token", 0, "row", 1.0, False, None)]
     return {c[0]: opcheck(torch.ops.tpfuse.residual_rmsnorm_quant.default, (s, r, w[0], 1e-6) + c) for c in cases}
 
 
 # H = 96: rows shorter than their power-of-two block, so masked lanes and padded scale columns
 # (align4(96 / 16) = 8 for the 128x4 layout) are exercised.
-SPECS_96 = [Q.fp8_per_token(), Q.fp8_per_group(32, layout="col"), Q.nvfp4(3.0, swizzled=False), Q.nvfp4(3.0, swizzled=True)]
+SPECS_96 = [Q.fp8_per_token(), Q.fp8_per_group(32, layout="col"), Q.nvfp4(3.0, swizzled=False),
+            Q.nvfp4(3.0, swizzled=True)]
 
 
 @pytest.mark.interpreter
@@ -116,7 +120,8 @@ def test_helpers_match_reference_bit_for_bit():
     inputs = [y] * len(SPECS) + [y[:, :96].contiguous()] * len(SPECS_96)
     for spec, y, (codes, scale) in zip(SPECS + SPECS_96, inputs, results):
         ref_codes, ref_scale = quantize_ref(y, spec)
-        assert _same(codes, ref_codes), f"{spec.key}: codes differ at {(_bits(codes) != _bits(ref_codes)).nonzero()[:4].tolist()}"
+        assert _same(codes, ref_codes), (f"{spec.key}: codes differ at "
+                                         f"{(_bits(codes) != _bits(ref_codes)).nonzero()[:4].tolist()}")
         assert _same(scale, ref_scale), f"{spec.key}: scales differ"
         if spec.kind == "fp8_per_token":
             assert ref_scale[0].item() == 0.0  # the all-zero row
@@ -146,7 +151,8 @@ def _cases():
     cases = [("int", dtype, 3, True, i) for dtype in DTYPES for i in linear]
     cases += [("int", torch.bfloat16, 3, True, i) for i in swizzled]
     cases += [("int", torch.bfloat16, 2, False, i) for i in linear[:2]]
-    cases += [("int96", torch.bfloat16, 3, True, i) for i in linear if EPI_SPECS[i].group in (0, 16)]  # rows shorter than their block
+    # rows shorter than their block
+    cases += [("int96", torch.bfloat16, 3, True, i) for i in linear if EPI_SPECS[i].group in (0, 16)]
     cases += [("rand", torch.bfloat16, 6, True, i) for i in linear]
     cases += [("int", torch.bfloat16, 0, True, i) for i in (1, swizzled[0])]  # zero tokens
     return cases
@@ -160,7 +166,8 @@ def _epilogue_rank(rank, world_size, cases):
     for kind, dtype, m, with_res, i in cases:
         s, res, w = _inputs(kind, dtype, m, with_res)
         got = residual_rmsnorm(s, res, w, 1e-6, quant=EPI_SPECS[i])
-        op = residual_rmsnorm_quant_op(s, res, w, 1e-6, EPI_SPECS[i]) if kind == "int" and dtype == torch.bfloat16 else None
+        op = (residual_rmsnorm_quant_op(s, res, w, 1e-6, EPI_SPECS[i]) if kind == "int" and dtype == torch.bfloat16
+              else None)
         out.append((tuple(_pack(t) for t in got), None if op is None else tuple(_pack(t) for t in op)))
     return out
 
@@ -214,7 +221,8 @@ def _on(spec, device="cuda"):
 
 
 def _cpu(result):
-    return [None if t is None else (t.cpu() if t.stride(-1) == 1 or t.dim() < 2 else t.contiguous().cpu()) for t in result]
+    return [None if t is None else (t.cpu() if t.stride(-1) == 1 or t.dim() < 2 else t.contiguous().cpu())
+            for t in result]
 
 
 @pytest.mark.gpu
@@ -232,7 +240,8 @@ def test_helpers_on_gpu_match_reference(hw_fp8, hw_fp4):
         codes, scale = quantize(y.cuda(), _on(spec), hw_fp8=hw_fp8, hw_fp4=hw_fp4)
         ref_codes, ref_scale = quantize_ref(y, spec)
         assert _same(codes.cpu(), ref_codes), f"{spec.key} hw_fp8={hw_fp8}: codes differ"
-        assert _same(scale.contiguous().cpu() if scale.dim() > 1 else scale.cpu(), ref_scale.contiguous()), f"{spec.key}: scales differ"
+        assert _same(scale.contiguous().cpu() if scale.dim() > 1 else scale.cpu(), ref_scale.contiguous()), (
+            f"{spec.key}: scales differ")
 
 
 @pytest.mark.gpu
@@ -240,7 +249,8 @@ def test_reference_e4m3_equals_torch_cuda_conversion():
     from tpfuse.reference import _e4m3_codes
 
     gen = torch.Generator().manual_seed(5)
-    x = (torch.randn(1 << 20, generator=gen) * torch.exp2(torch.randint(-24, 10, (1 << 20,), generator=gen).float())).clamp(-448, 448)
+    x = (torch.randn(1 << 20, generator=gen)
+         * torch.exp2(torch.randint(-24, 10, (1 << 20,), generator=gen).float())).clamp(-448, 448)
     assert torch.equal(_e4m3_codes(x.double()), x.cuda().to(torch.float8_e4m3fn).view(torch.uint8).cpu())
 
 
@@ -260,7 +270,8 @@ def test_epilogue_at_model_shapes(hidden):
         ref = residual_rmsnorm_quant_ref(s, r, w, 1e-6, spec)
         assert _same(got[2], ref.residual)
         nib = spec.kind == "nvfp4"
-        if not nib or _same(got[1], ref.scale.contiguous()):  # see test_quantized_epilogue_matches_reference: one code step at most
+        # see test_quantized_epilogue_matches_reference: one code step at most
+        if not nib or _same(got[1], ref.scale.contiguous()):
             assert (_ordinal(got[0], nib) - _ordinal(ref.out, nib)).abs().max() <= 1, spec.key
 
 
@@ -328,7 +339,8 @@ def _nccl_rank(rank, world_size):
 
 
 def _host(result):
-    return [None if t is None else t.contiguous().view(torch.uint8).cpu() if t.element_size() == 1 else t.contiguous().cpu()
+    return [None if t is None
+            else t.contiguous().view(torch.uint8).cpu() if t.element_size() == 1 else t.contiguous().cpu()
             for t in result]
 
 
@@ -530,7 +542,8 @@ def test_hardware_e2m1_path_assembles_for_blackwell(cc):
 
     triton = pytest.importorskip("triton")
     bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    ptxas = next((str(p) for p in (bin_dir / "ptxas-blackwell", bin_dir / "ptxas") if p.exists()), shutil.which("ptxas"))
+    ptxas = next((str(p) for p in (bin_dir / "ptxas-blackwell", bin_dir / "ptxas") if p.exists()),
+                 shutil.which("ptxas"))
     if ptxas is None:
         pytest.skip("no ptxas to assemble the sm_100a PTX with")
     arch = re.search(r"\.target (sm_\w+)", ptx).group(1)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from tpfuse.probe.cpu import cpu_model, mem_total_bytes, read_cpu
 
-X86_CPUINFO = "processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: Intel(R) Xeon(R) Platinum 8480+\n\nprocessor\t: 1\nmodel name\t: Intel(R) Xeon(R) Platinum 8480+\n"
+X86_CPUINFO = ("processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: Intel(R) Xeon(R) Platinum 8480+\n\n"
+               "processor\t: 1\nmodel name\t: Intel(R) Xeon(R) Platinum 8480+\n")
 ARM_CPUINFO = "processor\t: 0\nBogoMIPS\t: 2000.00\nCPU implementer\t: 0x41\nCPU part\t: 0xd4f\n"
 
 

@@ -80,7 +80,8 @@ def test_every_peer_pair_is_measured():
 
     result = fabric.measure_fabric(probe(), nbytes=16 << 20, reps=5)
     count = torch.cuda.device_count()
-    expected = {(a, b) for a in range(count) for b in range(count) if a != b and torch.cuda.can_device_access_peer(a, b)}
+    expected = {(a, b) for a in range(count) for b in range(count)
+                if a != b and torch.cuda.can_device_access_peer(a, b)}
     assert {(p.a, p.b) for p in result.pairs} == expected
     for p in result.pairs:
         assert p.read_gbps > 0.5 and p.write_gbps > 0.5 and 0.1 < p.latency_us < 100.0, p

@@ -36,16 +36,18 @@ def test_links_without_nvml_or_atomics_say_unknown_with_notes():
     assert (l01.kind, l01.peer_access, l01.native_atomics) == ("unknown", False, None)
     assert "GPU pairs 0->1, 1->0: cudaDeviceGetP2PAttribute(0, 1) returned cudaError 101" in notes
     assert any(n.startswith("GPU pairs 0->1, 1->0: can_device_access_peer: peer query failed") for n in notes)
-    _, notes = read_links(fake_torch(peers=set()), _gpus(2), {}, atomics=None, atomics_unavailable="no loadable libcudart")
+    _, notes = read_links(fake_torch(peers=set()), _gpus(2), {}, atomics=None,
+                          atomics_unavailable="no loadable libcudart")
     assert notes == ["native peer atomics unknown: no loadable libcudart"]
 
 
 def test_loaded_libraries_are_read_from_the_process_map(tmp_path):
     maps = tmp_path / "maps"
+    cudart = "/venv/lib/python3.11/site-packages/nvidia/cu13/lib/libcudart.so.13"
     maps.write_text(
-        "7f0000000000-7f0000001000 r-xp 00000000 08:01 1 /venv/lib/python3.11/site-packages/nvidia/cu13/lib/libcudart.so.13\n"
-        "7f0000001000-7f0000002000 r--p 00001000 08:01 1 /venv/lib/python3.11/site-packages/nvidia/cu13/lib/libcudart.so.13\n"
+        f"7f0000000000-7f0000001000 r-xp 00000000 08:01 1 {cudart}\n"
+        f"7f0000001000-7f0000002000 r--p 00001000 08:01 1 {cudart}\n"
         "7f0000003000-7f0000004000 r-xp 00000000 08:01 2 /usr/lib/x86_64-linux-gnu/libc.so.6\n"
     )
-    assert _loaded_libraries("libcudart.so", maps=str(maps)) == ["/venv/lib/python3.11/site-packages/nvidia/cu13/lib/libcudart.so.13"]
+    assert _loaded_libraries("libcudart.so", maps=str(maps)) == [cudart]
     assert _loaded_libraries("libcudart.so", maps=str(tmp_path / "missing")) == []

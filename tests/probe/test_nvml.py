@@ -14,7 +14,8 @@ from tpfuse.probe.nvml import read_nvml
 
 
 def gpu(index, uuid, pci_bus_id):
-    return GpuInfo(index, f"GPU{index}", uuid, (9, 0), 132, 232448, 50 * 2**20, 141 * 2**30, None, None, None, pci_bus_id)
+    return GpuInfo(index, f"GPU{index}", uuid, (9, 0), 132, 232448, 50 * 2**20, 141 * 2**30, None, None, None,
+                   pci_bus_id)
 
 
 # torch's numbering differs from NVML's on purpose: torch i -> NVML (2, 0, 3, 1); torch 3 has no

@@ -13,7 +13,8 @@ def test_optional_package_missing_and_broken(tmp_path, monkeypatch):
     assert (missing.available, missing.reason) == (False, "not installed (pip install nothere)")
     (tmp_path / "tpfuse_broken_pkg.py").write_text("raise OSError('libfoo.so: cannot open shared object file')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    broken = read_package(OptionalPackage("broken", "tpfuse_broken_pkg", ("broken",), "pip install broken", import_check=True))
+    broken = read_package(OptionalPackage("broken", "tpfuse_broken_pkg", ("broken",), "pip install broken",
+                                          import_check=True))
     assert not broken.available
     assert broken.reason == "installed but import failed: OSError: libfoo.so: cannot open shared object file"
     sys.modules.pop("tpfuse_broken_pkg", None)

@@ -40,7 +40,8 @@ def two_gpu_torch(monkeypatch):
         is_available=lambda: True, device_count=lambda: 2, get_device_properties=lambda i: devices[i],
         can_device_access_peer=lambda a, b: True, nccl=SimpleNamespace(version=lambda: (2, 27, 5)),
     )
-    torch = SimpleNamespace(__version__="2.11.0+cu130", version=SimpleNamespace(cuda="13.0"), cuda=cuda, __file__="/nonexistent/torch/__init__.py")
+    torch = SimpleNamespace(__version__="2.11.0+cu130", version=SimpleNamespace(cuda="13.0"), cuda=cuda,
+                            __file__="/nonexistent/torch/__init__.py")
     monkeypatch.setattr(tpfuse.probe, "_import_torch", lambda: torch)
     return torch
 
@@ -50,14 +51,16 @@ def test_probe_merges_torch_nvml_and_link_facts(two_gpu_torch, monkeypatch):
     caps = probe(nvml=FakeNvml())
     assert caps.nvml == "ok" and [g.index for g in caps.gpus] == [0, 1]
     g0, g1 = caps.gpus
-    assert (g0.name, g0.sm_count, g0.power_limit_w, g0.pcie_generation, g0.pcie_width) == ("NVIDIA H200", 132, 700.0, 5, 16)
+    assert (g0.name, g0.sm_count, g0.power_limit_w, g0.pcie_generation, g0.pcie_width) == (
+        "NVIDIA H200", 132, 700.0, 5, 16)
     assert (g1.power_limit_w, g1.pcie_generation, g1.pcie_width, g1.pci_bus_id) == (600.5, 4, 8, "0000:3b:00.0")
     link = caps.link(0, 1)
     assert (link.kind, link.nvlink_count, link.nvlink_via, link.pcie_level, link.peer_access, link.native_atomics) == (
         "nvlink", 4, "direct", "single", True, True)
     assert caps.link(1, 1).kind == "same_device" and len(caps.links) == 4
     v = caps.versions
-    assert (v.torch, v.cuda_runtime, v.nccl, v.driver, v.cuda_driver) == ("2.11.0+cu130", "13.0", "2.27.5", "580.95.05", "13.0")
+    assert (v.torch, v.cuda_runtime, v.nccl, v.driver, v.cuda_driver) == (
+        "2.11.0+cu130", "13.0", "2.27.5", "580.95.05", "13.0")
     assert caps.notes == ()
 
 
@@ -68,7 +71,8 @@ def test_probe_without_nvml_or_atomics_keeps_torch_facts_and_says_why(two_gpu_to
     assert caps.gpus[0].sm_count == 132 and caps.gpus[0].power_limit_w is None
     link = caps.link(0, 1)
     assert (link.kind, link.peer_access, link.native_atomics) == ("unknown", True, None)
-    assert "NVML unavailable: nvmlInit failed: Driver Not Loaded: power limits, PCIe links and link kinds are unknown" in caps.notes
+    assert ("NVML unavailable: nvmlInit failed: Driver Not Loaded: power limits, PCIe links and link kinds are unknown"
+            in caps.notes)
     assert "native peer atomics unknown: no loadable libcudart" in caps.notes
 
 

@@ -52,7 +52,8 @@ def test_nccl_epilogue_world_size_one():
             assert relative_error(normed, ref64) <= TOLERANCE[dtype]
 
 
-NCCL = GroupFacts(world_size=4, backend="nccl", device_type="cuda", devices=tuple(f"GPU-{i}" for i in range(4)), peer_access=True)
+NCCL = GroupFacts(world_size=4, backend="nccl", device_type="cuda", devices=tuple(f"GPU-{i}" for i in range(4)),
+                  peer_access=True)
 
 
 def _problem(group, tokens=8, hidden=6144, dtype="bfloat16", op=Op.ALL_REDUCE_RESIDUAL_RMSNORM):

@@ -184,7 +184,8 @@ def _quant_rank(rank, world_size, name):
     strategy = cpu_strategy(name, rank, world_size, timeout_s=5.0)
     strategy.prepare(hidden=64, dtype=torch.bfloat16, max_tokens=4)
     x = small_integer_inputs(rank, 3, 64, torch.bfloat16, seed=4)
-    res, w = small_integer_inputs(100, 3, 64, torch.bfloat16, seed=4), small_integer_inputs(101, 1, 64, torch.bfloat16, seed=4)[0]
+    res, w = (small_integer_inputs(100, 3, 64, torch.bfloat16, seed=4),
+              small_integer_inputs(101, 1, 64, torch.bfloat16, seed=4)[0])
     outs = [_pack(strategy.all_reduce_residual_rmsnorm(x, res, w, 1e-6, quant=spec)) for spec in _quant_specs()]
     # a plan of more items than programs quantizes after the peer allreduce, in the epilogue
     strategy.plan_programs = 1
@@ -202,7 +203,8 @@ def _quant_rank(rank, world_size, name):
 def test_peer_strategies_quantized_output_equals_the_reference(name):
     results = run_ranks(_quant_rank, 2, args=(name,), env=INTERP, timeout_s=300)
     xs = [small_integer_inputs(r, 3, 64, torch.bfloat16, seed=4) for r in range(2)]
-    res, w = small_integer_inputs(100, 3, 64, torch.bfloat16, seed=4), small_integer_inputs(101, 1, 64, torch.bfloat16, seed=4)[0]
+    res, w = (small_integer_inputs(100, 3, 64, torch.bfloat16, seed=4),
+              small_integer_inputs(101, 1, 64, torch.bfloat16, seed=4)[0])
     specs = _quant_specs()
     check_quantized(name, results, xs, res, w, specs + specs)  # in the kernel, then after it
 
@@ -216,7 +218,8 @@ def test_chunks_that_cut_scale_blocks_are_refused_by_the_kernels():
     plan = Plan(chunk=128, num_chunks=2, items=2, num_warps=1)
     assert quantizes_in_kernel(plan, Q.fp8_per_group(128)) and not quantizes_in_kernel(plan, Q.fp8_per_group(256))
     assert quantizes_in_kernel(plan, Q.nvfp4(1.0)) and not quantizes_in_kernel(Plan(32, 4, 4, 1), Q.nvfp4(1.0))
-    assert quantizes_in_kernel(Plan(16, 4, 4, 1), Q.fp8_per_token()) and quantizes_in_kernel(Plan(16, 4, 4, 1), Q.fp8_static(1.0))
+    assert (quantizes_in_kernel(Plan(16, 4, 4, 1), Q.fp8_per_token())
+            and quantizes_in_kernel(Plan(16, 4, 4, 1), Q.fp8_static(1.0)))
     for tokens in (1, 16, 4096):  # real plans: chunks of at least 128 elements hold every group <= 128
         for itemsize in (2, 4):
             plan = make_plan(tokens, 7168, itemsize, 128)
@@ -274,7 +277,8 @@ def _check_against_reference(results, world_size, dtype):
             ref64 = all_reduce_residual_rmsnorm_ref(xs, res, w, acc_dtype=torch.float64)
         for rank in range(world_size):
             for j, (g, r, r64) in enumerate(zip(results[rank][i], ref, ref64)):
-                assert torch.equal(g.view(torch.uint8), results[0][i][j].view(torch.uint8)), f"rank {rank} differs from rank 0"
+                assert torch.equal(g.view(torch.uint8), results[0][i][j].view(torch.uint8)), (
+                    f"rank {rank} differs from rank 0")
                 if kind == "int" or mode == "ar" or j == 1:
                     assert torch.equal(g, r), f"call {i} ({m} {kind} {mode}) output {j} differs from the reference"
                 else:
@@ -345,7 +349,8 @@ def test_cuda_graph_capture_and_replay(name):
                                               small_integer_inputs(101, m, h, dtype, seed=step)[0])
         for _ in range(2 if step % 2 else 1):
             for rank in range(world_size):
-                assert torch.equal(results[rank][k][0], ref[0]) and torch.equal(results[rank][k][1], ref[1]), (step, rank)
+                assert (torch.equal(results[rank][k][0], ref[0])
+                        and torch.equal(results[rank][k][1], ref[1])), (step, rank)
             k += 1
 
 
@@ -570,8 +575,10 @@ def test_two_streams_on_one_workspace_are_ordered(name):
 # ---- admission -----------------------------------------------------------------------------------
 
 NAMES = ["nccl_epilogue", "oneshot", "twoshot"]
-NCCL = GroupFacts(world_size=4, backend="nccl", device_type="cuda", devices=tuple(f"GPU-{i}" for i in range(4)), peer_access=True)
-SHARED = GroupFacts(world_size=2, backend="gloo", device_type="cuda", devices=("GPU-0", "GPU-0"), peer_access=True, shares_device=True)
+NCCL = GroupFacts(world_size=4, backend="nccl", device_type="cuda", devices=tuple(f"GPU-{i}" for i in range(4)),
+                  peer_access=True)
+SHARED = GroupFacts(world_size=2, backend="gloo", device_type="cuda", devices=("GPU-0", "GPU-0"), peer_access=True,
+                    shares_device=True)
 CPU = GroupFacts(world_size=2, backend="gloo", device_type="cpu", devices=("cpu", "cpu"))
 
 

@@ -30,7 +30,8 @@ def test_unknown_strategy_lists_the_registered_ones():
 
 
 def test_a_strategy_that_fails_to_import_is_not_admitted_with_the_import_error(monkeypatch):
-    monkeypatch.setitem(__import__("tpfuse.strategies", fromlist=["_REGISTRY"])._REGISTRY, "broken", "tpfuse.no_such_module:X")
+    monkeypatch.setitem(__import__("tpfuse.strategies", fromlist=["_REGISTRY"])._REGISTRY, "broken",
+                        "tpfuse.no_such_module:X")
     verdict = admission(_problem(CPU_GROUP), fake_caps(), ["broken"])["broken"]
     assert not verdict.ok and "cannot import tpfuse.no_such_module:X" in verdict.reason
     assert "broken" in strategy_names()

@@ -2,8 +2,9 @@
 of devices. Pass an instance as the probe's `nvml=` argument, or put it in sys.modules["pynvml"].
 
 Models four GPUs in NVML (PCI) order; two NVLink-bridged directly (4 links), two on an NVSwitch
-(18 and 12 active links; the latter with an unreadable and five inactive links in between), cross pairs over PCIe. Functions raise FakeNVMLError like pynvml's
-NVMLError subclasses do ("Not Supported", "Insufficient Permissions").
+(18 and 12 active links; the latter with an unreadable and five inactive links in between), cross
+pairs over PCIe. Functions raise FakeNVMLError like pynvml's NVMLError subclasses do ("Not
+Supported", "Insufficient Permissions").
 
 Live readings (what diagnose samples): GPU i reads power (200 + 50 i) W of its enforced limit,
 utilisation (90 - 10 i) %, SM clock 1500 of 1980 MHz, memory 3 + i GiB of 141 GiB, and lists every
@@ -27,7 +28,8 @@ class FakeNVMLError(Exception):
 
 
 def pci(domain, bus, device=0):
-    return SimpleNamespace(domain=domain, bus=bus, device=device, busId=f"{domain:08X}:{bus:02X}:{device:02X}.0".encode())
+    return SimpleNamespace(domain=domain, bus=bus, device=device,
+                           busId=f"{domain:08X}:{bus:02X}:{device:02X}.0".encode())
 
 
 SWITCH_PCI = pci(0, 0xE0)

@@ -9,5 +9,6 @@ def pack(result):
     """Bytes and layout of every output (float8 storages do not pickle between processes)."""
     out = []
     for t in result:
-        out.append(None if t is None else (str(t.dtype), tuple(t.shape), t.stride(), t.contiguous().view(torch.uint8).clone()))
+        out.append(None if t is None
+                   else (str(t.dtype), tuple(t.shape), t.stride(), t.contiguous().view(torch.uint8).clone()))
     return out

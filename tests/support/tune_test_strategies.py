@@ -33,7 +33,8 @@ class SequentialBroadcast(Strategy):
         for _ in range(PASSES):
             total = None
             for r in range(self.ctx.world_size):
-                buf = x.to(acc_dtype, copy=True) if r == self.ctx.rank else torch.empty(x.shape, dtype=acc_dtype, device=x.device)
+                buf = (x.to(acc_dtype, copy=True) if r == self.ctx.rank
+                       else torch.empty(x.shape, dtype=acc_dtype, device=x.device))
                 dist.broadcast(buf, src=dist.get_global_rank(self.ctx.group, r), group=self.ctx.group)
                 total = buf if total is None else total + buf
         return total.to(x.dtype)

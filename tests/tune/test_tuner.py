@@ -107,7 +107,8 @@ def test_tune_builds_one_table_that_every_rank_uses_or_every_rank_ignores(tmp_pa
         table, choice = r["no_table"]
         assert table is None and (choice.name, choice.source) == ("reference", "default")
         assert len(r["no_table_warnings"]) == 1  # once, however many calls
-        assert "no dispatch table at" in r["no_table_warnings"][0] and "tpfuse tune --world-size 2" in r["no_table_warnings"][0]
+        assert ("no dispatch table at" in r["no_table_warnings"][0]
+                and "tpfuse tune --world-size 2" in r["no_table_warnings"][0])
         assert r["loaded_digest"] == tables[0].digest
         expected = tables[0].lookup("all_reduce_residual_rmsnorm", "bfloat16", H, 5)
         assert expected.tokens == 8
