@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tpfuse.audit.arch import ARCHS, parse_arch
-from tpfuse.audit.engine import audit
+from tpfuse.audit.driver import audit
 
 CORPUS = Path(__file__).parent / "corpus"
 

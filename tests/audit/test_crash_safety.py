@@ -20,7 +20,7 @@ import pytest
 
 from tpfuse.audit import durable, manifest
 from tpfuse.audit.arch import parse_arch
-from tpfuse.audit.engine import audit
+from tpfuse.audit.driver import audit
 from tpfuse.audit.patch import build_changes
 from tpfuse.cli.main import main
 

@@ -11,7 +11,7 @@ import pytest
 
 from tpfuse.audit import manifest
 from tpfuse.audit.arch import parse_arch
-from tpfuse.audit.engine import audit
+from tpfuse.audit.driver import audit
 from tpfuse.cli.main import main
 
 RUNTIME_GATE = "allreduce_fusion_applies() result"

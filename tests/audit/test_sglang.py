@@ -13,7 +13,7 @@ import pytest
 
 from tpfuse.audit import manifest
 from tpfuse.audit.arch import parse_arch
-from tpfuse.audit.engine import audit
+from tpfuse.audit.driver import audit
 from tpfuse.audit.patch import build_changes
 
 from .sglang_source import SGLANG_VERSION, sglang_source

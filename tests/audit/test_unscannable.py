@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tpfuse.audit import manifest, target
-from tpfuse.audit.engine import audit
+from tpfuse.audit.driver import audit
 from tpfuse.cli.main import main
 
 from .conftest import FIXTURES

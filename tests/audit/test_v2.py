@@ -13,7 +13,7 @@ import pytest
 
 from tpfuse.audit import patch as patch_mod
 from tpfuse.audit.arch import ARCHS, parse_arch
-from tpfuse.audit.engine import audit
+from tpfuse.audit.driver import audit
 from tpfuse.audit.hardware import gate_class
 
 from .test_patch import run, snapshot

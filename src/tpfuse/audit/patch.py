@@ -178,7 +178,7 @@ def harm(before, after, arch, like) -> str | None:
 
 def verify(result, changes: dict, findings: list, plans: dict, arch, *, from_disk: bool = False) -> list:
     """Re-audit the patched files (in memory, or from disk after writing); one row per patched gate."""
-    from tpfuse.audit.engine import audit
+    from tpfuse.audit.driver import audit
 
     overlay = {} if from_disk else {result.target.root / rel: new for rel, (_, new) in changes.items()}
     after = audit(result.target.spec, native=False, overlay=overlay, only=set(changes))

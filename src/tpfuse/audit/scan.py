@@ -32,7 +32,7 @@ class Site:
     kind: str
     scope: str
     value: ArchBool
-    category: str
+    role: str  # verdict.ROLES
     guards: str
     polarity: int
     stmt: ast.AST
@@ -40,6 +40,8 @@ class Site:
     attrs: dict | None
     note: str | None = None
     requires: tuple = ()  # hardware features the guarded code uses (hardware.py)
+    effect: str = "enable"  # verdict.EFFECTS
+    turns_off: bool = False
 
 
 _CALL_RE = re.compile(r"(?<![.\w])([A-Za-z_]\w*)\s*\(")
@@ -144,7 +146,7 @@ class ModuleScanner:
             return UNKNOWN
         return Evaluator(self.resolver, self.module, local, attrs).eval(expr)
 
-    def _site(self, expr, kind, scope, local, attrs, stmt, *, guards, polarity=1, category=None, value=None):
+    def _site(self, expr, kind, scope, local, attrs, stmt, *, guards, polarity=1, role=None, effect="enable", value=None):
         if value is None:
             value = self._value(expr, local, attrs)
         if not isinstance(value, ArchBool) or not value.depends_on_arch:
@@ -152,18 +154,19 @@ class ModuleScanner:
         gate_value = value if polarity > 0 else value.not_()
         if callable(guards):  # described only for recorded sites: unparsing every if-body was costly
             guards = guards()
-        if category is None:
-            category = self._category(scope, kind, stmt)
-            if category == "gate" and self._inverse(expr, polarity, local, attrs):
-                category = "inverse"
+        turns_off = False
+        if role is None:
+            role = self._role(scope, kind, stmt)
+            turns_off = role == "code" and self._inverse(expr, polarity, local, attrs)
         note = None
         hint = classify.hardware_hint(self.lines, stmt.lineno, getattr(stmt, "end_lineno", stmt.lineno) if kind not in ("if", "elif") else expr.end_lineno)
         if hint:
             note = f"nearby text cites {hint!r}: the exclusion may be intentional"
-        requires = tuple(hardware.needed(self._guarded_text(kind, stmt))) if category == "gate" else ()
+        requires = tuple(hardware.needed(self._guarded_text(kind, stmt))) if role == "code" and not turns_off else ()
         self.sites.append(Site(
-            self.module, expr, kind, ".".join(scope) or "<module>", gate_value, category, guards, polarity, stmt,
+            self.module, expr, kind, ".".join(scope) or "<module>", gate_value, role, guards, polarity, stmt,
             dict(local) if local is not None else None, dict(attrs) if attrs is not None else None, note, requires,
+            effect, turns_off,
         ))
         return value
 
@@ -189,7 +192,7 @@ class ModuleScanner:
                 break
         return "\n".join([text, *called])
 
-    def _category(self, scope, kind, stmt) -> str:
+    def _role(self, scope, kind, stmt) -> str:
         if self.is_test:
             return "test"
         if any(classify.PRED_NAME_RE.match(s) for s in scope) and "supports_compute_capability" not in scope:
@@ -204,7 +207,7 @@ class ModuleScanner:
                 return "test-skip"
             if all(classify.is_log_stmt(s) for s in stmt.body):
                 return "log"
-        return "gate"
+        return "code"
 
     def _inverse(self, expr, polarity, local, attrs) -> bool:
         """An inverse gate: every architecture atom turns the feature *off* where it names an
@@ -351,7 +354,7 @@ class ModuleScanner:
                     value = ArchBool.where(lambda a, vs=values: a.cc_int in vs)
                     self._site(deco, "decorator", scope, local, attrs, deco, guards=where, value=value)
             elif name in classify.SKIP_CALLS and deco.args:
-                self._site(deco.args[0], "decorator", scope, local, attrs, deco, guards=where, category="test-skip")
+                self._site(deco.args[0], "decorator", scope, local, attrs, deco, guards=where, role="test-skip")
 
     def _expressions(self, stmt, scope, local, attrs):
         """Ternaries anywhere in the statement's own expressions (not in nested statements)."""
@@ -376,13 +379,13 @@ class ModuleScanner:
         if isinstance(node, ast.JoinedStr):
             in_message = True
         if isinstance(node, ast.Call) and classify.call_name(node) in classify.SKIP_CALLS and node.args:
-            self._site(node.args[0], "call", scope, local, attrs, node, guards=f"{classify.call_name(node)}(...)", category="test-skip")
+            self._site(node.args[0], "call", scope, local, attrs, node, guards=f"{classify.call_name(node)}(...)", role="test-skip")
         if isinstance(node, ast.IfExp):
             guards = lambda: f"{ast.unparse(node.body)[:40]} (else {ast.unparse(node.orelse)[:40]})"  # noqa: E731
-            category = "message" if in_message or isinstance(stmt, ast.Raise) else None
+            role = "message" if in_message or isinstance(stmt, ast.Raise) else None
             if any(classify.call_name(b) in classify.SKIP_CALLS for b in (node.body, node.orelse) if isinstance(b, ast.Call)):
-                category = "test-skip"  # `pytest.skip(...) if not family(100) else None`
-            self._site(node.test, "ternary", scope, local, attrs, node, guards=guards, category=category)
+                role = "test-skip"  # `pytest.skip(...) if not family(100) else None`
+            self._site(node.test, "ternary", scope, local, attrs, node, guards=guards, role=role)
         for child in ast.iter_child_nodes(node):
             if not isinstance(child, (ast.Lambda,)):
                 self._ternaries(child, scope, local, attrs, stmt, in_message)

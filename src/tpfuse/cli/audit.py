@@ -70,7 +70,7 @@ def _archs(args):
 
 
 def _run_audit(args, *, native: bool, keep_trees: bool = True):
-    from tpfuse.audit.engine import audit
+    from tpfuse.audit.driver import audit
 
     show = not args.json and sys.stderr.isatty()
     try:

@@ -1,12 +1,12 @@
-"""`audit()`: find every architecture gate of a target and evaluate it for each architecture.
+"""The audit driver: `audit()` finds every architecture condition of a target and evaluates it for each architecture.
 
 Data flow: `resolve_target` lists the files -> a cheap text filter keeps the Python files that
 mention an architecture -> `ModuleScanner` (scan.py) evaluates their conditions through one shared
-`Resolver` (resolve.py) -> each site becomes a `Finding` with a stable ID -> `native.scan_native`
-adds report-only C++/CUDA/CMake findings. `AuditResult.selected(arch, like)` is what the CLI
-reports: gates that are false for `arch` while true (or undecided by the GPU) elsewhere.
+`Resolver` (resolve.py) -> each site becomes an `ArchCondition` (verdict.py) with a stable ID ->
+`native.scan_native` adds report-only C++/CUDA/CMake conditions. `AuditResult.selected(arch, like)`
+is what the CLI reports: the conditions whose verdict (verdict.py) is a gate excluding `arch`.
 
-Gate IDs are a short hash of the relative path, the enclosing scope, the site kind and the
+Gate IDs are a short hash of the module's dotted name, the enclosing scope, the site kind and the
 normalized condition text (`ast.unparse`), so they survive edits elsewhere in the file and
 formatting changes, and `--only ID` works across runs.
 """
@@ -18,14 +18,16 @@ import gc
 import hashlib
 import re
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tpfuse.audit.arch import ARCHS, Arch
 from tpfuse.audit.modules import module_name_for
+from tpfuse.audit.native import scan_native
 from tpfuse.audit.resolve import Resolver
-from tpfuse.audit.scan import ModuleScanner, Site
+from tpfuse.audit.scan import ModuleScanner
 from tpfuse.audit.target import SourceSkip, Target, decode_source, read_bytes, resolve_target, stream_matches
+from tpfuse.audit.verdict import APART, ArchCondition, number_repeats, stable_id, verdict
 
 # Text that any Python file holding an architecture condition contains.
 # Plain substring tests and a regex with a literal prefix: an alternation with IGNORECASE took
@@ -58,32 +60,6 @@ def _holds_no_arch(path: Path, skip: SourceSkip, *, native: bool = False) -> boo
 
 
 @dataclass
-class Finding:
-    """One architecture condition, as reported (JSON/SARIF/table)."""
-
-    id: str
-    path: str
-    line: int
-    end_line: int
-    column: int
-    scope: str
-    kind: str
-    category: str
-    condition: str
-    guards: str
-    values: dict
-    enables: list
-    confidence: str
-    language: str = "python"
-    report_only: bool = False
-    note: str | None = None
-    requires: list = field(default_factory=list)  # hardware features the guarded code uses (hardware.py)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-@dataclass
 class AuditResult:
     target: Target
     findings: list
@@ -94,35 +70,27 @@ class AuditResult:
     sites: dict = field(default_factory=dict)  # id -> Site (Python findings; for patch)
     resolver: Resolver | None = None
 
-    def selected(self, arch: Arch, like: Arch | None = None, *, include_non_gates: bool = False) -> list:
-        """Findings false for `arch` and not false for `like` (or for some other architecture)."""
-        out = []
-        for f in self.findings:
-            if f.category != "gate" and not include_non_gates:
-                continue
-            if f.values[arch.name] is not False:
-                continue
-            if like is not None and f.values[like.name] is False:
-                continue
-            out.append(f)
-        return out
+    def verdicts(self, arch: Arch, like: Arch | None = None) -> list:
+        """[(condition, verdict)] of every finding on `arch` (verdict.py decides)."""
+        return [(f, verdict(f, arch, like)) for f in self.findings]
 
+    def selected(self, arch: Arch, like: Arch | None = None, *, include_non_gates: bool = False) -> list:
+        """Gates that exclude `arch` (false there, not false on `like` or some other architecture);
+        with `include_non_gates`, the non-gates false there too (never inverse gates or quirks)."""
+        return [f for f, v in self.verdicts(arch, like)
+                if v.excludes and (v.category == "gate" or include_non_gates and v.category not in APART)]
 
     def inverse(self, arch: Arch) -> list:
         """Inverse gates off on `arch`: features turned off there on purpose (never patched)."""
-        return [f for f in self.findings if f.category == "inverse" and f.values[arch.name] is False]
+        return [f for f, v in self.verdicts(arch) if v.category == "inverse" and v.excludes]
+
+    def quirks(self, arch: Arch) -> list:
+        """Per-architecture tunings and workarounds not applied on `arch` (never gates)."""
+        return [f for f, v in self.verdicts(arch) if v.category == "quirk" and v.excludes]
 
 
 def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
-
-
-def _confidence(site: Site) -> str:
-    if site.note:
-        return "low"
-    if site.value.weak:
-        return "medium"
-    return "high"
 
 
 def audit(spec: str, *, native: bool = True, overlay: dict | None = None, progress=None, only: set | None = None,
@@ -204,8 +172,6 @@ def _audit(spec: str, *, native: bool, overlay: dict | None, progress, only: set
         if progress:
             progress(i + 1, total)
     if target.native_files and only is None:
-        from tpfuse.audit.native import scan_native
-
         for j, path in enumerate(target.native_files):
             rel = path.relative_to(target.root).as_posix()
             try:
@@ -279,24 +245,21 @@ def _segment(lines: list, node: ast.AST) -> str:
 
 
 def _collect(module_sites: list, rel: str, lines: list, findings: list, sites: dict) -> None:
-    seen: dict = {}
+    conditions = []
     for site in module_sites:
         node = site.node
         normalized = ast.unparse(node)
         # The module's dotted name, not the path: auditing a file alone or in its tree gives one ID.
-        key = f"{site.module}\0{site.scope}\0{site.kind}\0{normalized}"
-        # 8 hex digits (2**32 values) for a few thousand conditions per engine; a repeat in one file gets -2, -3.
-        digest = hashlib.sha1(key.encode()).hexdigest()[:8]
-        seen[digest] = seen.get(digest, 0) + 1
-        fid = digest if seen[digest] == 1 else f"{digest}-{seen[digest]}"
+        cond_id = stable_id(site.module, site.scope, site.kind, normalized)
         # A condition over several lines may carry comments; show it normalized instead.
         text = _segment(lines, node) if node.lineno == node.end_lineno else normalized
-        values = {a.name: site.value.at(a) for a in ARCHS}
-        finding = Finding(
-            id=fid, path=rel, line=node.lineno, end_line=node.end_lineno or node.lineno, column=node.col_offset + 1,
-            scope=site.scope, kind=site.kind, category=site.category, condition=" ".join(text.split()),
-            guards=site.guards, values=values, enables=site.value.enabled_names(), confidence=_confidence(site),
-            note=site.note, requires=list(site.requires),
-        )
-        findings.append(finding)
-        sites[fid] = site
+        conditions.append(ArchCondition(
+            id=cond_id, path=rel, line=node.lineno, end_line=node.end_lineno or node.lineno, column=node.col_offset + 1,
+            scope=site.scope, kind=site.kind, condition=" ".join(text.split()), guards=site.guards,
+            values={a.name: site.value.at(a) for a in ARCHS}, role=site.role, effect=site.effect, turns_off=site.turns_off,
+            weak=site.value.weak, note=site.note, requires=list(site.requires),
+        ))
+    number_repeats(conditions)
+    for cond, site in zip(conditions, module_sites):
+        findings.append(cond)
+        sites[cond.id] = site
