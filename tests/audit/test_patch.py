@@ -122,10 +122,10 @@ def test_read_only_file_nothing_half_written(capsys, engine, state_dir):
 def test_failure_midway_restores_written_files(engine, state_dir, monkeypatch):
     before = snapshot(engine)
     result = audit(str(engine))
-    from tpfuse.audit.patch import build_changes
+    from tpfuse.audit.patch import propose_patch
 
     findings = result.selected(parse_arch("sm120"), parse_arch("sm100"))
-    changes, _, _ = build_changes(result, findings, parse_arch("sm120"), parse_arch("sm100"))
+    changes = propose_patch(result, findings, parse_arch("sm120"), parse_arch("sm100")).changes
     assert len(changes) >= 2
     real_replace, calls = os.replace, []
 

@@ -123,28 +123,42 @@ def test_harm_rule():
     assert "sm80" in patch_mod.harm(before, F(**{a.name: True for a in ARCHS}), SM120, SM100)
 
 
-def test_apply_refuses_an_edit_that_reaudits_as_excluding(capsys, engine, state_dir, monkeypatch, result):
-    gid = find(result, "v2/idioms.py", "cap in SUPPORTED_CAPS").id
+def test_apply_patch_never_writes_an_edit_that_fails_its_reaudit(engine, state_dir):
+    # The harm rule is the library's: a caller of apply_patch (not only the CLI) cannot write an edit
+    # that re-audits as still excluding --arch, whatever the proposal it passes says.
+    result = audit(str(engine))
+    gate = find(result, "v2/idioms.py", "cap in SUPPORTED_CAPS")
+    proposal = patch_mod.propose_patch(result, [gate], SM120, SM100)
+    assert proposal.complete and list(proposal.plans) == [gate.id]
     before = snapshot(engine)
-    real = patch_mod.verify
+    rel, (old, new) = next(iter(proposal.changes.items()))
+    assert "cap in SUPPORTED_CAPS or cap == 120" in new
+    proposal.changes[rel] = (old, new.replace("cap in SUPPORTED_CAPS or cap == 120", "cap in SUPPORTED_CAPS or cap == 121"))
+    with pytest.raises(patch_mod.PatchRefused, match=rf"nothing written.*{gate.id} re-audits as still excluding sm120"):
+        patch_mod.apply_patch(proposal, state_dir=state_dir)
+    assert snapshot(engine) == before and not state_dir.exists()
+    proposal.changes[rel] = (old, new)  # the edit as proposed is written
+    written, rows = patch_mod.apply_patch(proposal, state_dir=state_dir)
+    assert written.is_file() and [r["includes_arch"] for r in rows] == [True]
 
-    def still_excluding(*args, **kwargs):
-        rows = real(*args, **kwargs)
-        return [{**r, "includes_arch": False, "harm": "still excluding sm120"} for r in rows]
 
-    monkeypatch.setattr(patch_mod, "verify", still_excluding)
-    code, _, err = run(capsys, "patch", str(engine), "--arch", "sm120", "--like", "sm100", "--only", gid, "--apply", "--state-dir", str(state_dir))
-    assert code == 1 and "nothing written" in err
-    assert snapshot(engine) == before and not (state_dir.exists() and any(state_dir.rglob("manifest.json")))
-
-
-def test_whole_tree_apply_then_revert_exit_zero(capsys, engine, state_dir):
+def test_dry_run_and_apply_of_one_plan_exit_alike_then_revert(capsys, engine, state_dir):
+    # Some fixture gates stay closed (hardware, explicit exclusions): 1 for the dry run and for --apply,
+    # which still writes the others; a plan whose every gate opens exits 0 both ways.
     before = snapshot(engine)
-    code, _, err = run(capsys, "patch", str(engine), "--arch", "sm120", "--like", "sm100", "--apply", "--state-dir", str(state_dir))
-    assert code == 0, err  # refused gates are reported; the apply itself succeeded
+    argv = ["patch", str(engine), "--arch", "sm120", "--like", "sm100", "--json"]
+    dry_code, out, _ = run(capsys, *argv)
+    assert dry_code == 1 and json.loads(out)["errors"] and not json.loads(out)["applied"]
+    code, out, err = run(capsys, *argv, "--apply", "--state-dir", str(state_dir))
+    data = json.loads(out)
+    assert code == dry_code and data["applied"] and f"--state-dir {state_dir}" in data["undo"]
     assert snapshot(engine) != before
     assert run(capsys, "revert", str(engine), "--state-dir", str(state_dir))[0] == 0
     assert snapshot(engine) == before
+    gid = find(audit(str(engine)), "v2/idioms.py", "cap in SUPPORTED_CAPS").id
+    assert run(capsys, *argv, "--only", gid)[0] == 0
+    assert run(capsys, *argv, "--only", gid, "--apply", "--state-dir", str(state_dir))[0] == 0
+    assert run(capsys, "revert", str(engine), "--state-dir", str(state_dir))[0] == 0 and snapshot(engine) == before
 
 
 def test_cpp_runtime_capability_comparisons(result):

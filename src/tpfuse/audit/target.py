@@ -34,7 +34,7 @@ from pathlib import Path
 
 PY_SUFFIXES = (".py",)
 NATIVE_SUFFIXES = (".cu", ".cuh", ".h", ".hpp", ".hh", ".cpp", ".cc", ".cxx", ".c", ".inl")
-_SKIP_DIRS = {"__pycache__", ".git", ".hg", ".svn", ".tox", ".venv", "node_modules", ".mypy_cache", ".pytest_cache", ".tpfuse"}
+_SKIP_DIRS = {"__pycache__", ".git", ".hg", ".svn", ".tox", ".venv", "node_modules", ".mypy_cache", ".pytest_cache", ".tpfuse", ".tpfuse-patch"}
 KNOWN_PACKAGES = ("sglang", "vllm", "flashinfer", "tensorrt_llm")
 # The largest Python file of sglang 0.5.23 is 282 KB (srt/managers/scheduler.py): 1 MiB leaves 3.6x
 # room and keeps one file's parse at 74 MB (ordinary code) to 260 MB (densest) peak RSS.
