@@ -11,6 +11,8 @@ TPFUSE_ENGINES    serving engines in which tpfuse takes the fused allreduce + re
                     (the engine plugins stay inert). Set it for the server and all its workers.
 TPFUSE_STRATEGIES extra strategies to register, "name=package.module:Class,..." (plugins; spawned
                     ranks inherit the environment, so they see the same registry as the parent).
+TPFUSE_AUDIT_MAX_BYTES  the audit's per-file size bound, a positive whole number of bytes
+                    (default: tpfuse.audit.target.MAX_SOURCE_BYTES).
 """
 
 from __future__ import annotations
@@ -76,3 +78,14 @@ def engines_enabled() -> frozenset[str]:
     if unknown:
         raise ValueError(f"TPFUSE_ENGINES={raw!r}: unknown engine(s) {', '.join(unknown)}; use {', '.join(ENGINES)} or all")
     return frozenset(names)
+
+
+def audit_max_bytes() -> int | None:
+    """TPFUSE_AUDIT_MAX_BYTES as a byte count, or None when unset (the audit's default applies)."""
+    raw = os.environ.get("TPFUSE_AUDIT_MAX_BYTES", "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"TPFUSE_AUDIT_MAX_BYTES={raw!r}: give a positive whole number of bytes, e.g. 4194304 for 4 MiB, "
+                         f"or unset it for the default bound")
+    return int(raw)

@@ -26,7 +26,15 @@ from tpfuse.audit.modules import module_name_for
 from tpfuse.audit.native import scan_native
 from tpfuse.audit.resolve import Resolver
 from tpfuse.audit.scan import ModuleScanner
-from tpfuse.audit.target import SourceSkip, Target, decode_source, read_bytes, resolve_target, stream_matches
+from tpfuse.audit.target import (
+    SourceSkip,
+    Target,
+    decode_source,
+    max_source_bytes,
+    read_bytes,
+    resolve_target,
+    stream_matches,
+)
 from tpfuse.audit.verdict import APART, ArchCondition, number_repeats, stable_id, verdict
 
 # Text that any Python file holding an architecture condition contains.
@@ -119,6 +127,7 @@ def audit(spec: str, *, native: bool = True, overlay: dict | None = None, progre
 
 def _audit(spec: str, *, native: bool, overlay: dict | None, progress, only: set | None, keep_trees: bool) -> AuditResult:
     start = time.perf_counter()
+    max_source_bytes()  # a bad TPFUSE_AUDIT_MAX_BYTES is a ValueError naming it, before any file is read
     target = resolve_target(spec, native=native)
     overlay = {Path(k).resolve(): v for k, v in (overlay or {}).items()}
     modules, roots = _module_names(target)

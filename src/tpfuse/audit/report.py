@@ -39,6 +39,7 @@ def to_json(result, selected: list, arch: Arch, like: Arch | None) -> dict:
         "files_scanned": result.files_scanned,
         "seconds": round(result.seconds, 3),
         "skipped": result.skipped,
+        "aliases": list(result.target.aliases),
         "note": result.target.note,
         "file_hashes": {f.path: result.file_hashes.get(f.path) for f in selected},
         "gates": [_with_verdict(f, arch, like) for f in selected],
@@ -145,6 +146,9 @@ def print_table(result, selected: list, arch: Arch, like: Arch | None, *, consol
     for skip in result.skipped:
         # escape: an error text such as "[Errno 13] ..." is not rich markup
         console.print(f"[yellow]skipped[/] {escape(skip['path'])} ({skip.get('reason', 'unreadable')}): {escape(skip['error'])}", highlight=False)
+    for alias in result.target.aliases:
+        console.print(f"[dim]alias[/] {escape(alias['path'])} -> {escape(alias['target'])} (a link into the tree, audited as "
+                      f"{escape(alias['target'])})", highlight=False)
     if result.target.note:
         console.print(f"[yellow]note[/] {escape(result.target.note)}", highlight=False)
 
