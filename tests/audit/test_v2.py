@@ -54,7 +54,6 @@ V2 = [
     ("sm in (100, 103, 120, 121)", "return", ["sm100", "sm103", "sm120", "sm121"]),
     # parameters named as the device's capability (FlashInfer's _compile_hca_kernel, green_ctx)
     ("compute_capability not in ((10, 0), (10, 3))", "guard", ["sm100", "sm103"]),
-    ("major >= 10", "if", names(lambda a: a.major >= 10)),
     ('get_device_arch() == "90a"', "if", ["sm90"]),  # f"{major * 10 + minor}{suffix}" with a ternary suffix
 ]
 
@@ -63,6 +62,11 @@ V2 = [
 def test_v2_idiom(result, part, kind, expected):
     f = find(result, "v2/idioms.py", part)
     assert (f.kind, f.category, f.enables) == (kind, "gate", expected)
+
+
+def test_a_branch_that_only_returns_tuning_numbers_is_a_quirk(result):
+    f = find(result, "v2/idioms.py", "major >= 10")  # `return (8, 8)`: a tuned default, nothing enabled
+    assert (f.kind, f.category, f.enables) == ("if", "quirk", names(lambda a: a.major >= 10))
 
 
 INVERSE = [
@@ -252,11 +256,12 @@ class Unrelated:
 
 
 def test_selective_parse_keeps_every_condition(tmp_path):
-    from tpfuse.audit.parse import parse_selected
-    from tpfuse.audit.resolve import _CHUNK_RE, ARCH_RE
+    from tpfuse.audit.parse import TextMap, parse_selected
+    from tpfuse.audit.resolve import ARCH_RE, arch_tokens
 
     (tmp_path / "m.py").write_text(SELECTIVE)
-    tree, skipped, hot = parse_selected(SELECTIVE, "m.py", _CHUNK_RE, ARCH_RE)
+    textmap = TextMap(SELECTIVE)
+    tree, skipped, hot = parse_selected(SELECTIVE, "m.py", arch_tokens(textmap)[1], ARCH_RE, textmap=textmap)
     assert {"_MAJOR", "_USE_FMA", "_sm90"} <= hot
     kept = {n.name for n in tree.body if hasattr(n, "name")}
     assert {"reads_flag", "calls_helper", "_sm90"} <= kept  # a hot flag, a same-module arch helper
@@ -284,13 +289,15 @@ def test_audit_objects_are_frozen_so_exit_does_not_rescan_them():
     gc.unfreeze()
 
 
-def test_explicit_inequality_exclusion_is_refused_not_undone(capsys, engine, result):
-    # `major > 9 and major != 12` (sglang attn_residual.py: `major >= 10 and major != 12`): `or major == 12` would undo the author's exclusion.
+def test_explicit_inequality_exclusion_is_an_inverse_gate_never_undone(capsys, engine, result):
+    # `major > 9 and major != 12` (sglang attn_residual.py: `major >= 10 and major != 12`) names SM12x to
+    # exclude it: an inverse gate (`or major == 12` would undo the author's exclusion).
     f = find(result, "v2/idioms.py", "major != 12")
-    assert f.category == "gate" and f.enables == names(lambda a: a.major in (10, 11))
+    assert f.category == "inverse" and f.enables == names(lambda a: a.major in (10, 11))
+    assert f in result.inverse(SM120)
     code, out, _ = run(capsys, "patch", str(engine), "--arch", "sm120", "--like", "sm100", "--only", f.id, "--json")
     data = json.loads(out)
-    assert code == 1 and not data["diff"] and "explicitly" in data["errors"][0]["error"]
+    assert code == 1 and not data["diff"] and "inverse gate" in data["errors"][0]["error"]
 
 
 def test_class_methods_without_architecture_text_are_trimmed_not_lost(tmp_path):

@@ -24,7 +24,7 @@ from pathlib import Path
 from tpfuse.audit.arch import ARCHS, Arch
 from tpfuse.audit.modules import module_name_for
 from tpfuse.audit.native import scan_native
-from tpfuse.audit.resolve import Resolver
+from tpfuse.audit.resolve import ARCH_RE, Resolver
 from tpfuse.audit.scan import ModuleScanner
 from tpfuse.audit.target import (
     SourceSkip,
@@ -115,7 +115,7 @@ def audit(spec: str, *, native: bool = True, overlay: dict | None = None, progre
     enabled = gc.isenabled()
     gc.disable()
     try:
-        return _audit(spec, native=native, overlay=overlay, progress=progress, only=only, keep_trees=keep_trees)
+        return _Run(spec, native=native, overlay=overlay, progress=progress, only=only, keep_trees=keep_trees).run()
     finally:
         # What the audit built stays alive with its result and holds no garbage cycles: moving it to
         # the permanent generation keeps every later collection, and the one at interpreter exit
@@ -125,78 +125,179 @@ def audit(spec: str, *, native: bool = True, overlay: dict | None = None, progre
             gc.enable()
 
 
-def _audit(spec: str, *, native: bool, overlay: dict | None, progress, only: set | None, keep_trees: bool) -> AuditResult:
-    start = time.perf_counter()
-    max_source_bytes()  # a bad TPFUSE_AUDIT_MAX_BYTES is a ValueError naming it, before any file is read
-    target = resolve_target(spec, native=native)
-    overlay = {Path(k).resolve(): v for k, v in (overlay or {}).items()}
-    modules, roots = _module_names(target)
-    resolver = Resolver(roots, overlay, within=_context_root(target, modules, roots))
-    findings, sites, hashes, skipped = [], {}, {}, list(target.unlisted)
-    total = len(modules) + len(target.native_files)
-    scanned = 0
-    for i, (path, name) in enumerate(modules):
-        rel = path.relative_to(target.root).as_posix()
-        if only is not None and rel not in only:
-            continue
-        if path in overlay:
-            text = overlay[path]
-            mentions = _mentions_arch(text)
-            digest = sha256_bytes(text.encode("utf-8"))
-        else:
-            try:  # a file that cannot be read, decoded or is above the size bound is reported, never fatal
-                data = read_bytes(path)
-                # The filter's words are ASCII: it reads the raw bytes, and only a file that may hold a
-                # gate is decoded (strictly), as only such a file is parsed.
-                mentions = _mentions_arch(data.decode("latin-1"))
-                text = decode_source(data)[0] if mentions else ""
-            except SourceSkip as exc:
-                if not _holds_no_arch(path, exc):
-                    skipped.append({"path": rel, "reason": exc.reason, "error": str(exc)})
-                if progress:
-                    progress(i + 1, total)
-                continue
-            digest = sha256_bytes(data)
-            del data
-        if mentions:
-            info = resolver.module(name, path)
-            scanned += 1
-            if info is None:
-                error = resolver.errors.get(path.resolve(), "SyntaxError: unparsable")
-                skipped.append({"path": rel, "reason": "unparsable", "error": error})
-            elif info.path.resolve() != path.resolve():  # never silently: a dropped file hides its gates
-                skipped.append({"path": rel, "reason": "name-clash", "error": f"module name {name} already names {info.path}"})
-            else:
-                hashes[rel] = digest
-                try:
-                    scanner = ModuleScanner(resolver, name, rel)
-                    module_sites = scanner.scan()
-                except RecursionError:  # a pathologically nested expression: report, never crash
-                    skipped.append({"path": rel, "reason": "unparsable", "error": "RecursionError: expression nested too deeply"})
+# `from X import a, b` / `from X import (a,\n b as c)`: what a file takes from other modules.
+_FROM_IMPORT_BYTES = re.compile(rb"from[ \t]+(\.*)([\w.]*)[ \t]+import[ \t]+(\([^)]*\)|[^\n;#]*)")
+_NAME_BYTES = re.compile(rb"[A-Za-z_]\w*")
+# Rounds of the consumer pass: a name that holds an architecture value in a module without architecture
+# text (a flag built from another module's flag) is found one round after the flag it reads.
+_CONSUMER_ROUNDS = 3
+
+
+def _from_imports(data: bytes) -> list:
+    """[(dots, module, [(name, bound as)])] of the file's `from ... import` statements (any indentation)."""
+    out = []
+    for m in _FROM_IMPORT_BYTES.finditer(data):
+        pairs = []
+        for part in m.group(3).strip(b"()").split(b","):
+            words = _NAME_BYTES.findall(part)
+            if words:
+                pairs.append((words[0].decode(), (words[2] if len(words) > 2 and words[1] == b"as" else words[0]).decode()))
+        out.append((len(m.group(1)), m.group(2).decode() or None, pairs))
+    return out
+
+
+class _Run:
+    """One audit: the files, the shared resolver, the conditions found per file."""
+
+    def __init__(self, spec: str, *, native: bool, overlay: dict | None, progress, only: set | None, keep_trees: bool):
+        self.start = time.perf_counter()
+        max_source_bytes()  # a bad TPFUSE_AUDIT_MAX_BYTES is a ValueError naming it, before any file is read
+        self.target = resolve_target(spec, native=native)
+        self.overlay = {Path(k).resolve(): v for k, v in (overlay or {}).items()}
+        self.modules, roots = _module_names(self.target)
+        self.resolver = Resolver(roots, self.overlay, within=_context_root(self.target, self.modules, roots))
+        self.progress, self.only, self.keep_trees = progress, only, keep_trees
+        self.by_path: dict = {}  # rel -> conditions of that file (a rescan replaces them)
+        self.sites, self.hashes, self.skipped = {}, {}, list(self.target.unlisted)
+        self.scanned: set = set()
+        self.imports: dict = {}  # rel -> (path, module name, its from-imports) of every readable Python file
+        self.exports: set = set()  # names without architecture text that hold an architecture value somewhere
+        # A file audited alone (or a few, as a patch's re-audit does) has no tree to learn the exports
+        # from: each of its imported names is resolved instead, which gives a tree's verdicts.
+        self.precise = len(self.modules) == 1 or only is not None
+        self._index = {path.relative_to(self.target.root).as_posix(): i for i, (path, _) in enumerate(self.modules)}
+
+    def run(self) -> AuditResult:
+        total = len(self.modules) + len(self.target.native_files)
+        for i, (path, name) in enumerate(self.modules):
+            rel = path.relative_to(self.target.root).as_posix()
+            if self.only is None or rel in self.only:
+                self._first_pass(path, name, rel)
+            if self.progress:
+                self.progress(i + 1, total)
+        if not self.precise:
+            self._consumers()
+        findings = [f for rel in sorted(self.by_path, key=self._index.__getitem__) for f in self.by_path[rel]]
+        if self.target.native_files and self.only is None:
+            findings += self._native(total)
+        return AuditResult(self.target, findings, self.hashes, self.skipped, len(self.scanned), time.perf_counter() - self.start,
+                           self.sites, self.resolver)
+
+    def _read(self, path: Path, rel: str):
+        """(text or None, raw bytes or None, mentions the architecture); None when the file cannot be read."""
+        if path in self.overlay:
+            text = self.overlay[path]
+            return text, text.encode("utf-8"), _mentions_arch(text)
+        try:  # a file that cannot be read, decoded or is above the size bound is reported, never fatal
+            data = read_bytes(path)
+            # The filter's words are ASCII: it reads the raw bytes, and only a file that may hold a
+            # gate is decoded (strictly), as only such a file is parsed.
+            mentions = _mentions_arch(data.decode("latin-1"))
+            return (decode_source(data)[0] if mentions else None), data, mentions
+        except SourceSkip as exc:
+            if not _holds_no_arch(path, exc):
+                self.skipped.append({"path": rel, "reason": exc.reason, "error": str(exc)})
+            return None
+
+    def _first_pass(self, path: Path, name: str, rel: str) -> None:
+        read = self._read(path, rel)
+        if read is None:
+            return
+        text, data, mentions = read
+        self.imports[rel] = (path, name, _from_imports(data) if b"import" in data else [])
+        extra = self._arch_imports(rel, None) if self.precise else frozenset()
+        if mentions and text is not None and not self.resolver.holds_tokens(name, path, text):
+            mentions = False  # its architecture words are in comments, docstrings or messages only
+        if mentions or extra:
+            self.hashes[rel] = sha256_bytes(data)
+            self._scan(path, name, rel, extra)
+
+    def _arch_imports(self, rel: str, candidates: set | None) -> frozenset:
+        """Names the file imports that hold an architecture value where they come from (only `candidates`, if given)."""
+        path, name, imports = self.imports[rel]
+        found = set()
+        for level, module, pairs in imports:
+            for orig, bound in pairs:
+                if candidates is not None and orig not in candidates or bound in found or ARCH_RE.search(bound):
                     continue
-                _collect(module_sites, rel, scanner.lines, findings, sites)
-                if not keep_trees:
-                    sites.clear()
-                    resolver.release(name)
-        if progress:
-            progress(i + 1, total)
-    if target.native_files and only is None:
-        for j, path in enumerate(target.native_files):
-            rel = path.relative_to(target.root).as_posix()
+                if self.resolver.arch_valued(self.resolver.import_value(name, module, level, orig)):
+                    found.add(bound)
+        return frozenset(found)
+
+    def _scan(self, path: Path, name: str, rel: str, extra: frozenset) -> None:
+        resolver = self.resolver
+        if extra:
+            resolver.extra_hot[name] = extra
+            resolver.forget(name)  # parsed before the names it imports were known to matter
+        info = resolver.module(name, path)
+        self.scanned.add(rel)
+        if rel not in self.hashes:  # a consumer found by the second pass: read for its hash only now
+            read = self._read(path, rel)
+            if read is None:
+                return
+            self.hashes[rel] = sha256_bytes(read[1])
+        if info is None:
+            error = resolver.errors.get(path.resolve(), "SyntaxError: unparsable")
+            self.skipped.append({"path": rel, "reason": "unparsable", "error": error})
+            return
+        if info.path.resolve() != path.resolve():  # never silently: a dropped file hides its gates
+            self.skipped.append({"path": rel, "reason": "name-clash", "error": f"module name {name} already names {info.path}"})
+            return
+        try:
+            scanner = ModuleScanner(resolver, name, rel)
+            module_sites = scanner.scan()
+        except RecursionError:  # a pathologically nested expression: report, never crash
+            self.skipped.append({"path": rel, "reason": "unparsable", "error": "RecursionError: expression nested too deeply"})
+            return
+        for cond_id in [c.id for c in self.by_path.get(rel, [])]:
+            self.sites.pop(cond_id, None)
+        self.by_path[rel] = _collect(module_sites, rel, scanner.lines, self.sites, self.target.root.resolve())
+        if not self.precise:
+            self.exports |= resolver.exports_of(name)
+        if not self.keep_trees:
+            self.sites.clear()
+            resolver.release(name)
+
+    def _consumers(self) -> None:
+        """Files that read an architecture value through an imported name without architecture text
+        (`from .flags import FAST_PATH`, `if not FAST_PATH:`): scanned, or scanned again with those names."""
+        done: dict = {}
+        for _ in range(_CONSUMER_ROUNDS):
+            grew = False
+            for rel, (path, name, imports) in self.imports.items():
+                wanted = {orig for _, _, pairs in imports for orig, _ in pairs} & self.exports
+                if not wanted or done.get(rel) == wanted:
+                    continue
+                done[rel] = wanted
+                info = self.resolver.module(name) if rel in self.scanned else None
+                if info is not None and not any(b[0] == "skipped" for b in info.bindings.values()):
+                    continue  # every def was parsed: nothing was missed
+                extra = self._arch_imports(rel, wanted)
+                if extra:
+                    before = len(self.exports)
+                    self._scan(path, name, rel, extra)
+                    grew = grew or len(self.exports) > before
+            if not grew:
+                return
+
+    def _native(self, total: int) -> list:
+        found = []
+        for j, path in enumerate(self.target.native_files):
+            rel = path.relative_to(self.target.root).as_posix()
             try:
                 data = read_bytes(path)
             except SourceSkip as exc:
                 if not _holds_no_arch(path, exc, native=True):
-                    skipped.append({"path": rel, "reason": exc.reason, "error": str(exc)})
+                    self.skipped.append({"path": rel, "reason": exc.reason, "error": str(exc)})
                 continue
-            found = scan_native(rel, data.decode("utf-8", errors="replace"))
-            if found:
-                hashes[rel] = sha256_bytes(data)
-                findings.extend(found)
-            scanned += 1
-            if progress:
-                progress(len(modules) + j + 1, total)
-    return AuditResult(target, findings, hashes, skipped, scanned, time.perf_counter() - start, sites, resolver)
+            conditions = scan_native(rel, data.decode("utf-8", errors="replace"))
+            if conditions:
+                self.hashes[rel] = sha256_bytes(data)
+                found.extend(conditions)
+            self.scanned.add(rel)
+            if self.progress:
+                self.progress(len(self.modules) + j + 1, total)
+        return found
 
 
 def _module_names(target: Target) -> tuple[list, list]:
@@ -253,7 +354,7 @@ def _segment(lines: list, node: ast.AST) -> str:
     return "\n".join(parts)
 
 
-def _collect(module_sites: list, rel: str, lines: list, findings: list, sites: dict) -> None:
+def _collect(module_sites: list, rel: str, lines: list, sites: dict, root: Path) -> list:
     conditions = []
     for site in module_sites:
         node = site.node
@@ -266,9 +367,15 @@ def _collect(module_sites: list, rel: str, lines: list, findings: list, sites: d
             id=cond_id, path=rel, line=node.lineno, end_line=node.end_lineno or node.lineno, column=node.col_offset + 1,
             scope=site.scope, kind=site.kind, condition=" ".join(text.split()), guards=site.guards,
             values={a.name: site.value.at(a) for a in ARCHS}, role=site.role, effect=site.effect, turns_off=site.turns_off,
-            weak=site.value.weak, note=site.note, requires=list(site.requires),
+            weak=site.value.weak, note=site.note, requires=list(site.requires), table=site.table,
         ))
     number_repeats(conditions)
+    for cond in conditions:
+        if cond.table and "file" in cond.table:  # where the table is: relative to TARGET when inside it
+            table = dict(cond.table)
+            file = Path(table.pop("file")).resolve()
+            table["path"] = file.relative_to(root).as_posix() if file.is_relative_to(root) else str(file)
+            cond.table = table
     for cond, site in zip(conditions, module_sites):
-        findings.append(cond)
         sites[cond.id] = site
+    return conditions

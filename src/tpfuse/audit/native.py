@@ -148,7 +148,7 @@ def _runtime_findings(rel: str, lines: list) -> list:
 
 def scan_native(rel: str, text: str) -> list:
     """Report-only findings of one C/C++/CUDA or CMake file."""
-    lines = text.splitlines()
+    lines = text.split("\n")
     out, seen = [], {}
     is_cmake = rel.endswith(("CMakeLists.txt", ".cmake"))
     i = 0

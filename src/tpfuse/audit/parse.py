@@ -1,17 +1,19 @@
 """Parse only the parts of a module an audit can need: top-level statements and arch-related defs.
 
-`ast.parse` of every module a whole-engine audit touches was most of its run time and memory
-(sglang 0.5.23: 840 modules, 9 s of `compile`, 0.8 GB of trees). A module is cut at its top-level
-`def` / `class` / decorator lines (column 0, outside brackets and strings as far as the text
-shows). Every chunk of ordinary top-level statements is parsed (imports, flags, tables); a
-`def` or `class` chunk only when its text can hold an architecture condition: it mentions an
-architecture token (`arch_text`), is named like an arch helper (`name_re`: `get_platform`,
-`is_cuda`), mentions a name the module binds at top level to such an
-expression, or a parameter named as a capability. Each skipped `def`/`class` is still bound, to
-an opaque value (`Skipped`), so name resolution does not fall back to a seed for it. Inside a
-kept class, methods are chosen the same way (`_trim_class`; `self.` attributes tie them). A chunk
-that is left out becomes blank lines (positions stay the real ones); if the text then does not parse (a
-cut fell inside a string or brackets), the module is parsed whole, so errors are reported as before.
+Parsing every module a whole-engine audit touches was most of its run time and memory, so a
+module is cut at its top-level `def` / `class` / decorator lines (column 0, outside brackets and
+triple-quoted strings as far as the text shows). Every chunk of ordinary top-level statements is
+parsed (imports, flags, tables); a `def` or `class` chunk only when its text can hold an
+architecture condition: an architecture token in code (`code_tokens`: not in a comment or a
+docstring, nor in a string literal unless the line compares something), a name like an arch
+helper (`name_re`: `get_platform`, `is_cuda`), a name the module binds at top level to such an
+expression (transitively), a name the caller says is architecture-valued (`extra_hot`: names
+imported from modules where they hold an architecture value), or a parameter named as a
+capability. Each skipped `def`/`class` is still bound, to an opaque value (`Skipped`), so name
+resolution does not fall back to a seed for it. Inside a kept class, methods are chosen the same
+way (`_trim_class`; `self.` attributes tie them). A chunk that is left out becomes blank lines
+(positions stay the real ones); if the text then does not parse (a cut fell inside a string or
+brackets), the module is parsed whole, so errors are reported as before.
 """
 
 from __future__ import annotations
@@ -24,20 +26,14 @@ import re
 # A top-level def/class/decorator line starts a chunk; other column-0 code lines start one too.
 _DEF_RE = re.compile(r"(?:async\s+def|def|class)\b")
 _ASSIGN_RE = re.compile(r"^([A-Za-z_]\w*(?:[ \t]*,[ \t]*[A-Za-z_]\w*)*)[ \t]*(?::[^=\n]*)?=(?!=)", re.MULTILINE)
-# Capability parameter names (scan.py's _capability_params), without a leading \b so that sre's
+# Capability parameter names (predicates.capability_params), without a leading \b so that sre's
 # literal scan applies; `major`/`minor` pairs are found with substring tests.
-_PARAM_RE = re.compile(r"capability|sm_version|device_sm|sm_arch|arch_major")
-_TOKEN_WORDS: dict = {}
-
-
-def _token_words(name_re: re.Pattern) -> re.Pattern:
-    """Whole identifiers that contain a `name_re` token (`is_cuda_sm_at_least`), found in one pass."""
-    if name_re.pattern not in _TOKEN_WORDS:
-        tokens = name_re.pattern.replace("^_?", "")
-        _TOKEN_WORDS[name_re.pattern] = re.compile(rf"\b\w*?(?:{tokens})\w*", name_re.flags)
-    return _TOKEN_WORDS[name_re.pattern]
+_PARAM_RE = re.compile(r"capability|sm_version|device_sm|sm_arch|_major\b|device_arch")
 _WORD_RE = re.compile(r"[A-Za-z_]\w*")
 _CONSTANT_NAMES = frozenset({"get_platform", "current_platform", "is_cuda", "_is_cuda", "is_cuda_alike"})
+_TRIPLE_RE = re.compile(r'"""|\'\'\'')
+# A line that compares (`arch == "sm_90a"`, `"sm100" in name`): a token in its string literal counts.
+_COMPARES_RE = re.compile(r"==|!=|<=|>=| in | not in |[<>]")
 
 
 class Skipped:
@@ -49,13 +45,86 @@ class Skipped:
         self.name = name
 
 
-def _chunks(lines: list) -> list:
+def split_lines(source: str, *, keepends: bool = True) -> list:
+    """The lines of `source` as `ast` counts them (at "\n"; `str.splitlines` also cuts at form feeds
+    and other separators, which would shift every later line)."""
+    parts = source.split("\n")
+    if not keepends:
+        return parts[:-1] if parts and parts[-1] == "" else parts
+    lines = [part + "\n" for part in parts[:-1]]
+    if parts[-1]:
+        lines.append(parts[-1])
+    return lines
+
+
+class TextMap:
+    """Line offsets and triple-quoted string regions of a module's text (as far as the text shows).
+
+    `regions` is None when the triple quotes do not pair up (a `'''` inside a string, say): then
+    nothing is taken for a docstring and every token counts as code."""
+
+    def __init__(self, source: str):
+        self.source = source
+        self.lines = split_lines(source)
+        self.starts = list(itertools.accumulate(map(len, self.lines), initial=0))
+        marks, open_quote, regions = [m for m in _TRIPLE_RE.finditer(source)], None, []
+        for m in marks:
+            if open_quote is None:
+                open_quote = m
+            elif m.group() == open_quote.group():
+                regions.append((open_quote.start(), m.end()))
+                open_quote = None
+        self.regions = regions if open_quote is None else None
+        self._region_starts = [a for a, _ in regions] if self.regions else []
+
+    def line_of(self, pos: int) -> int:
+        """0-based line index of character offset `pos`."""
+        return bisect.bisect_right(self.starts, pos) - 1
+
+    def in_triple_string(self, pos: int) -> bool:
+        if not self.regions:
+            return False
+        i = bisect.bisect_right(self._region_starts, pos) - 1
+        return i >= 0 and pos < self.regions[i][1]
+
+    def is_code(self, pos: int) -> bool:
+        """Is the token at `pos` code: not in a docstring or comment, nor in a string literal of a
+        line that compares nothing?"""
+        if self.in_triple_string(pos):
+            return False
+        i = self.line_of(pos)
+        before = self.source[self.starts[i]:pos]
+        if "#" in before or '"' in before or "'" in before:
+            quote, escaped = None, False
+            for ch in before:
+                if escaped:
+                    escaped = False
+                elif quote is None:
+                    if ch in "\"'":
+                        quote = ch
+                    elif ch == "#":
+                        return False  # a comment
+                elif ch == "\\":
+                    escaped = True
+                elif ch == quote:
+                    quote = None
+            if quote is not None:  # inside a one-line string literal
+                return bool(_COMPARES_RE.search(self.lines[i]))
+        return True
+
+
+def code_tokens(textmap: TextMap, offsets: list) -> list:
+    """The token offsets that are code (`TextMap.is_code`)."""
+    return [pos for pos in offsets if textmap.is_code(pos)]
+
+
+def _chunks(textmap: TextMap) -> list:
     """[(first line index, last line index + 1, is_def)] of the module's top-level pieces."""
     starts, kinds = [], []
     prev_deco = False
-    for i, line in enumerate(lines):
+    for i, line in enumerate(textmap.lines):
         c = line[:1]
-        if not c or c in " \t\r\n#)]}'\"" or not line.strip():
+        if not c or c in " \t\r\n#)]}'\"" or not line.strip() or textmap.in_triple_string(textmap.starts[i]):
             continue
         is_deco = c == "@"
         is_def = is_deco or bool(_DEF_RE.match(line))
@@ -66,26 +135,32 @@ def _chunks(lines: list) -> list:
     if not starts or starts[0] != 0:
         starts.insert(0, 0)
         kinds.insert(0, False)
-    ends = starts[1:] + [len(lines)]
+    ends = starts[1:] + [len(textmap.lines)]
     return list(zip(starts, ends, kinds))
 
 
-def parse_selected(source: str, filename: str, arch_text: re.Pattern | list, name_re: re.Pattern) -> tuple[ast.Module, dict, set]:
+def _identifier_at(source: str, pos: int) -> str:
+    a = b = pos
+    while a > 0 and (source[a - 1].isalnum() or source[a - 1] == "_"):
+        a -= 1
+    while b < len(source) and (source[b].isalnum() or source[b] == "_"):
+        b += 1
+    return source[a:b]
+
+
+def parse_selected(source: str, filename: str, tokens: list, name_re: re.Pattern, *, textmap: TextMap | None = None,
+                   extra_hot: frozenset = frozenset()) -> tuple[ast.Module, dict, set]:
     """(module tree of the parsed chunks, {name: Skipped} of the defs/classes left out, the hot
     names: top-level names bound to, defining or importing something architecture-related).
 
-    `arch_text` is the pattern of architecture tokens, or the character offsets where the
-    caller already found them in `source` (one pass shared with the scanner)."""
-    lines = source.splitlines(keepends=True)
-    chunks = _chunks(lines)
+    `tokens` are the sorted character offsets of the architecture tokens in code (`code_tokens`)."""
+    textmap = textmap or TextMap(source)
+    lines = textmap.lines
+    chunks = _chunks(textmap)
     texts = ["".join(lines[a:b]) for a, b, _ in chunks]
-    # Whole-text searches mapped to chunks (one regex pass instead of one per chunk).
-    offsets = list(itertools.accumulate((len(t) for t in texts), initial=0))
-    if isinstance(arch_text, list):
-        arch_chunks = {bisect.bisect_right(offsets, pos) - 1 for pos in arch_text}
-    else:
-        arch_chunks = _chunks_matching(arch_text, source.lower(), offsets)
-    param_chunks = _chunks_matching(_PARAM_RE, source, offsets)
+    offsets = [textmap.starts[a] for a, _, _ in chunks] + [len(source)]
+    arch_chunks = {bisect.bisect_right(offsets, pos) - 1 for pos in tokens}
+    param_chunks = {bisect.bisect_right(offsets, m.start()) - 1 for m in _PARAM_RE.finditer(source) if textmap.is_code(m.start())}
     if "minor" in source:
         param_chunks |= {k for k, t in enumerate(texts) if "minor" in t and "major" in t}
     words: dict = {}
@@ -97,7 +172,7 @@ def parse_selected(source: str, filename: str, arch_text: re.Pattern | list, nam
 
     # Names the top-level statements bind to architecture expressions, transitively
     # (`_GPU_MAJOR = get_device_capability()[0]` then `_USE_FMA = _GPU_MAJOR >= 10`).
-    hot: set = set()
+    hot: set = set(extra_hot)
     pending = [(k, {n.strip() for targets in _ASSIGN_RE.findall(texts[k]) for n in targets.split(",")})
                for k, (_, _, is_def) in enumerate(chunks) if not is_def]
     pending = [(k, bound) for k, bound in pending if bound]
@@ -108,11 +183,14 @@ def parse_selected(source: str, filename: str, arch_text: re.Pattern | list, nam
             if not bound <= hot and (k in arch_chunks or hot and not hot.isdisjoint(words_of(k))):
                 hot |= bound
                 grew = True
-    # Imported helpers named like arch predicates (`is_cuda_sm_at_least`); not the platform
-    # objects and `is_cuda`, constant on every audited arch unless an arch token follows them.
-    for k, (_, _, is_def) in enumerate(chunks):
-        if not is_def and "import" in texts[k]:
-            hot.update(w for w in _token_words(name_re).findall(texts[k]) if w not in _CONSTANT_NAMES)
+    # Imported helpers named like arch predicates (`is_cuda_sm_at_least`), found at the tokens; not the
+    # platform objects and `is_cuda`, constant on every audited arch unless an arch token follows them.
+    for pos in tokens:
+        k = bisect.bisect_right(offsets, pos) - 1
+        if not chunks[k][2] and "import" in texts[k]:
+            word = _identifier_at(source, pos)
+            if word and word not in _CONSTANT_NAMES:
+                hot.add(word)
     names = [_name_of(t) if is_def else None for t, (_, _, is_def) in zip(texts, chunks)]
     wanted = [not is_def or k in arch_chunks or k in param_chunks or bool(names[k] and name_re.search(names[k]))
               for k, (_, _, is_def) in enumerate(chunks)]
@@ -128,12 +206,13 @@ def parse_selected(source: str, filename: str, arch_text: re.Pattern | list, nam
                     hot.add(names[k])
     # One parse of the text with the skipped chunks blanked (their lines kept as empty lines, so
     # every position is the real one): a cut inside a string or brackets shows as a SyntaxError.
-    kept, skipped = [], {}
-    low = source.lower() if not isinstance(arch_text, list) else None
+    kept, skipped, trimmed = [], {}, False
     for k, ((a, b, is_def), text, need, name) in enumerate(zip(chunks, texts, wanted, names)):
         if need and is_def and _CLASS_RE.search(text):
-            arch_lines = _arch_lines_in(arch_text, low, source, offsets[k], offsets[k + 1], text)
+            arch_lines = {textmap.line_of(pos) - a for pos in tokens[bisect.bisect_left(tokens, offsets[k]):
+                                                                     bisect.bisect_left(tokens, offsets[k + 1])]}
             kept.append(_trim_class(text, arch_lines, hot))
+            trimmed = trimmed or kept[-1] is not text
             continue
         if need:
             kept.append(text)
@@ -141,6 +220,8 @@ def parse_selected(source: str, filename: str, arch_text: re.Pattern | list, nam
         if name:
             skipped.setdefault(name, Skipped(name))
         kept.append("\n" * (b - a))
+    if not skipped and not trimmed:
+        return ast.parse(source, filename=filename), {}, hot
     try:
         return ast.parse("".join(kept), filename=filename), skipped, hot
     except SyntaxError:
@@ -148,25 +229,15 @@ def parse_selected(source: str, filename: str, arch_text: re.Pattern | list, nam
 
 
 _CLASS_RE = re.compile(r"^class\s", re.MULTILINE)
-_SELF_ATTR_RE = re.compile(r"\b(?:self|cls)\.([A-Za-z_]\w*)\s*(?::[^=\n]*)?=(?!=)")
-
-
-def _arch_lines_in(arch_text, low, source: str, start: int, end: int, text: str) -> set:
-    """0-based line numbers, within one chunk, that hold an architecture token."""
-    if isinstance(arch_text, list):
-        positions = [p - start for p in arch_text[bisect.bisect_left(arch_text, start): bisect.bisect_left(arch_text, end)]]
-    else:
-        positions = [m.start() for m in arch_text.finditer(low, start, end)]
-        positions = [p - start for p in positions]
-    line_starts = list(itertools.accumulate((len(x) for x in text.splitlines(keepends=True)), initial=0))
-    return {bisect.bisect_right(line_starts, p) - 1 for p in positions}
+# `self.x = ...` / `cls.x: T = ...`; `(?:self|cls)` would cost sre its literal prefix: `elf.` and `ls.` find both.
+_SELF_ATTR_RE = re.compile(r"(?:s|c)(?:elf|ls)\.([A-Za-z_]\w*)\s*(?::[^=\n]*)?=(?!=)")
 
 
 def _trim_class(text: str, arch_lines: set, hot: set) -> str:
     """A class chunk with the methods that cannot hold an architecture condition replaced by
     `pass` and blank lines (same line count): a method is kept when it holds an architecture
     token, a capability parameter, or a name or `self.` attribute tied to one (transitively)."""
-    lines = text.splitlines(keepends=True)
+    lines = split_lines(text)
     header = next((i for i, line in enumerate(lines) if line.startswith("class")), None)
     body = [i for i in range(header + 1, len(lines)) if lines[i].strip() and not lines[i].lstrip().startswith("#")] if header is not None else []
     if not body:
@@ -212,19 +283,6 @@ def _trim_class(text: str, arch_lines: set, hot: set) -> str:
     for (a, b, _), k in zip(parts, keep):
         out += lines[a:b] if k else [f"{indent}pass\n"] + ["\n"] * (b - a - 1)
     return "".join(out)
-
-
-def _chunks_matching(pattern: re.Pattern, text: str, offsets: list) -> set:
-    """Indices of the chunks where `pattern` matches: one search per matching chunk (after a hit
-    the search resumes at the next chunk)."""
-    found, pos = set(), 0
-    while True:
-        m = pattern.search(text, pos)
-        if m is None:
-            return found
-        k = bisect.bisect_right(offsets, m.start()) - 1
-        found.add(k)
-        pos = offsets[k + 1]
 
 
 _NAME_RE = re.compile(r"^(?:async\s+def|def|class)\s+(\w+)", re.MULTILINE)

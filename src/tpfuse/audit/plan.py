@@ -23,7 +23,7 @@ import re
 from dataclasses import dataclass, field
 
 from tpfuse.audit.arch import ARCHS, Arch, ArchBool, ArchNum
-from tpfuse.audit.evaluate import Evaluator, to_bool
+from tpfuse.audit.evaluate import Evaluator, atoms, to_bool
 from tpfuse.audit.hardware import hardware_needs
 from tpfuse.audit.values import Const, ModuleRef, UserFunc
 
@@ -79,17 +79,6 @@ def literal_for(example, arch: Arch):
             return arch.cuda_arch
         return arch.cc_int if example >= 20 else arch.major
     return None
-
-
-def atoms(node: ast.expr, polarity: int, parent_or: bool = False):
-    """(atom, polarity, parent_is_or) for the leaves of and/or/not trees."""
-    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
-        yield from atoms(node.operand, -polarity)
-    elif isinstance(node, ast.BoolOp):
-        for value in node.values:
-            yield from atoms(value, polarity, isinstance(node.op, ast.Or))
-    else:
-        yield node, polarity, parent_or
 
 
 class Planner:
