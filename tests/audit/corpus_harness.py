@@ -39,9 +39,10 @@ FAMILIES = {
     "F0": "the other idioms (named helpers, torch capability tuples, decorators, #if, CMake lists)",
 }
 CATEGORIES = ("gate", "inverse", "quirk", "none")
-# Where the released trees are unpacked (`pip download --no-deps` wheels, FlashInfer's git snapshot).
-TREE_DIRS = {"sglang 0.5.23": "sglang-0.5.23", "sglang 0.5.10": "sglang-0.5.10", "vllm 0.33.0": "vllm-0.33.0",
-             "flashinfer fb28d72": "flashinfer"}
+# Where the released trees are unpacked under `trees()`' base, and where a case's Python path starts in
+# them: the wheels' packages (`pip download --no-deps`), FlashInfer's git snapshot (flashinfer/, csrc/, include/).
+TREE_DIRS = {"sglang 0.5.23": ("sglang-0.5.23/sglang", ""), "sglang 0.5.10": ("sglang-0.5.10/sglang", ""),
+             "vllm 0.33.0": ("vllm-0.33.0/vllm", ""), "flashinfer fb28d72": ("flashinfer", "flashinfer/")}
 _MARK_RE = re.compile(r"\s*(?:#<|//<)\s*$|/\*<\*/")
 _HEADER_RE = re.compile(r"^--- (?P<origin>\S+ \S+) (?P<path>\S+):(?P<line>\d+)(?: \((?P<note>[^)]*)\))?"
                         r" \| (?P<family>F\d) \| (?P<label>.+?) \| (?P<category>\w+)\s*$")
@@ -203,12 +204,7 @@ def score(root: Path, arch_name: str = "sm120", cases: list | None = None) -> di
 def trees() -> dict:
     """{origin: directory} of the released trees on disk (`$TPFUSE_AUDIT_TREES`, default ~/.cache/tpfuse-audit-trees)."""
     base = Path(os.environ.get("TPFUSE_AUDIT_TREES") or Path.home() / ".cache" / "tpfuse-audit-trees")
-    found = {}
-    for origin, sub in TREE_DIRS.items():
-        top = base / sub / origin.split()[0]
-        if (top / "__init__.py").is_file() or top.is_dir():
-            found[origin] = top
-    return found
+    return {origin: base / sub for origin, (sub, _) in TREE_DIRS.items() if (base / sub).is_dir()}
 
 
 def score_trees(arch_name: str = "sm120", cases: list | None = None) -> dict:
@@ -225,9 +221,11 @@ def score_trees(arch_name: str = "sm120", cases: list | None = None) -> dict:
         by_path: dict = {}
         for f in result.findings:
             by_path.setdefault(f.path, []).append(f)
+        prefix = TREE_DIRS[origin][1]
         for case in mine:
-            span = (case.origin_line, case.origin_line)
+            span, path = (case.origin_line, case.origin_line), case.path
             if case.language == "python":
-                span = marked_span((top / case.path).read_text(encoding="utf-8"), case.origin_line)
-            rows.append(_row(case, _in_span(by_path.get(case.path, []), span), arch))
+                path = prefix + case.path
+                span = marked_span((top / path).read_text(encoding="utf-8"), case.origin_line)
+            rows.append(_row(case, _in_span(by_path.get(path, []), span), arch))
     return _tally(rows) | {"rows": rows, "trees": sorted(roots)}

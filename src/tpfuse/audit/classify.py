@@ -244,7 +244,8 @@ WORKAROUND_RE = re.compile(r"does not support|doesn't support|not (?:yet )?suppo
                            r"broken|miscompil|slower|regress|\bhangs?\b|deadlock|illegal|incorrect|wrong result|"
                            r"unstable|instead of|falls? back", re.IGNORECASE)
 # Functions that choose among tuned options (`_heuristic_func_mm_fp4`, `_get_tuned_matmul_arch_family`).
-TUNING_FUNC_RE = re.compile(r"heuristic|tuned|tuning|autotune|measured|knob|_pick_", re.IGNORECASE)
+TUNING_FUNC_RE = re.compile(r"heuristic|tuned|tuning|autotune|measured|knob|_pick_|cluster_n\b|num_warps|num_stages",
+                            re.IGNORECASE)
 
 
 def workaround_hint(lines: list, start: int, end: int) -> bool:

@@ -280,9 +280,12 @@ class Evaluator:
     def _Call(self, node):
         func_node = node.func
         if isinstance(func_node, ast.Attribute) and isinstance(func_node.value, ast.Name) and func_node.value.id in ("self", "cls"):
-            # a method of the class being scanned (`cls.is_sm120()`, `self._use_fast()`): bound in its attributes
+            # a method of the class being scanned (`cls.is_sm120()`, `self._use_fast()`): bound in its attributes;
+            # one it inherits from a platform class means what a platform's method of that name means
             func = self.attrs.get(func_node.attr, UNKNOWN) if self.attrs is not None else UNKNOWN
-            if not isinstance(func, UserFunc):
+            if not isinstance(func, UserFunc) and self.class_name and "platform" in self.class_name.lower():
+                func = VLLM_PLATFORM.attr(func_node.attr)
+            if not isinstance(func, (UserFunc, SeedFn)):
                 return UNKNOWN
         elif isinstance(func_node, ast.Attribute):
             base = self.eval(func_node.value)

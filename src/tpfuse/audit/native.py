@@ -17,7 +17,7 @@ import ast
 import re
 
 from tpfuse.audit.arch import ARCHS, ArchBool, ArchNum, compare
-from tpfuse.audit.verdict import ArchCondition, stable_id
+from tpfuse.audit.verdict import ArchCondition, number_repeats, stable_id
 
 _PP_RE = re.compile(r"^\s*#\s*(if|elif)\b(.*)$")
 _FEAT_RE = re.compile(r"__CUDA_ARCH_FEAT_SM(\d+)_ALL")
@@ -29,6 +29,8 @@ def _translate(expr: str) -> str:
     """A C/C++ condition as Python expression text: `defined(X)` -> `__defined__X`, &&/||/! -> and/or/not."""
     expr = re.sub(r"//.*$|/\*.*?\*/", "", expr)
     expr = re.sub(r"defined\s*\(\s*(\w+)\s*\)|defined\s+(\w+)", lambda m: f"__defined__{m.group(1) or m.group(2)}", expr)
+    # C++ spellings Python cannot parse, as opaque names: `ns::f<T, W>()` -> `ns__f()`, `p->x` -> `p.x`
+    expr = re.sub(r"<[\w\s,:*&]*>(?=\s*(?:\(|::))", "", expr).replace("::", "__").replace("->", ".")
     expr = expr.replace("&&", " and ").replace("||", " or ")
     expr = re.sub(r"!(?!=)", " not ", expr)
     return expr
@@ -85,7 +87,11 @@ def _preprocessor_name(name: str):
     if name == "__defined____CUDA_ARCH__":
         return ArchBool.const(True)
     m = _FEAT_RE.search(name)
-    return ArchBool.where(lambda a: a.cc_int == int(m.group(1))) if m else None
+    if m:
+        return ArchBool.where(lambda a: a.cc_int == int(m.group(1)))
+    if name.startswith("__defined__") and name.endswith("_IDE__"):
+        return ArchBool.const(False)  # __CLION_IDE__, __VSCODE_IDE__: defined by editors, never by a compiler
+    return None
 
 
 def _cmake_set(text: str) -> ArchBool:
@@ -121,35 +127,52 @@ _CAP_CMP_RE = re.compile(rf"\b{_CAP_NAME}\b\s*(?:==|!=|>=|<=|>|<)\s*\d+|\d+\s*(?
 def _runtime_value(expr: str) -> ArchBool | None:
     """A C++ condition over an integer capability: `sm` is major*10+minor (90, 100, 120)."""
     expr = _CAP_CALL_RE.sub(" sm ", expr)
+    expr = re.sub(rf"[\w.>-]*?(?:\.|->)({_CAP_NAME})\b", r"\1", expr)  # `gemm_config.sm_version`, `cfg->sm`
     names = set(re.findall(rf"\b{_CAP_NAME}\b", expr))
     # 70..199: an SM integer (major*10+minor); other numbers compared with such a name are not one.
     return evaluate(expr, lambda n: _CC if n in names else None, lambda n: 70 <= n < 200)
 
 
+_COMMENT_RE = re.compile(r"//.*$|/\*.*?\*/")
+_STATEMENT_START_RE = re.compile(r"^\s*(?:\}\s*else\s+)?(?:if|while)\s*\(|^\s*return\b|^\s*\w*CHECK\w*\s*\(")
+_MAX_JOINED = 6  # lines of one runtime condition read together (a long `if (...` split over lines)
+
+
+def _statement(lines: list, i: int) -> str:
+    """Line `i` without comments, joined with the lines that close its parentheses (or end its return)."""
+    text = _COMMENT_RE.sub("", lines[i])
+    j = i
+    while j + 1 < len(lines) and j - i < _MAX_JOINED and (
+            text.count("(") > text.count(")") or text.lstrip().startswith("return") and not text.rstrip().endswith(";")):
+        j += 1
+        text += " " + _COMMENT_RE.sub("", lines[j]).strip()
+    return text
+
+
 def _runtime_findings(rel: str, lines: list) -> list:
-    out, seen = [], {}
+    out = []
     for i, line in enumerate(lines):
-        if not (_CAP_CMP_RE.search(line) or _CAP_CALL_RE.search(line)):
+        if not _STATEMENT_START_RE.match(line):
             continue
-        m = _RUNTIME_RE.match(line)
+        text = _statement(lines, i)
+        if not (_CAP_CMP_RE.search(text) or _CAP_CALL_RE.search(text)):
+            continue
+        m = _RUNTIME_RE.match(text)
         if not m:
             continue
         expr = next(g for g in m.groups() if g is not None)
         value = _runtime_value(expr)
         if value is None or not value.depends_on_arch:
             continue
-        f = _finding(rel, i + 1, "runtime-cpp", " ".join(expr.split()), value, "cuda", "code run under this condition")
-        seen[f.id] = seen.get(f.id, 0) + 1
-        if seen[f.id] > 1:
-            f.id = f"{f.id}-{seen[f.id]}"
-        out.append(f)
+        out.append(_finding(rel, i + 1, "runtime-cpp", " ".join(expr.split()), value, "cuda", "code run under this condition"))
+    number_repeats(out)
     return out
 
 
 def scan_native(rel: str, text: str) -> list:
     """Report-only findings of one C/C++/CUDA or CMake file."""
     lines = text.split("\n")
-    out, seen = [], {}
+    out = []
     is_cmake = rel.endswith(("CMakeLists.txt", ".cmake"))
     i = 0
     while i < len(lines):
@@ -173,12 +196,9 @@ def scan_native(rel: str, text: str) -> list:
         value = evaluate(m.group(2), _preprocessor_name)
         if value is None or not value.depends_on_arch:
             continue
-        cond = " ".join(m.group(2).split())
-        f = _finding(rel, start + 1, "preprocessor", cond, value, "cuda", "code compiled under this #if")
-        seen[f.id] = seen.get(f.id, 0) + 1
-        if seen[f.id] > 1:
-            f.id = f"{f.id}-{seen[f.id]}"
-        out.append(f)
+        cond = " ".join(_COMMENT_RE.sub("", m.group(2)).split())
+        out.append(_finding(rel, start + 1, "preprocessor", cond, value, "cuda", "code compiled under this #if"))
+    number_repeats(out)
     if not is_cmake:
         out.extend(_runtime_findings(rel, lines))
     return out

@@ -202,6 +202,8 @@ _FAMILY_WORDS = {"blackwell": (10, 11, 12), "hopper": (9,), "ampere": (8,), "ada
 
 
 _CUDA_NAME_RE = re.compile(r"_?is_cuda(?:_\w*)?")  # is_cuda_static, is_cuda_alike, _is_cuda_platform
+# Predicates of other vendors' devices (`is_gfx95_supported`, `_is_hip`, `is_mi300`): false on every audited NVIDIA GPU.
+_OTHER_VENDOR_RE = re.compile(r"_?(?:is|use|has)_\w*(?:gfx\d+|hip|rocm|musa|npu|xpu|hpu|mi\d{3}|amd|cdna|rdna)\w*", re.IGNORECASE)
 
 
 def fallback(name: str):
@@ -210,6 +212,8 @@ def fallback(name: str):
         return _pred(name, FALLBACK[name])
     if _CUDA_NAME_RE.fullmatch(name) and "available" not in name:
         return _pred(name, ArchBool.const(True))
+    if _OTHER_VENDOR_RE.fullmatch(name):
+        return _pred(name, ArchBool.const(False))
     m = _PATTERN.fullmatch(name)
     if m:
         return _pred(name, majors(int(m.group(1)) // 10, weak=True))

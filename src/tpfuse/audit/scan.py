@@ -206,7 +206,7 @@ class ModuleScanner:
             if any(classify.QUIRK_FLAG_RE.search(n) for n in _names(targets)):
                 return "tune"
         if self._funcs and classify.TUNING_FUNC_RE.search(self._funcs[-1].name):
-            return "tune"
+            return "tune"  # a choice inside a tuning heuristic, or a def computing a tuning knob (`_compute_cluster_n`)
         if _one_family(value) and classify.workaround_hint(self.lines, stmt.lineno, end):
             return "tune"
         return None
