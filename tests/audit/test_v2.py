@@ -261,11 +261,13 @@ def test_selective_parse_keeps_every_condition(tmp_path):
 
     (tmp_path / "m.py").write_text(SELECTIVE)
     textmap = TextMap(SELECTIVE)
-    tree, skipped, hot = parse_selected(SELECTIVE, "m.py", arch_tokens(textmap)[1], ARCH_RE, textmap=textmap)
+    tree, skipped, hot, hidden = parse_selected(SELECTIVE, "m.py", arch_tokens(textmap)[1], ARCH_RE, textmap=textmap)
     assert {"_MAJOR", "_USE_FMA", "_sm90"} <= hot
     kept = {n.name for n in tree.body if hasattr(n, "name")}
     assert {"reads_flag", "calls_helper", "_sm90"} <= kept  # a hot flag, a same-module arch helper
     assert set(skipped) == {"plain", "Unrelated"}
+    left_out = {line for a, b in hidden for line in SELECTIVE.split("\n")[a:b]}
+    assert any("def plain" in line for line in left_out) and any("class Unrelated" in line for line in left_out)
     found = {(f.scope, f.enables[0]) for f in audit(str(tmp_path / "m.py")).findings if f.category == "gate"}
     assert {("reads_flag", "sm100"), ("calls_helper", "sm90")} <= found  # and the flag and helper themselves
     assert not [f for f in audit(str(tmp_path / "m.py")).findings if f.line <= 4]  # the docstring holds no code
@@ -316,7 +318,8 @@ def test_class_methods_without_architecture_text_are_trimmed_not_lost(tmp_path):
         "            return 1\n"
         "        return 0\n"
     )
-    trimmed = _trim_class(cls, {2}, set())
+    trimmed, ranges = _trim_class(cls, {2}, set())
+    assert [cls.split("\n")[a] for a, _ in ranges] == ["    def plain(self, x):"]
     assert trimmed.count("\n") == cls.count("\n")  # every position stays the real one
     assert "return x + 1" not in trimmed and "self.sm >= 100" in trimmed  # `self.sm` ties `fast` to __init__
     (tmp_path / "r.py").write_text("from eng.utils import get_device_sm\n\n\n" + cls)

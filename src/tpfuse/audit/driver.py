@@ -270,8 +270,8 @@ class _Run:
                     continue
                 done[rel] = wanted
                 info = self.resolver.module(name) if rel in self.scanned else None
-                if info is not None and not any(b[0] == "skipped" for b in info.bindings.values()):
-                    continue  # every def was parsed: nothing was missed
+                if info is not None and not info.hides(wanted):
+                    continue  # every def that reads those names was parsed: nothing was missed
                 extra = self._arch_imports(rel, wanted)
                 if extra:
                     before = len(self.exports)

@@ -28,6 +28,7 @@ class ModuleInfo:
     is_package: bool
     arch_offsets: list = field(default_factory=list)  # where ARCH_RE tokens start in `source`'s code (characters)
     textmap: object = None  # parse.TextMap of `source` (line offsets), dropped with the tree
+    hidden: list = field(default_factory=list)  # [first, last) 0-based line ranges the selective parse left out
     hot: set = field(default_factory=set)  # top-level names tied to the architecture (parse.py)
     bindings: dict = field(default_factory=dict)
     stars: list = field(default_factory=list)
@@ -38,6 +39,12 @@ class ModuleInfo:
         if self._lines is None:
             self._lines = self.source.split("\n")
         return "\n".join(self._lines[node.lineno - 1: getattr(node, "end_lineno", node.lineno)])
+
+    def hides(self, names: set) -> bool:
+        """Does a part the selective parse left out mention one of `names`?"""
+        if self._lines is None:
+            self._lines = self.source.split("\n")
+        return any(name in line for a, b in self.hidden for line in self._lines[a:b] for name in names)
 
 
 def module_name_for(path: Path, heads=None) -> tuple[str, Path]:

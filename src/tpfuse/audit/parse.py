@@ -149,9 +149,10 @@ def _identifier_at(source: str, pos: int) -> str:
 
 
 def parse_selected(source: str, filename: str, tokens: list, name_re: re.Pattern, *, textmap: TextMap | None = None,
-                   extra_hot: frozenset = frozenset()) -> tuple[ast.Module, dict, set]:
+                   extra_hot: frozenset = frozenset()) -> tuple[ast.Module, dict, set, list]:
     """(module tree of the parsed chunks, {name: Skipped} of the defs/classes left out, the hot
-    names: top-level names bound to, defining or importing something architecture-related).
+    names: top-level names bound to, defining or importing something architecture-related, and the
+    [first, last) 0-based line ranges that were left out, defs and methods).
 
     `tokens` are the sorted character offsets of the architecture tokens in code (`code_tokens`)."""
     textmap = textmap or TextMap(source)
@@ -206,13 +207,14 @@ def parse_selected(source: str, filename: str, tokens: list, name_re: re.Pattern
                     hot.add(names[k])
     # One parse of the text with the skipped chunks blanked (their lines kept as empty lines, so
     # every position is the real one): a cut inside a string or brackets shows as a SyntaxError.
-    kept, skipped, trimmed = [], {}, False
+    kept, skipped, hidden = [], {}, []
     for k, ((a, b, is_def), text, need, name) in enumerate(zip(chunks, texts, wanted, names)):
         if need and is_def and _CLASS_RE.search(text):
             arch_lines = {textmap.line_of(pos) - a for pos in tokens[bisect.bisect_left(tokens, offsets[k]):
                                                                      bisect.bisect_left(tokens, offsets[k + 1])]}
-            kept.append(_trim_class(text, arch_lines, hot))
-            trimmed = trimmed or kept[-1] is not text
+            trimmed, ranges = _trim_class(text, arch_lines, hot)
+            kept.append(trimmed)
+            hidden += [(a + i, a + j) for i, j in ranges]
             continue
         if need:
             kept.append(text)
@@ -220,12 +222,13 @@ def parse_selected(source: str, filename: str, tokens: list, name_re: re.Pattern
         if name:
             skipped.setdefault(name, Skipped(name))
         kept.append("\n" * (b - a))
-    if not skipped and not trimmed:
-        return ast.parse(source, filename=filename), {}, hot
+        hidden.append((a, b))
+    if not hidden:
+        return ast.parse(source, filename=filename), {}, hot, []
     try:
-        return ast.parse("".join(kept), filename=filename), skipped, hot
+        return ast.parse("".join(kept), filename=filename), skipped, hot, hidden
     except SyntaxError:
-        return ast.parse(source, filename=filename), {}, hot  # raises the real error, or parses whole
+        return ast.parse(source, filename=filename), {}, hot, []  # raises the real error, or parses whole
 
 
 _CLASS_RE = re.compile(r"^class\s", re.MULTILINE)
@@ -233,18 +236,19 @@ _CLASS_RE = re.compile(r"^class\s", re.MULTILINE)
 _SELF_ATTR_RE = re.compile(r"(?:s|c)(?:elf|ls)\.([A-Za-z_]\w*)\s*(?::[^=\n]*)?=(?!=)")
 
 
-def _trim_class(text: str, arch_lines: set, hot: set) -> str:
+def _trim_class(text: str, arch_lines: set, hot: set) -> tuple[str, list]:
     """A class chunk with the methods that cannot hold an architecture condition replaced by
-    `pass` and blank lines (same line count): a method is kept when it holds an architecture
-    token, a capability parameter, or a name or `self.` attribute tied to one (transitively)."""
+    `pass` and blank lines (same line count), and the [first, last) line ranges replaced: a method
+    is kept when it holds an architecture token, a capability parameter, or a name or `self.`
+    attribute tied to one (transitively)."""
     lines = split_lines(text)
     header = next((i for i, line in enumerate(lines) if line.startswith("class")), None)
     body = [i for i in range(header + 1, len(lines)) if lines[i].strip() and not lines[i].lstrip().startswith("#")] if header is not None else []
     if not body:
-        return text
+        return text, []
     indent = lines[body[0]][: len(lines[body[0]]) - len(lines[body[0]].lstrip())]
     if not indent:
-        return text
+        return text, []
     # Methods start at the body's indentation with def/async def/@ (decorators join their def).
     starts, prev_deco = [], False
     for i in body:
@@ -282,7 +286,7 @@ def _trim_class(text: str, arch_lines: set, hot: set) -> str:
     out = lines[: parts[0][0]] if parts else lines
     for (a, b, _), k in zip(parts, keep):
         out += lines[a:b] if k else [f"{indent}pass\n"] + ["\n"] * (b - a - 1)
-    return "".join(out)
+    return "".join(out), [(a, b) for (a, b, _), k in zip(parts, keep) if not k]
 
 
 _NAME_RE = re.compile(r"^(?:async\s+def|def|class)\s+(\w+)", re.MULTILINE)

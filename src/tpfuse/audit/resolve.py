@@ -123,14 +123,15 @@ class Resolver:
         if path is not None:
             try:
                 source, textmap, hits, tokens = self._prepared.pop(name, None) or self._prepare(path)
-                tree, skipped, hot = parse_selected(source, str(path), tokens, ARCH_RE, textmap=textmap,
+                tree, skipped, hot, hidden = parse_selected(source, str(path), tokens, ARCH_RE, textmap=textmap,
                                                     extra_hot=self.extra_hot.get(name, frozenset()))
             except SourceSkip as exc:  # unreadable, undecodable or too large: the module is unknown, never fatal
                 self.errors[path] = str(exc)
             except (SyntaxError, ValueError, RecursionError) as exc:
                 self.errors[path] = f"{type(exc).__name__}: {exc}"
             else:
-                info = ModuleInfo(name, path, source, tree, path.name == "__init__.py", arch_offsets=hits, hot=hot, textmap=textmap)
+                info = ModuleInfo(name, path, source, tree, path.name == "__init__.py", arch_offsets=hits, hot=hot, textmap=textmap,
+                                  hidden=hidden)
                 collect_bindings(info, tree.body)
                 for skipped_name in skipped:  # a def with no architecture text: bound, but opaque
                     info.bindings.setdefault(skipped_name, ("skipped",))
