@@ -38,6 +38,9 @@ ARCH_RE = re.compile(
 _FROM_IMPORT_RE = re.compile(r"^[ \t]*from[ \t]+(\.*)([\w.]*)[ \t]+import[ \t]+\(?([\w ,]+)", re.MULTILINE)
 # ARCH_RE for whole-text searches of lower-cased source (no anchors, no IGNORECASE: 5x faster).
 _ARCH_TEXT_RE = re.compile(ARCH_RE.pattern.replace("^_?", "").lower())
+# ARCH_RE inside a longer text (a def's), where its anchored `^_?is_cuda` can never match: the same
+# lower-cased way.
+_ARCH_INNER_RE = re.compile(ARCH_RE.pattern.replace("|^_?is_cuda", "").lower())
 # The tokens that can make a def's conditions depend on the architecture (ARCH_RE without the
 # platform objects and `is_cuda`, which are constant on every audited arch unless an arch token follows).
 _CONSTANT_TOKENS = frozenset({"get_platform", "current_platform", "is_cuda"})
@@ -189,7 +192,7 @@ class Resolver:
     def _can_inline(self, module: str, node) -> bool:
         if id(node) not in self._inlinable:
             info = self.module(module)
-            self._inlinable[id(node)] = bool(ARCH_RE.search(node.name) or ARCH_RE.search(info.text_of(node)))
+            self._inlinable[id(node)] = bool(ARCH_RE.search(node.name) or _ARCH_INNER_RE.search(info.text_of(node).lower()))
         return self._inlinable[id(node)]
 
     def absolute(self, module: str, target: str | None, level: int) -> str:

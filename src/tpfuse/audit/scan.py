@@ -59,6 +59,7 @@ _WORD_RE = re.compile(r"[A-Za-z_]\w*")
 # A ternary always spells `else`. No \b: leading anchors disable sre's literal-prefix scan (4x slower).
 _TERNARY_RE = re.compile(r"else|skip")
 _ARCH_VALUES = (ArchBool, ArchNum, Obj)
+_LOCAL_ARCH = (*_ARCH_VALUES, LazyImport)  # a local name bound to an import is resolved when read
 
 
 def _names(targets: list) -> list:
@@ -102,8 +103,13 @@ class ModuleScanner:
 
     def _words(self, first: int, last: int) -> set:
         """The identifiers on lines `first`..`last` (1-based), each line read once per module."""
-        out: set = set()
         cache, lines = self._line_words, self.lines
+        if first == last and first <= len(lines):
+            words = cache.get(first)
+            if words is None:
+                words = cache[first] = frozenset(_WORD_RE.findall(lines[first - 1]))
+            return words
+        out: set = set()
         for i in range(first, min(last, len(lines)) + 1):
             words = cache.get(i)
             if words is None:
@@ -136,12 +142,12 @@ class ModuleScanner:
         if i < len(self._arch_sorted) and self._arch_sorted[i] <= last:
             return True
         words = self._words(first, last)
-        if local and any(isinstance(local.get(w), (*_ARCH_VALUES, LazyImport)) for w in words):
+        if local and any(isinstance(local[w], _LOCAL_ARCH) for w in local.keys() & words):
             return True
-        if attrs and any(isinstance(attrs.get(w), (ArchBool, ArchNum)) for w in words):
+        if attrs and any(isinstance(attrs[w], (ArchBool, ArchNum)) for w in attrs.keys() & words):
             return True
         # A call of this module's arch-related def or a read of an arch flag (parse.py's hot names).
-        return bool(words & self.info.hot) or bool(words & self._globals())
+        return not words.isdisjoint(self.info.hot) or not words.isdisjoint(self._globals())
 
     def _may_hold_arch(self, stmt, attrs) -> bool:
         """Can anything in this def depend on the architecture? (Skipping the rest halves the run time.)"""
@@ -150,9 +156,9 @@ class ModuleScanner:
         if i < len(self._arch_sorted) and self._arch_sorted[i] <= last:
             return True
         words = self._words(first, last)
-        if words & self.info.hot or words & self._globals():
+        if not words.isdisjoint(self.info.hot) or not words.isdisjoint(self._globals()):
             return True
-        return bool(attrs) and any(isinstance(attrs.get(w), _ARCH_VALUES) for w in words)
+        return bool(attrs) and any(isinstance(attrs[w], _ARCH_VALUES) for w in attrs.keys() & words)
 
     def scan(self) -> list[Site]:
         if self.info is not None:
@@ -387,8 +393,9 @@ class ModuleScanner:
         """A lookup of the device's capability in a constant table: `TABLE.get(cap, {})` anywhere in
         `expr` (no conditional at all: the gate is a missing key) becomes a `table` site, and the
         table's location and keys, also for `cap in TABLE`, are returned for the condition's record."""
-        if not self._mentions_arch(expr, local, attrs):
-            return None
+        words = self._words(expr.lineno, expr.end_lineno or expr.lineno)
+        if ("get" not in words and "in" not in words) or not self._mentions_arch(expr, local, attrs):
+            return None  # the words test first: most statements hold neither a `.get(` nor an `in`
         ev = self._evaluator(local, attrs)
         found = None
         for node in ast.walk(expr):
