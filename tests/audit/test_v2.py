@@ -318,8 +318,9 @@ def test_class_methods_without_architecture_text_are_trimmed_not_lost(tmp_path):
         "            return 1\n"
         "        return 0\n"
     )
-    trimmed, ranges = _trim_class(cls, {2}, set())
+    trimmed, ranges, exports = _trim_class(cls, {2}, set())
     assert [cls.split("\n")[a] for a, _ in ranges] == ["    def plain(self, x):"]
+    assert exports == {"sm", "fast"}  # what other code reads the architecture through: `self.sm`, `x.fast()`
     assert trimmed.count("\n") == cls.count("\n")  # every position stays the real one
     assert "return x + 1" not in trimmed and "self.sm >= 100" in trimmed  # `self.sm` ties `fast` to __init__
     (tmp_path / "r.py").write_text("from eng.utils import get_device_sm\n\n\n" + cls)

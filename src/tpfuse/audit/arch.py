@@ -153,7 +153,7 @@ class ArchNum:
 _CMP = {
     "Eq": operator.eq, "NotEq": operator.ne, "Lt": operator.lt, "LtE": operator.le,
     "Gt": operator.gt, "GtE": operator.ge,
-    "In": lambda a, b: a in b, "NotIn": lambda a, b: a not in b,
+    "In": lambda a, b: _member(a, b), "NotIn": lambda a, b: not _member(a, b),
 }
 
 
@@ -169,6 +169,14 @@ def compare(op: str, left, right) -> ArchBool | None:
         return ArchBool(tuple(bool(fn(_norm(a), _norm(b))) for a, b in zip(lvals, rvals)), weak)
     except TypeError:
         return None
+
+
+def _member(a, container) -> bool:
+    """`a in container` by equality, not hash: a capability that compares equal to 90, (9, 0) and 9
+    (predicates.Capability) is in `frozenset({90})`."""
+    if isinstance(container, (set, frozenset, dict)):
+        return any(a == k for k in container)
+    return a in container
 
 
 def _norm(v):

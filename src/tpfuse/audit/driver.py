@@ -270,8 +270,9 @@ class _Run:
                     continue
                 done[rel] = wanted
                 info = self.resolver.module(name) if rel in self.scanned else None
-                if info is not None and not info.hides(wanted):
-                    continue  # every def that reads those names was parsed: nothing was missed
+                bound = {b for _, _, pairs in imports for orig, b in pairs if orig in wanted}
+                if info is not None and bound <= info.hot and not info.hides(wanted):
+                    continue  # scanned with those names known to matter, every def reading them parsed
                 extra = self._arch_imports(rel, wanted)
                 if extra:
                     before = len(self.exports)

@@ -40,6 +40,9 @@ class ModuleInfo:
             self._lines = self.source.split("\n")
         return "\n".join(self._lines[node.lineno - 1: getattr(node, "end_lineno", node.lineno)])
 
+    def release_lines(self) -> None:
+        self._lines = None
+
     def hides(self, names: set) -> bool:
         """Does a part the selective parse left out mention one of `names`?"""
         if self._lines is None:

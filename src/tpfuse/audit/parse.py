@@ -28,12 +28,18 @@ _DEF_RE = re.compile(r"(?:async\s+def|def|class)\b")
 _ASSIGN_RE = re.compile(r"^([A-Za-z_]\w*(?:[ \t]*,[ \t]*[A-Za-z_]\w*)*)[ \t]*(?::[^=\n]*)?=(?!=)", re.MULTILINE)
 # Capability parameter names (predicates.capability_params), without a leading \b so that sre's
 # literal scan applies; `major`/`minor` pairs are found with substring tests.
-_PARAM_RE = re.compile(r"capability|sm_version|device_sm|sm_arch|_major\b|device_arch")
+_PARAM_RE = re.compile(r"capability|sm_version|device_sm|sm_arch|_major\b|device_arch|arch\b")
 _WORD_RE = re.compile(r"[A-Za-z_]\w*")
 _CONSTANT_NAMES = frozenset({"get_platform", "current_platform", "is_cuda", "_is_cuda", "is_cuda_alike"})
 _TRIPLE_RE = re.compile(r'"""|\'\'\'')
 # A line that compares (`arch == "sm_90a"`, `"sm100" in name`): a token in its string literal counts.
 _COMPARES_RE = re.compile(r"==|!=|<=|>=| in | not in |[<>]")
+
+
+def _param_word(text: str, m: re.Match) -> bool:
+    """A `_PARAM_RE` match that can name a capability: `arch` only as a whole word (a parameter
+    `arch` that a caller passes the device's `major * 10 + minor` to), not `model_arch`."""
+    return m.group() != "arch" or m.start() == 0 or not (text[m.start() - 1].isalnum() or text[m.start() - 1] == "_")
 
 
 class Skipped:
@@ -161,7 +167,8 @@ def parse_selected(source: str, filename: str, tokens: list, name_re: re.Pattern
     texts = ["".join(lines[a:b]) for a, b, _ in chunks]
     offsets = [textmap.starts[a] for a, _, _ in chunks] + [len(source)]
     arch_chunks = {bisect.bisect_right(offsets, pos) - 1 for pos in tokens}
-    param_chunks = {bisect.bisect_right(offsets, m.start()) - 1 for m in _PARAM_RE.finditer(source) if textmap.is_code(m.start())}
+    param_chunks = {bisect.bisect_right(offsets, m.start()) - 1 for m in _PARAM_RE.finditer(source)
+                    if _param_word(source, m) and textmap.is_code(m.start())}
     if "minor" in source:
         param_chunks |= {k for k, t in enumerate(texts) if "minor" in t and "major" in t}
     words: dict = {}
@@ -171,19 +178,7 @@ def parse_selected(source: str, filename: str, tokens: list, name_re: re.Pattern
             words[k] = set(_WORD_RE.findall(texts[k]))
         return words[k]
 
-    # Names the top-level statements bind to architecture expressions, transitively
-    # (`_GPU_MAJOR = get_device_capability()[0]` then `_USE_FMA = _GPU_MAJOR >= 10`).
     hot: set = set(extra_hot)
-    pending = [(k, {n.strip() for targets in _ASSIGN_RE.findall(texts[k]) for n in targets.split(",")})
-               for k, (_, _, is_def) in enumerate(chunks) if not is_def]
-    pending = [(k, bound) for k, bound in pending if bound]
-    grew = True
-    while grew:
-        grew = False
-        for k, bound in pending:
-            if not bound <= hot and (k in arch_chunks or hot and not hot.isdisjoint(words_of(k))):
-                hot |= bound
-                grew = True
     # Imported helpers named like arch predicates (`is_cuda_sm_at_least`), found at the tokens; not the
     # platform objects and `is_cuda`, constant on every audited arch unless an arch token follows them.
     for pos in tokens:
@@ -195,24 +190,58 @@ def parse_selected(source: str, filename: str, tokens: list, name_re: re.Pattern
     names = [_name_of(t) if is_def else None for t, (_, _, is_def) in zip(texts, chunks)]
     wanted = [not is_def or k in arch_chunks or k in param_chunks or bool(names[k] and name_re.search(names[k]))
               for k, (_, _, is_def) in enumerate(chunks)]
-    # Defs of this module that hold an architecture condition are hot too: a def calling one is kept.
-    hot.update(n for n, w, (_, _, is_def) in zip(names, wanted, chunks) if w and is_def and n)
+    classes = {k for k, (_, _, is_def) in enumerate(chunks) if is_def and _CLASS_RE.search(texts[k])}
+    # What makes a name hot, to a fixpoint: a top-level assignment from architecture text or a hot name
+    # (`_GPU_MAJOR = get_device_capability()[0]`, `_USE_FMA = _GPU_MAJOR >= 10`, `_FLAG = _helper()`);
+    # a function that holds architecture text and returns a value (its callers read the architecture);
+    # what a kept class exports (its methods returning architecture values, attributes set from it).
+    pending = [(k, {n.strip() for targets in _ASSIGN_RE.findall(texts[k]) for n in targets.split(",")})
+               for k, (_, _, is_def) in enumerate(chunks) if not is_def]
+    pending = [(k, bound) for k, bound in pending if bound]
+    trims: dict = {}  # class chunk -> [len(hot) it was last trimmed with, its _ClassTrim, text, ranges]
+    flows: dict = {}  # def chunk -> its `_statements`
     grew = True
-    while grew and hot:
+    while grew:
         grew = False
-        for k in range(len(chunks)):
-            if not wanted[k] and not hot.isdisjoint(words_of(k)):
+        for k, bound in pending:
+            if not bound <= hot and (k in arch_chunks or hot and not hot.isdisjoint(words_of(k))):
+                hot |= bound
+                grew = True
+        for k, (_, _, is_def) in enumerate(chunks):
+            if not is_def:
+                continue
+            if not wanted[k] and hot and not hot.isdisjoint(words_of(k)):
                 wanted[k] = grew = True
-                if names[k]:
+            if not wanted[k]:
+                continue
+            if k in classes:
+                if k not in trims:
+                    arch_lines = {textmap.line_of(pos) - chunks[k][0] for pos in
+                                  tokens[bisect.bisect_left(tokens, offsets[k]):bisect.bisect_left(tokens, offsets[k + 1])]}
+                    trims[k] = [None, _ClassTrim(texts[k], arch_lines), None, None]
+                if trims[k][0] != len(hot):
+                    trimmed, ranges, exports = trims[k][1].trim(hot)
+                    if not exports <= hot:
+                        hot |= exports
+                        grew = True
+                    trims[k][0], trims[k][2], trims[k][3] = len(hot), trimmed, ranges
+            elif names[k] and names[k] not in hot:
+                if k not in flows:
+                    arch_lines = {textmap.line_of(pos) for pos in
+                                  tokens[bisect.bisect_left(tokens, offsets[k]):bisect.bisect_left(tokens, offsets[k + 1])]}
+                    flows[k] = _statements(lines, chunks[k][0], chunks[k][1], arch_lines)
+                if _flow(flows[k], hot)[0]:
                     hot.add(names[k])
+                    grew = True
+    # A class that exports something is hot itself: other modules read it (`Cls.supported(arch)`), and
+    # its tree is kept for them after the module is scanned (resolve.Resolver.release).
+    hot.update(names[k] for k in trims if trims[k][1].exports and names[k])
     # One parse of the text with the skipped chunks blanked (their lines kept as empty lines, so
     # every position is the real one): a cut inside a string or brackets shows as a SyntaxError.
     kept, skipped, hidden = [], {}, []
     for k, ((a, b, is_def), text, need, name) in enumerate(zip(chunks, texts, wanted, names)):
-        if need and is_def and _CLASS_RE.search(text):
-            arch_lines = {textmap.line_of(pos) - a for pos in tokens[bisect.bisect_left(tokens, offsets[k]):
-                                                                     bisect.bisect_left(tokens, offsets[k + 1])]}
-            trimmed, ranges = _trim_class(text, arch_lines, hot)
+        if need and k in classes:
+            _, _, trimmed, ranges = trims[k]
             kept.append(trimmed)
             hidden += [(a + i, a + j) for i, j in ranges]
             continue
@@ -232,61 +261,210 @@ def parse_selected(source: str, filename: str, tokens: list, name_re: re.Pattern
 
 
 _CLASS_RE = re.compile(r"^class\s", re.MULTILINE)
-# `self.x = ...` / `cls.x: T = ...`; `(?:self|cls)` would cost sre its literal prefix: `elf.` and `ls.` find both.
-_SELF_ATTR_RE = re.compile(r"(?:s|c)(?:elf|ls)\.([A-Za-z_]\w*)\s*(?::[^=\n]*)?=(?!=)")
 
 
-def _trim_class(text: str, arch_lines: set, hot: set) -> tuple[str, list]:
-    """A class chunk with the methods that cannot hold an architecture condition replaced by
-    `pass` and blank lines (same line count), and the [first, last) line ranges replaced: a method
-    is kept when it holds an architecture token, a capability parameter, or a name or `self.`
-    attribute tied to one (transitively)."""
-    lines = split_lines(text)
-    header = next((i for i, line in enumerate(lines) if line.startswith("class")), None)
-    body = [i for i in range(header + 1, len(lines)) if lines[i].strip() and not lines[i].lstrip().startswith("#")] if header is not None else []
-    if not body:
-        return text, []
-    indent = lines[body[0]][: len(lines[body[0]]) - len(lines[body[0]].lstrip())]
-    if not indent:
-        return text, []
-    # Methods start at the body's indentation with def/async def/@ (decorators join their def).
-    starts, prev_deco = [], False
-    for i in body:
+def _trim_class(text: str, arch_lines: set, hot: set) -> tuple[str, list, set]:
+    """`_ClassTrim(text, arch_lines).trim(hot)`."""
+    return _ClassTrim(text, arch_lines).trim(hot)
+
+
+class _ClassTrim:
+    """A class chunk with the methods that cannot hold an architecture condition replaced by `pass`
+    and blank lines (same line count).
+
+    A method is kept when it holds an architecture token, a capability parameter, or reads a name
+    tied to one: a hot name, a kept method's name that returns a value (`self._use_fp8()`), or an
+    attribute or class attribute assigned from architecture text (`self.sm = get_device_sm()`, also
+    through a local name of the same method: `major = ...; self.fast = major >= 10`), transitively.
+    `trim` may be called again with more hot names (the module's grow as classes export theirs): it
+    goes on from where it stopped."""
+
+    def __init__(self, text: str, arch_lines: set):
+        self.text, self.arch_lines = text, arch_lines
+        self.lines = lines = split_lines(text)
+        header = next((i for i, line in enumerate(lines) if line.startswith("class")), None)
+        body = [i for i in range(header + 1, len(lines)) if lines[i].strip() and not lines[i].lstrip().startswith("#")] if header is not None else []
+        first = lines[body[0]] if body else ""
+        self.indent = indent = first[: len(first) - len(first.lstrip())]
+        self.parts: list = []
+        if not indent:
+            return
+        # Methods start at the body's indentation with def/async def/@ (decorators join their def).
+        starts, prev_deco = [], False
+        for i in body:
+            line = lines[i]
+            if not line.startswith(indent) or line[len(indent)] in " \t)]}'\"":
+                continue
+            rest = line[len(indent):]
+            is_deco = rest.startswith("@")
+            if not prev_deco:
+                starts.append((i, is_deco or bool(_DEF_RE.match(rest))))
+            prev_deco = is_deco
+        self.parts = [(a, b, is_method) for (a, is_method), (b, _) in zip(starts, starts[1:] + [(len(lines), False)])]
+        self.texts = ["".join(lines[a:b]) for a, b, _ in self.parts]
+        self.keep = [not is_method or any(i in arch_lines for i in range(a, b))
+                     or any(_param_word(chunk, m) for m in _PARAM_RE.finditer(chunk)) or ("major" in chunk and "minor" in chunk)
+                     for (a, b, is_method), chunk in zip(self.parts, self.texts)]
+        self.hot_words: set = set()
+        self.exports: set = set()
+        self.words: dict = {}
+        self.flows: dict = {}
+        self.done: dict = {}
+
+    def trim(self, hot: set) -> tuple[str, list, set]:
+        """(the trimmed text, the [first, last) line ranges replaced, the names the class adds to `hot`:
+        what other code reads the architecture through)."""
+        if not self.parts:
+            return self.text, [], set()
+        hot_words, parts, lines = self.hot_words, self.parts, self.lines
+        hot_words |= hot
+        grew = True
+        while grew:
+            grew = False
+            for j, chunk in enumerate(self.texts):
+                if self.keep[j]:
+                    if j not in self.flows:
+                        self.flows[j] = _statements(lines, parts[j][0], parts[j][1], self.arch_lines)
+                    if self.done.get(j) == len(hot_words):
+                        continue
+                    returns, names, attrs = _flow(self.flows[j], hot_words)
+                    attrs = attrs if parts[j][2] else names  # a class-level name is a class attribute
+                    name = _METHOD_NAME_RE.match(chunk) if parts[j][2] and returns else None
+                    if name:  # it returns a value that depends on the architecture: its callers read it
+                        attrs = attrs | {name.group(1)}
+                    if not attrs <= hot_words:
+                        hot_words |= attrs
+                        self.exports |= attrs
+                        grew = True
+                    self.done[j] = len(hot_words)
+                elif hot_words:
+                    if j not in self.words:
+                        self.words[j] = set(_WORD_RE.findall(chunk))
+                    if not hot_words.isdisjoint(self.words[j]):
+                        self.keep[j] = grew = True
+        out = lines[: parts[0][0]]
+        for (a, b, _), k in zip(parts, self.keep):
+            out += lines[a:b] if k else [f"{self.indent}pass\n"] + ["\n"] * (b - a - 1)
+        return "".join(out), [(a, b) for (a, b, _), k in zip(parts, self.keep) if not k], self.exports - hot
+
+
+_METHOD_NAME_RE = re.compile(r"(?:[ \t]*@[^\n]*\n)*[ \t]*(?:async[ \t]+)?def[ \t]+(\w+)")
+# An assignment statement's targets, names or `self.`/`cls.` attributes.
+_TARGETS_RE = re.compile(r"[ \t]*((?:(?:self|cls)\.)?[A-Za-z_]\w*(?:[ \t]*,[ \t]*(?:(?:self|cls)\.)?[A-Za-z_]\w*)*)"
+                         r"[ \t]*(?::[^=\n]*)?=(?!=)")
+_FIRST_WORD_RE = re.compile(r"[ \t]*(@|[A-Za-z_]\w*)")
+_TRIPLE_PAIR_RE = re.compile(r'"""[^\n]*?"""|\'\'\'[^\n]*?\'\'\'')
+_STRING_OR_COMMENT_RE = re.compile(r"'(?:\\.|[^'\\\n])*'|\"(?:\\.|[^\"\\\n])*\"|#[^\n]*")
+_HEADERS = frozenset({"if", "while", "for", "with", "try", "match", "case", "async"})
+_CHAINED = frozenset({"elif", "else", "except", "finally"})  # continue the header above them at their indentation
+
+
+def _statements(lines: list, first: int, last: int, arch_lines: set) -> list:
+    """The statements of lines[first:last] (a def, a class part): [(indentation, kind, words, holds an
+    architecture token, attributes assigned, names assigned)], kind one of "def", "header", "chained",
+    "return", "assign", "decorator", "other". A statement ends where its brackets close (as far as the text shows:
+    strings and comments are left out of the count, a triple-quoted string is one span)."""
+    out, i = [], first
+    arch = sorted(arch_lines)
+    while i < last:
         line = lines[i]
-        if not line.startswith(indent) or line[len(indent)] in " \t)]}'\"":
+        stripped = line.lstrip()
+        if not stripped or stripped.startswith("#"):
+            i += 1
             continue
-        rest = line[len(indent):]
-        is_deco = rest.startswith("@")
-        if not prev_deco:
-            starts.append((i, is_deco or bool(_DEF_RE.match(rest))))
-        prev_deco = is_deco
-    parts = [(a, b, is_method) for (a, is_method), (b, _) in zip(starts, starts[1:] + [(len(lines), False)])]
-    hot_words = set(hot)
-    keep, texts = [], ["".join(lines[a:b]) for a, b, _ in parts]
-    for (a, b, is_method), chunk in zip(parts, texts):
-        keep.append(not is_method or any(i in arch_lines for i in range(a, b)) or bool(_PARAM_RE.search(chunk))
-                    or ("major" in chunk and "minor" in chunk))
-    words: dict = {}
-    bound: dict = {}
-    grew = True
-    while grew:
-        grew = False
-        for j, chunk in enumerate(texts):
-            if keep[j]:
-                if j not in bound:
-                    bound[j] = set(_SELF_ATTR_RE.findall(chunk)) | {n.strip() for t in _ASSIGN_RE.findall(chunk.replace(indent, "", 1)) for n in t.split(",")}
-                if not bound[j] <= hot_words:
-                    hot_words |= bound[j]
-                    grew = True
-            elif hot_words:
-                if j not in words:
-                    words[j] = set(_WORD_RE.findall(chunk))
-                if not hot_words.isdisjoint(words[j]):
-                    keep[j] = grew = True
-    out = lines[: parts[0][0]] if parts else lines
-    for (a, b, _), k in zip(parts, keep):
-        out += lines[a:b] if k else [f"{indent}pass\n"] + ["\n"] * (b - a - 1)
-    return "".join(out), [(a, b) for (a, b, _), k in zip(parts, keep) if not k]
+        start, depth, k = i, 0, i
+        while k < last:
+            code = lines[k]
+            if '"' in code or "'" in code or "#" in code:
+                if '"""' in code or "\'\'\'" in code:
+                    quote = next((q for q in ('"""', "\'\'\'") if code.count(q) % 2), None)
+                    if quote:  # a triple-quoted string opens here: the statement runs to its end
+                        k += 1
+                        while k < last and lines[k].count(quote) % 2 == 0:
+                            k += 1
+                        k += 1
+                        break
+                    code = _TRIPLE_PAIR_RE.sub("", code)
+                code = _STRING_OR_COMMENT_RE.sub("", code)
+            if "(" in code or ")" in code or "[" in code or "]" in code or "{" in code or "}" in code:
+                depth += code.count("(") + code.count("[") + code.count("{") - code.count(")") - code.count("]") - code.count("}")
+            k += 1
+            if depth <= 0 and not code.rstrip().endswith("\\"):
+                break
+        i = max(min(k, last), start + 1)
+        span = "".join(lines[start:i]) if i > start + 1 else line
+        word = _FIRST_WORD_RE.match(line)
+        head = word.group(1) if word else ""
+        if head in ("def", "class") or head == "async" and stripped.startswith("async def"):
+            kind = "def"
+        elif head in _HEADERS:
+            kind = "header"
+        elif head in _CHAINED:
+            kind = "chained"
+        elif head in ("return", "yield"):
+            kind = "return"
+        elif head == "@":
+            kind = "decorator"
+        else:
+            kind = "other"
+        attrs, names = set(), set()
+        target = _TARGETS_RE.match(line) if kind == "other" else None
+        if target:
+            kind = "assign"
+            for name in target.group(1).split(","):
+                name = name.strip()
+                if name.startswith(("self.", "cls.")):
+                    attrs.add(name.split(".", 1)[1])
+                else:
+                    names.add(name)
+        j = bisect.bisect_left(arch, start)
+        words = set(_WORD_RE.findall(span)) if kind in _WORDS_READ else _NO_WORDS  # `_flow` reads no others
+        out.append((len(line) - len(stripped), kind, words, j < len(arch) and arch[j] < i, attrs, names))
+    return out
+
+
+_WORDS_READ = frozenset({"header", "chained", "return", "assign"})
+_NO_WORDS: frozenset = frozenset()
+
+
+def _flow(statements: list, hot: set) -> tuple[bool, set, set]:
+    """(does a return of the def depend on the architecture, the local names and the attributes that
+    may hold an architecture value) over `_statements` of one def or class part, for the `hot` names.
+
+    A statement depends on the architecture when its text does (a token, a hot name, a local name
+    that does) or a header around it does (`if is_sm100(): return "trtllm"`, then `return "fa3"`
+    makes the def's result depend on it); `elif`/`else` continue their `if`. Nested defs' returns
+    are their own."""
+    # (indentation, depends, is a def, a header around or at it depends, a def around or at it)
+    stack: list = []
+    local: set = set()
+    attrs: set = set()
+    returns = False
+    top = None
+    for indent, kind, words, has_arch, assigned_attrs, assigned_names in statements:
+        if top is None and kind == "decorator":
+            continue
+        if top is None:  # the part's own def line (or its first statement)
+            top = indent
+            if kind == "def":
+                continue
+        chained = False
+        while stack and stack[-1][0] >= indent:
+            popped = stack.pop()
+            chained = kind == "chained" and popped[0] == indent and popped[1]
+        depends = has_arch or not words.isdisjoint(hot) or bool(local) and not words.isdisjoint(local)
+        under, in_def = (stack[-1][3], stack[-1][4]) if stack else (False, False)
+        if kind in ("def", "header", "chained"):
+            own = kind != "def" and (depends or chained)
+            stack.append((indent, own, kind == "def", under or own, in_def or kind == "def"))
+            if kind != "def" and (depends or under) and not in_def and "return" in words:
+                returns = True  # `if is_sm100(): return 1` on one line
+        elif kind == "return":
+            returns = returns or (depends or under) and not in_def
+        elif kind == "assign" and (depends or under):
+            local |= assigned_names
+            attrs |= assigned_attrs
+    return returns, local, attrs
 
 
 _NAME_RE = re.compile(r"^(?:async\s+def|def|class)\s+(\w+)", re.MULTILINE)

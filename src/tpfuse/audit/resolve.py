@@ -151,7 +151,8 @@ class Resolver:
         token in code? (Kept for its parse.) Without one, only names it imports can make it one."""
         textmap = TextMap(source)
         prepared = (source, textmap, *arch_tokens(textmap))
-        self._prepared[name] = prepared
+        if prepared[3]:
+            self._prepared[name] = prepared
         return bool(prepared[3])
 
     def forget(self, name: str) -> None:
@@ -182,17 +183,30 @@ class Resolver:
 
     def release(self, name: str) -> None:
         """Drop what a scanned module's tree holds that no other module can resolve through: the
-        module node and its line map. Top-level defs and classes stay (their methods are read through
-        `Cls.method`): the selective parse kept only those whose text can hold an architecture condition."""
+        module node, its line map, and the defs and classes that are not hot (parse.py: a def whose
+        result does not depend on the architecture, a class that exports nothing), which then resolve
+        as opaque. Hot ones stay: other modules inline them (`is_sm100()`, `Cls.supported(arch)`)."""
         info = self._modules.get(name)
         if info is None:
             return
         info.tree = info.textmap = None
+        info.release_lines()
+        for bound, binding in list(info.bindings.items()):
+            if binding[0] != "def" or binding[1].name != bound:
+                continue
+            node = binding[1]
+            if bound not in info.hot:
+                info.bindings[bound] = ("skipped",)
+            elif isinstance(node, ast.ClassDef):  # other modules call only the methods it exports
+                node.body = [s for s in node.body if not isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef))
+                             or s.name in info.hot] or [ast.Pass()]
 
     def _can_inline(self, module: str, node) -> bool:
         if id(node) not in self._inlinable:
             info = self.module(module)
-            self._inlinable[id(node)] = bool(ARCH_RE.search(node.name) or _ARCH_INNER_RE.search(info.text_of(node).lower()))
+            params = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+            self._inlinable[id(node)] = bool(ARCH_RE.search(node.name) or _ARCH_INNER_RE.search(info.text_of(node).lower())
+                                             or any(a.arg == "arch" for a in params))
         return self._inlinable[id(node)]
 
     def absolute(self, module: str, target: str | None, level: int) -> str:

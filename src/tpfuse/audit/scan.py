@@ -22,11 +22,11 @@ import re
 from dataclasses import dataclass
 
 from tpfuse.audit import classify, hardware
-from tpfuse.audit.arch import ARCHS, ArchBool, ArchNum
+from tpfuse.audit.arch import ARCHS, ArchBool, ArchNum, compare
 from tpfuse.audit.evaluate import Evaluator, atoms, to_bool
 from tpfuse.audit.parse import split_lines
 from tpfuse.audit.resolve import Resolver
-from tpfuse.audit.values import UNKNOWN, Const, LazyImport, Obj, UserFunc
+from tpfuse.audit.values import UNKNOWN, Const, External, LazyImport, Obj, UserFunc
 
 
 @dataclass
@@ -75,6 +75,94 @@ def _one_family(value: ArchBool) -> bool:
     return len({a.major for a, v in zip(ARCHS, value.values) if v is not False}) == 1
 
 
+def _exits(body: list) -> bool:
+    """Does the block never fall through (it ends in a return, raise, continue or break)?"""
+    return bool(body) and isinstance(body[-1], (ast.Return, ast.Raise, ast.Continue, ast.Break))
+
+
+def _snapshot(local, attrs) -> list:
+    return [dict(d) if d is not None else None for d in (local, attrs)]
+
+
+def _restore(local, attrs, snapshot: list) -> None:
+    for d, was in zip((local, attrs), snapshot):
+        if d is not None:
+            d.clear()
+            d.update(was)
+
+
+def _opaque(value):
+    """UNKNOWN for a value nothing is known of (an unresolved external name or call)."""
+    return UNKNOWN if isinstance(value, External) else value
+
+
+def _per_arch(value) -> tuple | None:
+    """(values per architecture, None where unknown, and whether they are booleans) of a value that
+    has one per architecture, or None for an object, a function or a module."""
+    if isinstance(value, ArchBool):
+        return value.values, True
+    if isinstance(value, ArchNum):
+        return value.values, False
+    if isinstance(value, Const) and isinstance(value.value, (bool, int, float, str, tuple)):
+        return (value.value,) * len(ARCHS), isinstance(value.value, bool)
+    return None
+
+
+def _join(test, body, other):
+    """A name's value after `if test:` where the body left it `body` and the else branch (or the
+    code before the `if`) left it `other`.
+
+    On each architecture where `test` is known the branch taken gives the value; elsewhere the two
+    must agree, or the value is unknown there (a boolean can be unknown on some architectures only,
+    a number or string cannot: it is then unknown). Under a test that does not depend on the
+    architecture (a parameter, an environment flag), a branch that leaves the name unknown does not
+    hide an architecture value of the other, as the default path is the one audited
+    (`def f(fast=None): if fast is None: fast = is_sm100()`, `if backend == "auto": backend = ...`),
+    nor an object or a function, but does hide a constant; None counts as unknown there (a value
+    computed on first use)."""
+    if isinstance(test, Const):
+        return body if test.value else other
+    if isinstance(test, ArchBool) and not test.depends_on_arch and test.values[0] is not None:
+        return body if test.values[0] else other  # the same on every architecture: `if _is_hip:`
+    if body == other:
+        return body
+    arch_test = isinstance(test, ArchBool) and test.depends_on_arch
+    if not arch_test and (_absent(body) or _absent(other)):
+        known = other if _absent(body) else body
+        if _absent(known):
+            return UNKNOWN
+        return known if _device_value(known) or not isinstance(known, Const) and _per_arch(known) is None else UNKNOWN
+    tests = test.values if arch_test else (None,) * len(ARCHS)
+    unknown = ((None,) * len(ARCHS), None)
+    a = unknown if body is UNKNOWN else _per_arch(body)
+    b = unknown if other is UNKNOWN else _per_arch(other)
+    if a is None or b is None:  # an object, a function, None: the one branch that bound something decides
+        return other if body is UNKNOWN else body if other is UNKNOWN else UNKNOWN
+    values = tuple(x if t is True else y if t is False else x if x == y else None for t, x, y in zip(tests, a[0], b[0]))
+    weak = arch_test and test.weak or any(getattr(v, "weak", False) for v in (body, other))
+    if all(v is None for v in values):
+        return UNKNOWN
+    if all(isinstance(v, bool) or v is None for v in values):
+        return ArchBool(values, weak)
+    if None in values:
+        return UNKNOWN
+    if len(set(values)) == 1:
+        return Const(values[0])
+    return ArchNum(values, weak)
+
+
+def _absent(value) -> bool:
+    """Unknown, or None: the `self.x = None` of a value computed on first use (`if self.x is None:`)."""
+    return value is UNKNOWN or isinstance(value, Const) and value.value is None
+
+
+def _device_value(value) -> bool:
+    """An architecture flag, or a number or string per architecture."""
+    if isinstance(value, ArchBool):
+        return value.depends_on_arch
+    return isinstance(value, ArchNum)
+
+
 class ModuleScanner:
     """Collects the `Site`s of one module."""
 
@@ -100,6 +188,7 @@ class ModuleScanner:
         self._funcs: list = []  # enclosing defs, innermost last
         self._classes: list = []  # enclosing classes, innermost last
         self._decorated = None  # the def whose decorators are being read
+        self._log: list = []  # (dict, name) of every binding of a local or attribute, in order (`_set`)
 
     def _words(self, first: int, last: int) -> set:
         """The identifiers on lines `first`..`last` (1-based), each line read once per module."""
@@ -323,24 +412,37 @@ class ModuleScanner:
             if bail:
                 rest = f"rest of {'.'.join(scope) or 'module'}"
                 guards = f"{rest} (otherwise {'raises' if bail == 'raise' else 'returns early'})"
-                self._site(stmt.test, "guard", scope, local, attrs, stmt, guards=guards, polarity=-1, table=table)
+                test = self._site(stmt.test, "guard", scope, local, attrs, stmt, guards=guards, polarity=-1, table=table)
             elif classify.disables(stmt.body):
                 guards = lambda: f"what the branch turns off: {classify.effects(stmt.body)}"  # noqa: E731
-                self._site(stmt.test, kind, scope, local, attrs, stmt, guards=guards, polarity=-1, effect="disable",
-                           table=table)
+                test = self._site(stmt.test, kind, scope, local, attrs, stmt, guards=guards, polarity=-1, effect="disable",
+                                  table=table)
             else:
                 orelse = stmt.orelse if not (len(stmt.orelse) == 1 and isinstance(stmt.orelse[0], ast.If)) else []
                 tune = classify.tunes(stmt.body) and (not orelse or classify.tunes(orelse))
-                self._site(stmt.test, kind, scope, local, attrs, stmt, guards=lambda: classify.effects(stmt.body),
-                           effect="tune" if tune else "enable", table=table)
+                test = self._site(stmt.test, kind, scope, local, attrs, stmt, guards=lambda: classify.effects(stmt.body),
+                                  effect="tune" if tune else "enable", table=table)
+            # Each branch starts from the bindings before the `if`; after it, a name is what either
+            # branch left it (`_join`): `use_fast = False; if major >= 10: use_fast = True`.
+            mark, before = len(self._log), _snapshot(local, attrs)
             self._block(stmt.body, scope, local, attrs, func)
+            if len(self._log) == mark and not stmt.orelse:
+                return  # nothing bound: nothing to join
+            after_body = _snapshot(local, attrs)
+            _restore(local, attrs, before)
             if len(stmt.orelse) == 1 and isinstance(stmt.orelse[0], ast.If):
                 self._stmt(stmt.orelse[0], scope, local, attrs, func, kind="elif")
             else:
                 self._block(stmt.orelse, scope, local, attrs, func)
+            if bool(stmt.orelse) and _exits(stmt.orelse):
+                _restore(local, attrs, after_body)
+            elif not _exits(stmt.body):  # after a body that returns or raises, only the else branch goes on
+                if test is UNKNOWN:  # not evaluated as it names no architecture: `if _is_xpu:` still picks a branch
+                    test = lambda: self._evaluator(before[0], before[1]).eval(stmt.test)  # noqa: E731
+                self._join_into(local, attrs, test, after_body, mark)
         elif isinstance(stmt, ast.While):
             self._site(stmt.test, "while", scope, local, attrs, stmt, guards=lambda: classify.effects(stmt.body))
-            self._block(stmt.body + stmt.orelse, scope, local, attrs, func)
+            self._maybe(stmt.body + stmt.orelse, scope, local, attrs, func)
         elif isinstance(stmt, ast.Assert):
             guards = f"rest of {'.'.join(scope) or 'module'} (otherwise AssertionError)"
             self._site(stmt.test, "assert", scope, local, attrs, stmt, guards=guards, polarity=1)
@@ -350,44 +452,90 @@ class ModuleScanner:
         elif isinstance(stmt, (ast.Assign, ast.AnnAssign)) and stmt.value is not None:
             self._assign(stmt, scope, local, attrs)
         elif isinstance(stmt, ast.AugAssign) and isinstance(stmt.target, ast.Name) and local is not None:
-            local[stmt.target.id] = UNKNOWN
+            self._set(local, stmt.target.id, UNKNOWN)
         elif isinstance(stmt, (ast.For, ast.AsyncFor)):
             if local is not None:
                 for node in ast.walk(stmt.target):
                     if isinstance(node, ast.Name):
-                        local[node.id] = UNKNOWN
-            self._block(stmt.body + stmt.orelse, scope, local, attrs, func)
+                        self._set(local, node.id, UNKNOWN)
+            self._maybe(stmt.body + stmt.orelse, scope, local, attrs, func)
         elif isinstance(stmt, (ast.With, ast.AsyncWith)):
             self._block(stmt.body, scope, local, attrs, func)
         elif isinstance(stmt, ast.Try) or type(stmt).__name__ == "TryStar":
-            self._block(stmt.body, scope, local, attrs, func)
-            for handler in stmt.handlers:
+            mark, before = len(self._log), _snapshot(local, attrs)
+            self._block(stmt.body + stmt.orelse, scope, local, attrs, func)
+            for handler in stmt.handlers:  # each handler runs instead of part of the body
+                after = _snapshot(local, attrs)
+                _restore(local, attrs, before)
                 self._block(handler.body, scope, local, attrs, func)
-            self._block(stmt.orelse + stmt.finalbody, scope, local, attrs, func)
+                if _exits(handler.body):
+                    _restore(local, attrs, after)
+                else:
+                    self._join_into(local, attrs, UNKNOWN, after, mark, prefer_branch=True)
+            self._block(stmt.finalbody, scope, local, attrs, func)
         elif isinstance(stmt, ast.ImportFrom) and local is not None:
             for alias in stmt.names:
                 if alias.name != "*":  # resolved when a condition reads it: most imports inside a def never matter here
-                    local[alias.asname or alias.name] = LazyImport(stmt.module, stmt.level, alias.name)
+                    self._set(local, alias.asname or alias.name, LazyImport(stmt.module, stmt.level, alias.name))
         elif isinstance(stmt, ast.Match):
             for case in stmt.cases:
-                self._block(case.body, scope, local, attrs, func)
+                self._maybe(case.body, scope, local, attrs, func)
+
+    def _maybe(self, body, scope, local, attrs, func):
+        """A block that may run or not (a loop body, a `case`): its bindings join those before it."""
+        mark, before = len(self._log), _snapshot(local, attrs)
+        self._block(body, scope, local, attrs, func)
+        if len(self._log) > mark:
+            after = _snapshot(local, attrs)
+            _restore(local, attrs, before)
+            self._join_into(local, attrs, UNKNOWN, after, mark)
+
+    def _set(self, d: dict, name: str, value) -> None:
+        """Bind `name` in `d` (the def's locals or the class's attributes), logged for `_join_into`."""
+        self._log.append((d, name))
+        d[name] = value
+
+    def _join_into(self, local, attrs, test, branch: list, mark: int, *, prefer_branch: bool = False) -> None:
+        """Bindings after a branch on `test` (a value, or a function that evaluates it when needed) that
+        left `branch` (a `_snapshot`), the other way the current ones; only the names bound since
+        `mark` (the log's length before the branch) can differ. With `prefer_branch` (a try body
+        against its handler) the branch's value wins wherever it knows one: on a GPU the device's
+        value is the one that runs."""
+        written = {(id(d), name) for d, name in self._log[mark:]}
+        for d, branch_d in zip((local, attrs), branch):
+            if d is None:
+                continue
+            for key, name in written:
+                if key != id(d):
+                    continue
+                a, b = _opaque(branch_d.get(name, UNKNOWN)), _opaque(d.get(name, UNKNOWN))
+                if a is b:
+                    continue
+                if prefer_branch:
+                    self._set(d, name, b if a is UNKNOWN else a)
+                    continue
+                if callable(test):
+                    test = test()
+                self._set(d, name, _join(test, a, b))
 
     def _assign(self, stmt, scope, local, attrs):
         targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
         guards = lambda: " = ".join(ast.unparse(t) for t in targets)  # noqa: E731
         table = self._table_site(stmt.value, "table", scope, local, attrs, stmt, guards=guards)
         value = self._site(stmt.value, "assign", scope, local, attrs, stmt, guards=guards, table=table)
+        if value is UNKNOWN and isinstance(stmt.value, ast.Constant):  # a literal: `use_fast = False`, joined later
+            value = Const(stmt.value.value)
         for target in targets:
             if isinstance(target, ast.Name) and local is not None:
-                local[target.id] = value
+                self._set(local, target.id, value)
             elif isinstance(target, ast.Tuple) and local is not None:
                 for i, elt in enumerate(target.elts):
                     if isinstance(elt, ast.Name):
                         part = value.map(lambda v, i=i: v[i]) if isinstance(value, ArchNum) else None
-                        local[elt.id] = part or UNKNOWN
+                        self._set(local, elt.id, part or UNKNOWN)
             elif (isinstance(target, ast.Attribute) and attrs is not None and isinstance(target.value, ast.Name)
                   and target.value.id in ("self", "cls")):
-                attrs[target.attr] = value
+                self._set(attrs, target.attr, value)
 
     def _table_site(self, expr, kind, scope, local, attrs, stmt, *, guards=None) -> dict | None:
         """A lookup of the device's capability in a constant table: `TABLE.get(cap, {})` anywhere in
@@ -411,7 +559,9 @@ class ModuleScanner:
             if not (isinstance(table, Const) and isinstance(table.value, (dict, frozenset, set, tuple)) and isinstance(cap, ArchNum)):
                 continue
             keys = table.value
-            present = ArchBool(tuple((tuple(k) if isinstance(k, list) else k) in keys for k in cap.values), cap.weak)
+            present = compare("In", cap, keys)
+            if present is None:
+                continue
             found = {"name": ast.unparse(container), **self.resolver.where(self.module, container, local),
                      "keys": sorted((repr(k) for k in keys), key=str)[:32]}
             if isinstance(node, ast.Call) and present.depends_on_arch:
