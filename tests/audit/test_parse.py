@@ -155,3 +155,54 @@ def test_a_helper_taking_the_architecture_in_another_module_is_read(tmp_path):
     got = {f.condition: f for f in audit(str(tmp_path / "eng")).findings if f.path == "runner.py"}
     gate = got["not MxInt4Config.supported(arch)"]
     assert gate.kind == "guard" and [a for a, v in gate.values.items() if v] == ["sm100", "sm103"]
+
+
+LONG_DEF = '''
+import torch
+
+
+def forward(self, x, backend=None):
+    """A long engine method: most of it cannot matter to an architecture condition."""
+    y = x + 1
+    w = x.clone()
+''' + "".join(f"    w = w * {i}\n" for i in range(40)) + '''
+    cap = torch.cuda.get_device_capability()
+    if backend is None:
+        backend = "default"
+    elif backend == "auto":
+        backend = "fa4" if cap[0] == 10 else "fa3"
+    else:
+        pass
+    match x.dtype:
+        case torch.float16:
+            z = 1
+        case _:
+            z = 2
+    for i in range(3):
+        if cap >= (9, 0):
+            y = y + i
+        else:
+            raise ValueError("needs sm90")
+    print(y)  # no return: its callers cannot read the architecture through it, so it is not inlined whole
+'''
+
+
+def test_a_long_def_keeps_what_its_conditions_read_and_parses():
+    tree, _, _, hidden = select(LONG_DEF)
+    lines = textwrap.dedent(LONG_DEF).split("\n")
+    dropped = {i for a, b in hidden for i in range(a, b)}
+    text = {lines[i].strip() for i in range(len(lines)) if i not in dropped}
+    assert "w = w * 5" not in text and "z = 1" not in text  # statements no condition reads
+    assert "y = x + 1" in text  # `y` is set under an architecture test below: every binding of it stays
+    # The conditions, what they read, their whole chains, and the loop around a kept one stay.
+    assert {"cap = torch.cuda.get_device_capability()", "if backend is None:", "elif backend == \"auto\":", "else:",
+            "for i in range(3):", "if cap >= (9, 0):", 'raise ValueError("needs sm90")'} <= text
+    assert "match x.dtype:" not in text  # a match no kept statement is in goes whole
+
+
+def test_a_long_def_gives_the_same_conditions_as_the_whole_def(tmp_path, monkeypatch):
+    from tpfuse.audit import parse
+
+    thin = found(tmp_path, LONG_DEF)
+    monkeypatch.setattr(parse, "_THIN_MIN_LINES", 10**6)
+    assert found(tmp_path, LONG_DEF) == thin and "cap >= (9, 0)" in thin

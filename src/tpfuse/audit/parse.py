@@ -245,6 +245,16 @@ def parse_selected(source: str, filename: str, tokens: list, name_re: re.Pattern
             kept.append(trimmed)
             hidden += [(a + i, a + j) for i, j in ranges]
             continue
+        if need and is_def and b - a >= _THIN_MIN_LINES and name not in hot:  # a hot def is inlined whole
+            arch_lines = {textmap.line_of(pos) for pos in
+                          tokens[bisect.bisect_left(tokens, offsets[k]):bisect.bisect_left(tokens, offsets[k + 1])]}
+            statements = flows.get(k) or _statements(lines, a, b, arch_lines)
+            drops = _thin(statements, _relevant(statements, hot))
+            part = lines[a:b]
+            _apply_drops(part, drops, a)
+            kept.append("".join(part))
+            hidden += [r for r, _ in drops]
+            continue
         if need:
             kept.append(text)
             continue
@@ -311,6 +321,11 @@ class _ClassTrim:
         self.flows: dict = {}
         self.done: dict = {}
 
+    def _returns_arch(self, j: int) -> bool:
+        """Does method `j` return an architecture value (its name is exported): others inline it whole."""
+        name = _METHOD_NAME_RE.match(self.texts[j])
+        return bool(name) and name.group(1) in self.exports
+
     def trim(self, hot: set) -> tuple[str, list, set]:
         """(the trimmed text, the [first, last) line ranges replaced, the names the class adds to `hot`:
         what other code reads the architecture through)."""
@@ -342,10 +357,20 @@ class _ClassTrim:
                         self.words[j] = set(_WORD_RE.findall(chunk))
                     if not hot_words.isdisjoint(self.words[j]):
                         self.keep[j] = grew = True
-        out = lines[: parts[0][0]]
-        for (a, b, _), k in zip(parts, self.keep):
-            out += lines[a:b] if k else [f"{self.indent}pass\n"] + ["\n"] * (b - a - 1)
-        return "".join(out), [(a, b) for (a, b, _), k in zip(parts, self.keep) if not k], self.exports - hot
+        out, ranges = lines[: parts[0][0]], [(a, b) for (a, b, _), k in zip(parts, self.keep) if not k]
+        for j, ((a, b, is_method), k) in enumerate(zip(parts, self.keep)):
+            if not k:
+                out += [f"{self.indent}pass\n"] + ["\n"] * (b - a - 1)
+            elif is_method and b - a >= _THIN_MIN_LINES and not self._returns_arch(j):
+                statements = self.flows.get(j) or _statements(lines, a, b, self.arch_lines)
+                drops = _thin(statements, _relevant(statements, hot_words))
+                part = lines[a:b]
+                _apply_drops(part, drops, a)
+                out += part
+                ranges += [r for r, _ in drops]
+            else:
+                out += lines[a:b]
+        return "".join(out), ranges, self.exports - hot
 
 
 _METHOD_NAME_RE = re.compile(r"(?:[ \t]*@[^\n]*\n)*[ \t]*(?:async[ \t]+)?def[ \t]+(\w+)")
@@ -378,16 +403,19 @@ def _statements(lines: list, first: int, last: int, arch_lines: set) -> list:
             if '"' in code or "'" in code or "#" in code:
                 if '"""' in code or "\'\'\'" in code:
                     quote = next((q for q in ('"""', "\'\'\'") if code.count(q) % 2), None)
-                    if quote:  # a triple-quoted string opens here: the statement runs to its end
+                    if quote:  # a triple-quoted string opens here: the statement goes on after its end
+                        depth += _depth(_STRING_OR_COMMENT_RE.sub("", code[: code.rindex(quote)]))
                         k += 1
                         while k < last and lines[k].count(quote) % 2 == 0:
                             k += 1
-                        k += 1
-                        break
-                    code = _TRIPLE_PAIR_RE.sub("", code)
+                        if k >= last:
+                            break
+                        code = lines[k][lines[k].rindex(quote) + 3:]
+                    else:
+                        code = _TRIPLE_PAIR_RE.sub("", code)
                 code = _STRING_OR_COMMENT_RE.sub("", code)
             if "(" in code or ")" in code or "[" in code or "]" in code or "{" in code or "}" in code:
-                depth += code.count("(") + code.count("[") + code.count("{") - code.count(")") - code.count("]") - code.count("}")
+                depth += _depth(code)
             k += 1
             if depth <= 0 and not code.rstrip().endswith("\\"):
                 break
@@ -395,19 +423,29 @@ def _statements(lines: list, first: int, last: int, arch_lines: set) -> list:
         span = "".join(lines[start:i]) if i > start + 1 else line
         word = _FIRST_WORD_RE.match(line)
         head = word.group(1) if word else ""
+        attrs, names = set(), set()
         if head in ("def", "class") or head == "async" and stripped.startswith("async def"):
             kind = "def"
+            bound = _DEF_NAME_RE.match(stripped)
+            names = {bound.group(1)} if bound else names
         elif head in _HEADERS:
-            kind = "header"
+            kind = "match" if head == "match" else "header"
+            bound = _FOR_RE.match(stripped) if head in ("for", "async") else _WITH_AS_RE.search(span) if head == "with" else None
+            names = set(_WORD_RE.findall(bound.group(1))) if bound else names
         elif head in _CHAINED:
             kind = "chained"
         elif head in ("return", "yield"):
             kind = "return"
+        elif head in ("raise", "continue", "break"):
+            kind = "exit"
         elif head == "@":
             kind = "decorator"
+        elif head in ("from", "import"):
+            kind = "import"
+            names = {m.group(2) or m.group(1).split(".")[0] for m in _IMPORTED_RE.finditer(span.split(" import ", 1)[-1]
+                                                                                              if head == "from" else span[6:])}
         else:
             kind = "other"
-        attrs, names = set(), set()
         target = _TARGETS_RE.match(line) if kind == "other" else None
         if target:
             kind = "assign"
@@ -418,13 +456,20 @@ def _statements(lines: list, first: int, last: int, arch_lines: set) -> list:
                 else:
                     names.add(name)
         j = bisect.bisect_left(arch, start)
-        words = set(_WORD_RE.findall(span)) if kind in _WORDS_READ else _NO_WORDS  # `_flow` reads no others
-        out.append((len(line) - len(stripped), kind, words, j < len(arch) and arch[j] < i, attrs, names))
+        out.append((len(line) - len(stripped), kind, set(_WORD_RE.findall(span)), j < len(arch) and arch[j] < i, attrs, names,
+                    start, i))
     return out
 
 
-_WORDS_READ = frozenset({"header", "chained", "return", "assign"})
-_NO_WORDS: frozenset = frozenset()
+def _depth(code: str) -> int:
+    """How many brackets `code` opens, less those it closes."""
+    return code.count("(") + code.count("[") + code.count("{") - code.count(")") - code.count("]") - code.count("}")
+
+
+_DEF_NAME_RE = re.compile(r"(?:async\s+)?(?:def|class)\s+(\w+)")
+_FOR_RE = re.compile(r"(?:async\s+)?for\s+(.+?)\s+in\b")
+_WITH_AS_RE = re.compile(r"\bas\s+\(?([\w, ]+)")
+_IMPORTED_RE = re.compile(r"([\w.]+)(?:\s+as\s+(\w+))?")
 
 
 def _flow(statements: list, hot: set) -> tuple[bool, set, set]:
@@ -441,7 +486,7 @@ def _flow(statements: list, hot: set) -> tuple[bool, set, set]:
     attrs: set = set()
     returns = False
     top = None
-    for indent, kind, words, has_arch, assigned_attrs, assigned_names in statements:
+    for indent, kind, words, has_arch, assigned_attrs, assigned_names, _, _ in statements:
         if top is None and kind == "decorator":
             continue
         if top is None:  # the part's own def line (or its first statement)
@@ -454,17 +499,151 @@ def _flow(statements: list, hot: set) -> tuple[bool, set, set]:
             chained = kind == "chained" and popped[0] == indent and popped[1]
         depends = has_arch or not words.isdisjoint(hot) or bool(local) and not words.isdisjoint(local)
         under, in_def = (stack[-1][3], stack[-1][4]) if stack else (False, False)
-        if kind in ("def", "header", "chained"):
+        if kind in ("def", "header", "chained", "match"):
             own = kind != "def" and (depends or chained)
             stack.append((indent, own, kind == "def", under or own, in_def or kind == "def"))
             if kind != "def" and (depends or under) and not in_def and "return" in words:
                 returns = True  # `if is_sm100(): return 1` on one line
         elif kind == "return":
             returns = returns or (depends or under) and not in_def
-        elif kind == "assign" and (depends or under):
+        elif kind in ("assign", "import") and (depends or under):
             local |= assigned_names
             attrs |= assigned_attrs
     return returns, local, attrs
+
+
+# A def shorter than this is parsed whole: helpers are what other code inlines (their every return
+# counts), and the parse and scan time is in the long defs (engine forward and init methods).
+_THIN_MIN_LINES = 40
+# Parameter names a condition may read the capability from (scan.py seeds them, classify.capability_params).
+_CAP_PARAM_RE = re.compile(r"capability|sm_version|device_sm|sm_arch|_major|major|minor|cap|cc|device_arch|arch")
+
+
+def _thin(statements: list, relevant: set) -> list:
+    """[(first, last) line ranges, indentation] of a long def's statements that cannot matter to
+    an architecture condition: replaced by `pass` (on their last line, so the def ends where it did).
+
+    Kept whole: a statement whose text holds an architecture token or a `relevant` name (with its
+    block, so a guard's body and what it raises stay as written, and with the rest of its `if` /
+    `elif` / `else` chain: a branch dropped would change what the names are after it). Kept as a
+    header only: the statements around a kept one (with their chain), and a loop or def that binds
+    a name a kept statement reads; an assignment or import binding such a name is kept whole.
+    `statements` start with the def itself (after its decorators)."""
+    n = len(statements)
+    parent, stack = [-1] * n, []
+    for i, (indent, kind, *_rest) in enumerate(statements):
+        while stack and statements[stack[-1]][0] >= indent:
+            stack.pop()
+        parent[i] = stack[-1] if stack else -1
+        if kind in ("def", "header", "chained", "match"):
+            stack.append(i)
+    block_end = [st[7] for st in statements]
+    for i in range(n - 1, 0, -1):
+        if parent[i] >= 0 and block_end[i] > block_end[parent[i]]:
+            block_end[parent[i]] = block_end[i]
+    top = next((i for i, st in enumerate(statements) if st[1] == "def"), 0)
+    whole, header, read = set(), set(range(top + 1)), set()
+
+    def keep_whole(i: int) -> bool:
+        if i in whole:
+            return False
+        k = i
+        while k < n and (k == i or statements[k][6] < block_end[i]):  # the statement and its block
+            whole.add(k)
+            read.update(statements[k][2])
+            k += 1
+        return True
+
+    def chain(i: int) -> list:
+        members, j = [i], i
+        while j > top and statements[j][1] == "chained":  # back to the chain's head
+            j = _previous_sibling(parent, j)
+            members.append(j)
+        k = _next_sibling(statements, parent, i)
+        while k is not None and statements[k][1] == "chained":
+            members.append(k)
+            k = _next_sibling(statements, parent, k)
+        return members
+
+    for i in range(top + 1, n):
+        indent, kind, words, has_arch = statements[i][:4]
+        if (has_arch or not words.isdisjoint(relevant)) and kind not in ("def", "decorator"):
+            keep_whole(i)
+    grew = True
+    while grew:
+        grew = False
+        for i in range(top + 1, n):
+            kind = statements[i][1]
+            if i in whole and parent[i] not in whole and kind in ("header", "chained"):
+                for j in chain(i):
+                    grew = keep_whole(j) or grew
+            elif i not in whole and i not in header and (statements[i][4] or statements[i][5]) and not (
+                    read.isdisjoint(statements[i][5]) and read.isdisjoint(statements[i][4])):
+                if kind in ("def", "header", "match"):
+                    header.add(i)
+                    read.update(statements[i][2])
+                else:
+                    keep_whole(i)
+                grew = True
+    # The headers around what is kept, with their chains; decorators with their def.
+    for i in sorted(whole | header):
+        p = parent[i]
+        while p > top and p not in header:
+            header.add(p)
+            p = parent[p]
+    for i in sorted(header):
+        if i <= top:
+            continue
+        if statements[i][1] in ("header", "chained"):
+            header.update(chain(i))
+        elif statements[i][1] == "match":  # a match block holds case blocks only
+            header.update(k for k in range(i + 1, n) if parent[k] == i)
+        d = i - 1
+        while statements[i][1] == "def" and d > top and statements[d][1] == "decorator" and parent[d] == parent[i]:
+            header.add(d)
+            d -= 1
+    drops, covered = [], -1
+    for i in range(top + 1, n):
+        start = statements[i][6]
+        if start < covered:
+            continue
+        if i in whole:
+            covered = block_end[i]
+        elif i not in header:
+            drops.append(((start, block_end[i]), statements[i][0]))
+            covered = block_end[i]
+    return drops
+
+
+def _previous_sibling(parent: list, i: int) -> int:
+    j = i - 1
+    while j > 0 and parent[j] != parent[i]:
+        j -= 1
+    return j
+
+
+def _next_sibling(statements: list, parent: list, i: int) -> int | None:
+    for k in range(i + 1, len(statements)):
+        if parent[k] == parent[i]:
+            return k
+        if statements[k][0] < statements[i][0]:
+            return None
+    return None
+
+
+def _apply_drops(lines: list, drops: list, offset: int = 0) -> None:
+    """Replace each dropped range of `lines` (indices minus `offset`) by blank lines ending in `pass`."""
+    for (a, b), indent in drops:
+        for i in range(a - offset, b - offset - 1):
+            lines[i] = "\n"
+        lines[b - offset - 1] = " " * indent + "pass\n"
+
+
+def _relevant(statements: list, hot: set) -> set:
+    """`hot` and the def's capability-like parameters and the names it binds from the architecture."""
+    top = next((i for i, st in enumerate(statements) if st[1] == "def"), 0)
+    params = {w for w in statements[top][2] if _CAP_PARAM_RE.fullmatch(w)} if statements else set()
+    return hot | params | _flow(statements, hot | params)[1]
 
 
 _NAME_RE = re.compile(r"^(?:async\s+def|def|class)\s+(\w+)", re.MULTILINE)
