@@ -37,24 +37,25 @@ from tpfuse.audit.target import (
 )
 from tpfuse.audit.verdict import APART, ArchCondition, number_repeats, stable_id, verdict
 
-# Text that any Python file holding an architecture condition contains.
-# Plain substring tests and a regex with a literal prefix: an alternation with IGNORECASE took
-# seconds over sglang's 68 MB of Python.
-_TEXT_RE = re.compile(r"sm_?\d{2,3}|sm\d+x")
-# "capability" alone is too common (model and API capabilities): only the spellings of section 3.
+# Text that any Python file holding an architecture condition contains, searched in the raw bytes
+# lower-cased (its words are ASCII): plain substring tests and a regex with a literal prefix (an
+# alternation with IGNORECASE was the slowest part of reading an engine).
+_TEXT_RE = re.compile(rb"sm_?\d{2,3}|sm\d+x")
+# "capability" alone is too common (model and API capabilities): only the device's spellings.
 _TEXT_WORDS = (
-    "device_capabilit", "compute_capabilit", "devicecapabilit", "capability.major", "capability[0]", "get_device_properties",
-    "blackwell", "hopper", "ampere", "device_sm", "sm_version", "get_platform()", "current_platform",
+    b"device_capabilit", b"compute_capabilit", b"devicecapabilit", b"capability.major", b"capability[0]",
+    b"get_device_properties", b"blackwell", b"hopper", b"ampere", b"device_sm", b"sm_version", b"get_platform()",
+    b"current_platform",
 )
 
 
-def _mentions_arch(text: str) -> bool:
-    lower = text.lower()
+def _mentions_arch(data: bytes) -> bool:
+    lower = data.lower()
     return any(w in lower for w in _TEXT_WORDS) or bool(_TEXT_RE.search(lower))
 
 
-def _native_mentions_arch(text: str) -> bool:
-    return "__CUDA_ARCH" in text or "arch" in text.lower()  # what native.py's #if and CMake scans need
+def _native_mentions_arch(data: bytes) -> bool:
+    return b"__CUDA_ARCH" in data or b"arch" in data.lower()  # what native.py's #if and CMake scans need
 
 
 def _holds_no_arch(path: Path, skip: SourceSkip, *, native: bool = False) -> bool:
@@ -160,7 +161,9 @@ class _Run:
         self.by_path: dict = {}  # rel -> conditions of that file (a rescan replaces them)
         self.sites, self.hashes, self.skipped = {}, {}, list(self.target.unlisted)
         self.scanned: set = set()
-        self.imports: dict = {}  # rel -> (path, module name, its from-imports) of every readable Python file
+        self.imports: dict = {}  # rel -> (path, module name, its from-import statements' bytes) of every readable Python file
+        self._import_pairs: dict = {}  # rel -> _from_imports of it, read when needed
+        self._import_words: dict = {}  # rel -> the identifiers of its from-import statements
         self.exports: set = set()  # names without architecture text that hold an architecture value somewhere
         # A file audited alone (or a few, as a patch's re-audit does) has no tree to learn the exports
         # from: each of its imported names is resolved instead, which gives a tree's verdicts.
@@ -169,12 +172,22 @@ class _Run:
 
     def run(self) -> AuditResult:
         total = len(self.modules) + len(self.target.native_files)
-        for i, (path, name) in enumerate(self.modules):
+        pending, done = [], 0
+        for path, name in self.modules:
             rel = path.relative_to(self.target.root).as_posix()
-            if self.only is None or rel in self.only:
-                self._first_pass(path, name, rel)
+            item = self._read_pass(path, name, rel) if self.only is None or rel in self.only else None
+            if item is not None:
+                pending.append(item)
+            elif self.progress:
+                done += 1
+                self.progress(done, total)
+        # Modules before the modules that import them, so a name one exports is known when the
+        # other is scanned (each is scanned once instead of again by `_consumers`).
+        for item in _providers_first(pending, self.imports):
+            self._scan_pass(*item)
             if self.progress:
-                self.progress(i + 1, total)
+                done += 1
+                self.progress(done, total)
         if not self.precise:
             self._consumers()
         findings = [f for rel in sorted(self.by_path, key=self._index.__getitem__) for f in self.by_path[rel]]
@@ -187,34 +200,48 @@ class _Run:
         """(text or None, raw bytes or None, mentions the architecture); None when the file cannot be read."""
         if path in self.overlay:
             text = self.overlay[path]
-            return text, text.encode("utf-8"), _mentions_arch(text)
+            data = text.encode("utf-8")
+            return text, data, _mentions_arch(data)
         try:  # a file that cannot be read, decoded or is above the size bound is reported, never fatal
             data = read_bytes(path)
             # The filter's words are ASCII: it reads the raw bytes, and only a file that may hold a
             # gate is decoded (strictly), as only such a file is parsed.
-            mentions = _mentions_arch(data.decode("latin-1"))
+            mentions = _mentions_arch(data)
             return (decode_source(data)[0] if mentions else None), data, mentions
         except SourceSkip as exc:
             if not _holds_no_arch(path, exc):
                 self.skipped.append({"path": rel, "reason": exc.reason, "error": str(exc)})
             return None
 
-    def _first_pass(self, path: Path, name: str, rel: str) -> None:
+    def _read_pass(self, path: Path, name: str, rel: str) -> tuple | None:
+        """(path, name, rel, text, sha256) of a file that may hold a condition, else None."""
         read = self._read(path, rel)
         if read is None:
-            return
+            return None
         text, data, mentions = read
-        self.imports[rel] = (path, name, _from_imports(data) if b"import" in data else [])
-        extra = self._arch_imports(rel, None) if self.precise else frozenset()
-        if mentions and text is not None and not self.resolver.holds_tokens(name, path, text):
-            mentions = False  # its architecture words are in comments, docstrings or messages only
+        # Only the import statements' text is kept, read into names when a name it may import matters.
+        blob = b"\n".join(m.group() for m in _FROM_IMPORT_BYTES.finditer(data)) if b"import" in data else b""
+        self.imports[rel] = (path, name, blob)
+        if mentions and text is not None or self.precise:
+            return path, name, rel, text if mentions else None, sha256_bytes(data)
+        return None
+
+    def _scan_pass(self, path: Path, name: str, rel: str, text: str | None, digest: str) -> None:
+        if self.precise:
+            extra = self._arch_imports(rel, None)
+        else:
+            imported = {orig for _, _, pairs in self._imports_of(rel) for orig, _ in pairs} if self.exports else set()
+            extra = self._arch_imports(rel, imported & self.exports) if imported & self.exports else frozenset()
+        mentions = text is not None and self.resolver.holds_tokens(name, path, text)
+        # Without a token in code its architecture words are in comments, docstrings or messages only.
         if mentions or extra:
-            self.hashes[rel] = sha256_bytes(data)
+            self.hashes[rel] = digest
             self._scan(path, name, rel, extra)
 
     def _arch_imports(self, rel: str, candidates: set | None) -> frozenset:
         """Names the file imports that hold an architecture value where they come from (only `candidates`, if given)."""
-        path, name, imports = self.imports[rel]
+        path, name, blob = self.imports[rel]
+        imports = self._imports_of(rel)
         found = set()
         for level, module, pairs in imports:
             for orig, bound in pairs:
@@ -258,13 +285,27 @@ class _Run:
             self.sites.clear()
             resolver.release(name)
 
+    def _imports_of(self, rel: str) -> list:
+        """`_from_imports` of file `rel`, read once."""
+        if rel not in self._import_pairs:
+            self._import_pairs[rel] = _from_imports(self.imports[rel][2])
+        return self._import_pairs[rel]
+
     def _consumers(self) -> None:
         """Files that read an architecture value through an imported name without architecture text
         (`from .flags import FAST_PATH`, `if not FAST_PATH:`): scanned, or scanned again with those names."""
         done: dict = {}
         for _ in range(_CONSUMER_ROUNDS):
             grew = False
-            for rel, (path, name, imports) in self.imports.items():
+            keys = {e.encode() for e in self.exports}
+            for rel, (path, name, blob) in self.imports.items():
+                if not blob:
+                    continue
+                if rel not in self._import_words:
+                    self._import_words[rel] = frozenset(_NAME_BYTES.findall(blob))
+                if self._import_words[rel].isdisjoint(keys):
+                    continue
+                imports = self._imports_of(rel)
                 wanted = {orig for _, _, pairs in imports for orig, _ in pairs} & self.exports
                 if not wanted or done.get(rel) == wanted:
                     continue
@@ -299,6 +340,47 @@ class _Run:
             if self.progress:
                 self.progress(len(self.modules) + j + 1, total)
         return found
+
+
+def _providers_first(pending: list, imports: dict) -> list:
+    """`pending` ((path, module name, rel, ...) items) ordered so that a module comes after the
+    modules of `pending` it imports from (`imports[rel]`'s from-import statements), cycles cut
+    where they close; otherwise in the given order."""
+    index = {item[1]: k for k, item in enumerate(pending)}
+
+    def providers(k: int) -> list:
+        path, name, rel = pending[k][:3]
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        out = []
+        for m in _FROM_IMPORT_BYTES.finditer(imports[rel][2]):
+            dots, module = len(m.group(1)), m.group(2).decode()
+            if dots:
+                parts = package.split(".") if package else []
+                parts = parts[: len(parts) - (dots - 1)] if dots > 1 else parts
+                module = ".".join(parts + ([module] if module else []))
+            for candidate in [module] + [f"{module}.{w.decode()}" for w in _NAME_BYTES.findall(m.group(3))]:
+                j = index.get(candidate)
+                if j is not None and j != k:
+                    out.append(j)
+        return out
+
+    order, state = [], [0] * len(pending)  # 0 new, 1 on the path, 2 placed
+    for root in range(len(pending)):
+        if state[root]:
+            continue
+        stack = [(root, iter(providers(root)))]
+        state[root] = 1
+        while stack:
+            k, rest = stack[-1]
+            j = next(rest, None)
+            if j is None:
+                stack.pop()
+                state[k] = 2
+                order.append(pending[k])
+            elif not state[j]:
+                state[j] = 1
+                stack.append((j, iter(providers(j))))
+    return order
 
 
 def _module_names(target: Target) -> tuple[list, list]:

@@ -378,49 +378,37 @@ _METHOD_NAME_RE = re.compile(r"(?:[ \t]*@[^\n]*\n)*[ \t]*(?:async[ \t]+)?def[ \t
 _TARGETS_RE = re.compile(r"[ \t]*((?:(?:self|cls)\.)?[A-Za-z_]\w*(?:[ \t]*,[ \t]*(?:(?:self|cls)\.)?[A-Za-z_]\w*)*)"
                          r"[ \t]*(?::[^=\n]*)?=(?!=)")
 _FIRST_WORD_RE = re.compile(r"[ \t]*(@|[A-Za-z_]\w*)")
-_TRIPLE_PAIR_RE = re.compile(r'"""[^\n]*?"""|\'\'\'[^\n]*?\'\'\'')
-_STRING_OR_COMMENT_RE = re.compile(r"'(?:\\.|[^'\\\n])*'|\"(?:\\.|[^\"\\\n])*\"|#[^\n]*")
 _HEADERS = frozenset({"if", "while", "for", "with", "try", "match", "case", "async"})
 _CHAINED = frozenset({"elif", "else", "except", "finally"})  # continue the header above them at their indentation
 
 
 def _statements(lines: list, first: int, last: int, arch_lines: set) -> list:
     """The statements of lines[first:last] (a def, a class part): [(indentation, kind, words, holds an
-    architecture token, attributes assigned, names assigned)], kind one of "def", "header", "chained",
-    "return", "assign", "decorator", "other". A statement ends where its brackets close (as far as the text shows:
-    strings and comments are left out of the count, a triple-quoted string is one span)."""
-    out, i = [], first
+    architecture token, attributes assigned, names assigned, first line, end line)], kind one of
+    "def", "header", "match", "chained", "return", "exit", "assign", "import", "decorator", "other".
+
+    Read from the text with strings and comments blanked (one regex pass): a statement ends where
+    its brackets close and no backslash or multi-line string goes on, and runs over the lines after
+    it that hold no code (comments). Its words are its code's identifiers, never a string's or a
+    comment's."""
+    code_lines = _CODE_RE.sub(_newlines_only, "".join(lines[first:last])).split("\n")
+    n = last - first
     arch = sorted(arch_lines)
-    while i < last:
-        line = lines[i]
+    starts, depth, continued = [], 0, False
+    for i in range(n):
+        c = code_lines[i]
+        if depth <= 0 and not continued and c.strip():
+            starts.append(i)
+            depth = 0
+        if "(" in c or ")" in c or "[" in c or "]" in c or "{" in c or "}" in c:
+            depth += _depth(c)
+        continued = c.rstrip().endswith("\\")
+    out = []
+    for s_i, start in enumerate(starts):
+        end = starts[s_i + 1] if s_i + 1 < len(starts) else n
+        line = code_lines[start]
         stripped = line.lstrip()
-        if not stripped or stripped.startswith("#"):
-            i += 1
-            continue
-        start, depth, k = i, 0, i
-        while k < last:
-            code = lines[k]
-            if '"' in code or "'" in code or "#" in code:
-                if '"""' in code or "\'\'\'" in code:
-                    quote = next((q for q in ('"""', "\'\'\'") if code.count(q) % 2), None)
-                    if quote:  # a triple-quoted string opens here: the statement goes on after its end
-                        depth += _depth(_STRING_OR_COMMENT_RE.sub("", code[: code.rindex(quote)]))
-                        k += 1
-                        while k < last and lines[k].count(quote) % 2 == 0:
-                            k += 1
-                        if k >= last:
-                            break
-                        code = lines[k][lines[k].rindex(quote) + 3:]
-                    else:
-                        code = _TRIPLE_PAIR_RE.sub("", code)
-                code = _STRING_OR_COMMENT_RE.sub("", code)
-            if "(" in code or ")" in code or "[" in code or "]" in code or "{" in code or "}" in code:
-                depth += _depth(code)
-            k += 1
-            if depth <= 0 and not code.rstrip().endswith("\\"):
-                break
-        i = max(min(k, last), start + 1)
-        span = "".join(lines[start:i]) if i > start + 1 else line
+        span = "\n".join(code_lines[start:end])
         word = _FIRST_WORD_RE.match(line)
         head = word.group(1) if word else ""
         attrs, names = set(), set()
@@ -455,10 +443,23 @@ def _statements(lines: list, first: int, last: int, arch_lines: set) -> list:
                     attrs.add(name.split(".", 1)[1])
                 else:
                     names.add(name)
-        j = bisect.bisect_left(arch, start)
-        out.append((len(line) - len(stripped), kind, set(_WORD_RE.findall(span)), j < len(arch) and arch[j] < i, attrs, names,
-                    start, i))
+        j = bisect.bisect_left(arch, first + start)
+        out.append((len(line) - len(stripped), kind, set(_WORD_RE.findall(span)), j < len(arch) and arch[j] < first + end,
+                    attrs, names, first + start, first + end))
     return out
+
+
+# Strings (triple-quoted first) and comments, which `_statements` blanks (`_newlines_only`).
+_CODE_RE = re.compile(r'"""[\s\S]*?"""|\'\'\'[\s\S]*?\'\'\'|"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'|#[^\n]*')
+
+
+def _newlines_only(m: re.Match) -> str:
+    """A string becomes `""` (a multi-line one with its newlines, each after a backslash: the
+    statement goes on to where the string ends); a comment, nothing."""
+    text = m.group()
+    if text[0] == "#":
+        return ""
+    return '""' + "\\\n" * text.count("\n")
 
 
 def _depth(code: str) -> int:
@@ -516,7 +517,7 @@ def _flow(statements: list, hot: set) -> tuple[bool, set, set]:
 # counts), and the parse and scan time is in the long defs (engine forward and init methods).
 _THIN_MIN_LINES = 40
 # Parameter names a condition may read the capability from (scan.py seeds them, classify.capability_params).
-_CAP_PARAM_RE = re.compile(r"capability|sm_version|device_sm|sm_arch|_major|major|minor|cap|cc|device_arch|arch")
+_CAP_PARAM_RE = re.compile(r"\w*capabilit\w*|\w*sm_version|device_sm|sm_arch|\w*_major|major|minor|cap|cc|\w*_arch|arch")
 
 
 def _thin(statements: list, relevant: set) -> list:

@@ -183,23 +183,22 @@ class Resolver:
 
     def release(self, name: str) -> None:
         """Drop what a scanned module's tree holds that no other module can resolve through: the
-        module node, its line map, and the defs and classes that are not hot (parse.py: a def whose
-        result does not depend on the architecture, a class that exports nothing), which then resolve
-        as opaque. Hot ones stay: other modules inline them (`is_sm100()`, `Cls.supported(arch)`)."""
+        module node, its line map, and the bodies of the defs and methods that are never inlined
+        (`_can_inline`: no architecture text), which then stay bound as the same opaque functions.
+        What another module reads through this one is the same before and after, so the order in
+        which modules are scanned never changes a verdict."""
         info = self._modules.get(name)
         if info is None:
             return
         info.tree = info.textmap = None
-        info.release_lines()
         for bound, binding in list(info.bindings.items()):
             if binding[0] != "def" or binding[1].name != bound:
                 continue
             node = binding[1]
-            if bound not in info.hot:
-                info.bindings[bound] = ("skipped",)
-            elif isinstance(node, ast.ClassDef):  # other modules call only the methods it exports
-                node.body = [s for s in node.body if not isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef))
-                             or s.name in info.hot] or [ast.Pass()]
+            for sub in node.body if isinstance(node, ast.ClassDef) else [node]:
+                if isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef)) and not self._can_inline(name, sub):
+                    sub.body = [ast.Pass(lineno=sub.lineno, col_offset=sub.col_offset)]
+        info.release_lines()
 
     def _can_inline(self, module: str, node) -> bool:
         if id(node) not in self._inlinable:

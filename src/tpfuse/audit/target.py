@@ -106,11 +106,10 @@ def _too_large(size: int, limit: int) -> str:
 
 
 def stream_matches(path: Path, predicate, *, chunk: int = 1 << 20, overlap: int = 64) -> bool:
-    """True if `predicate(text)` holds for some window of the file, read `chunk` bytes at a time.
+    """True if `predicate(data)` holds for some window of the file's bytes, read `chunk` bytes at a time.
 
     Windows overlap by `overlap` bytes, so a match shorter than that is never split (the audit's
-    filter words are at most 21 characters). Bytes map to text one to one (latin-1): the filter
-    looks for ASCII words only."""
+    filter words are at most 21 characters)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_CLOEXEC", 0))
     except OSError as exc:
@@ -123,7 +122,7 @@ def stream_matches(path: Path, predicate, *, chunk: int = 1 << 20, overlap: int 
             block = os.read(fd, chunk)
             if not block:
                 return False
-            if predicate((tail + block).decode("latin-1")):
+            if predicate(tail + block):
                 return True
             tail = (tail + block)[-overlap:]
     except OSError as exc:
