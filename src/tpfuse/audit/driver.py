@@ -16,6 +16,7 @@ from __future__ import annotations
 import ast
 import gc
 import hashlib
+import os
 import re
 import time
 from dataclasses import dataclass, field
@@ -41,17 +42,22 @@ from tpfuse.audit.verdict import APART, ArchCondition, number_repeats, stable_id
 # lower-cased (its words are ASCII): plain substring tests and a regex with a literal prefix (an
 # alternation with IGNORECASE was the slowest part of reading an engine).
 _TEXT_RE = re.compile(rb"sm_?\d{2,3}|sm\d+x")
-# "capability" alone is too common (model and API capabilities): only the device's spellings.
+# "capability" alone is too common (model and API capabilities): only the device's spellings. Each
+# group is searched only where its common part is in the text (one pass each instead of one a word).
 _TEXT_WORDS = (
-    b"device_capabilit", b"compute_capabilit", b"devicecapabilit", b"capability.major", b"capability[0]",
-    b"get_device_properties", b"blackwell", b"hopper", b"ampere", b"device_sm", b"sm_version", b"get_platform()",
-    b"current_platform",
+    (b"capabilit", (b"device_capabilit", b"compute_capabilit", b"devicecapabilit", b"capability.major", b"capability[0]")),
+    (b"device_", (b"get_device_properties", b"device_sm")),
+    (b"platform", (b"get_platform()", b"current_platform")),
+    (b"blackwell", ()), (b"hopper", ()), (b"ampere", ()), (b"sm_version", ()),
 )
 
 
 def _mentions_arch(data: bytes) -> bool:
     lower = data.lower()
-    return any(w in lower for w in _TEXT_WORDS) or bool(_TEXT_RE.search(lower))
+    for common, words in _TEXT_WORDS:
+        if common in lower and (not words or any(w in lower for w in words)):
+            return True
+    return bool(_TEXT_RE.search(lower))
 
 
 def _native_mentions_arch(data: bytes) -> bool:
@@ -168,13 +174,13 @@ class _Run:
         # A file audited alone (or a few, as a patch's re-audit does) has no tree to learn the exports
         # from: each of its imported names is resolved instead, which gives a tree's verdicts.
         self.precise = len(self.modules) == 1 or only is not None
-        self._index = {path.relative_to(self.target.root).as_posix(): i for i, (path, _) in enumerate(self.modules)}
+        self._rels = [_relative(path, self.target.root) for path, _ in self.modules]
+        self._index = {rel: i for i, rel in enumerate(self._rels)}
 
     def run(self) -> AuditResult:
         total = len(self.modules) + len(self.target.native_files)
         pending, done = [], 0
-        for path, name in self.modules:
-            rel = path.relative_to(self.target.root).as_posix()
+        for (path, name), rel in zip(self.modules, self._rels):
             item = self._read_pass(path, name, rel) if self.only is None or rel in self.only else None
             if item is not None:
                 pending.append(item)
@@ -340,6 +346,15 @@ class _Run:
             if self.progress:
                 self.progress(len(self.modules) + j + 1, total)
         return found
+
+
+def _relative(path: Path, root: Path) -> str:
+    """`path.relative_to(root).as_posix()` for a path under `root`, as string operations (pathlib's
+    were a visible part of listing an engine's thousands of files)."""
+    text, prefix = str(path), str(root).rstrip(os.sep) + os.sep
+    if text.startswith(prefix):
+        return text[len(prefix):].replace(os.sep, "/")
+    return path.relative_to(root).as_posix()
 
 
 def _providers_first(pending: list, imports: dict) -> list:

@@ -56,8 +56,8 @@ _BUILTIN_NAMES = frozenset(dir(__builtins__) if isinstance(__builtins__, dict) e
 _MAX_CALLED = 8  # called functions read per site: the direct callees are where a kernel is compiled or launched
 _INIT_METHODS = ("__init__", "__post_init__", "setUp")
 _WORD_RE = re.compile(r"[A-Za-z_]\w*")
-# A ternary always spells `else`. No \b: leading anchors disable sre's literal-prefix scan (4x slower).
-_TERNARY_RE = re.compile(r"else|skip")
+# A ternary always spells `else`, never `else:`. No \b: leading anchors disable sre's literal-prefix scan.
+_TERNARY_RE = re.compile(r"else(?![ \t]*:)|skip")
 _ARCH_VALUES = (ArchBool, ArchNum, Obj)
 _LOCAL_ARCH = (*_ARCH_VALUES, LazyImport)  # a local name bound to an import is resolved when read
 
