@@ -7,7 +7,7 @@ unfused and third-party baselines, per hidden size and token bucket, in one run.
     python benchmarks/bench_allreduce_norm.py --shared-gpu --out /tmp/sweep.jsonl # 2 ranks on GPU 0
 
 The rank flags (`--world-size`, `--device`, `--shared-gpu`) are those of `tpfuse tune`, resolved
-by the same rule (`tpfuse.cli.ranks.resolve_ranks`); `--device cpu` replaces the former `--cpu-smoke`.
+by the same rule (`tpfuse.cli.ranks.resolve_ranks`).
 
 Providers: `tpfuse/<strategy>` for every strategy the registry admits for the problem (one not
 admitted is listed with its admission reason). The unfused baselines are the package's own
@@ -368,7 +368,7 @@ def plot(rows: list, path: str) -> None:
 def parse_args(argv):
     """The command line; defaults that depend on the mode stay None here."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    from tpfuse.cli.args import add_rank_args, deprecated_alias
+    from tpfuse.cli.args import add_rank_args
 
     p.add_argument("--hidden", default=None, help="comma-separated hidden sizes (default 6144,7168; 64 with --device cpu)")
     p.add_argument("--max-tokens", type=int, default=None, help="largest bucket (default 16384; 4 with --device cpu)")
@@ -380,14 +380,12 @@ def parse_args(argv):
     p.add_argument("--out", default="benchmarks/results/allreduce_norm.jsonl")
     p.add_argument("--plot", default=None, metavar="PNG")
     add_rank_args(p, default_timeout_s=3600.0)
-    p.add_argument("--cpu-smoke", dest="device", nargs=0, help=argparse.SUPPRESS,
-                   action=deprecated_alias("--device", lambda values: "cpu"))
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from tpfuse.cli.main import UsageError
+    from tpfuse.cli.exits import UsageError
     from tpfuse.cli.ranks import resolve_ranks
     from tpfuse.dispatch.table import token_buckets
     from tpfuse.results import append_rows

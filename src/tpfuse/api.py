@@ -15,10 +15,20 @@ Strategy choice: `strategy="auto"` consults the dispatch table written by `tpfus
 serve raises ValueError with the admission reason. `debug=True` (or TPFUSE_DEBUG=1) checks before
 each collective that all ranks agree on shape and dtype, turning a would-be hang into an error.
 Construction first checks that every rank asked for the same strategy, debug mode and device
-(`tpfuse.group.agree_settings`): a mismatch raises on every rank, naming the ranks.
+(`tpfuse.group.agree_settings`): a mismatch raises on every rank, naming the ranks; so do an
+unknown keyword option (`OPTIONS` lists them) and a device that is not 'cpu' or 'cuda'.
+
+Per-call cost: everything that depends only on the call's op, shape, dtype, residual and
+quantized-output format (the `Problem`, the strategy's choice and instance) is computed once per
+shape and kept (`_Route`); a steady-state call checks its arguments (`tpfuse.validation`: a few
+attribute reads when they are valid), looks its route up and calls the strategy.
 """
 
 from __future__ import annotations
+
+import difflib
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -26,17 +36,28 @@ import torch.distributed as dist
 from tpfuse import env
 from tpfuse.dispatch.agree import agreed_table
 from tpfuse.dispatch.choice import CONSERVATIVE_DEFAULT, Choice, choose, is_fused, warn_once
+from tpfuse.dispatch.table import token_buckets
 from tpfuse.group import agree_group_facts, agree_settings, device_type_of
+from tpfuse.probe import probe
 from tpfuse.spec import Op, Problem, dtype_name
-from tpfuse.strategies import admission, canonical_name, get_strategy, strategy_names
+from tpfuse.strategies import admission, get_strategy, strategy_names
 from tpfuse.strategies.base import Strategy, StrategyContext
 from tpfuse.strategies.host_wait import PeerGuard, goes_through_host, strategy_timeout_s
 from tpfuse.validation import SUPPORTED_DTYPES, as_rows, check_all_reduce, check_quant, check_residual_rmsnorm
+
+# The keyword options a Communicator hands its strategies (`StrategyContext.options`); any other
+# name is refused at construction, so that a misspelt option is an error and not a silent default.
+OPTIONS = {
+    "timeout_s": "seconds a wait for a peer may take (reference, ring, oneshot, twoshot; default TPFUSE_TIMEOUT_S)",
+    "max_tokens": "tokens the peer workspace is sized for when prepare() was not called (oneshot, twoshot)",
+    "max_programs": "grid cap of the peer kernels (oneshot, twoshot; default the GPU's SMs per rank on it)",
+}
 
 _SETTING_FIXES = {
     "strategy": "pass the same strategy= (and TPFUSE_STRATEGY) on every rank",
     "debug": "set TPFUSE_DEBUG (or debug=) the same on every rank",
     "device": "pass the same device= on every rank",
+    "plugins": "set TPFUSE_STRATEGIES the same on every rank",
 }
 
 
@@ -56,28 +77,32 @@ class Communicator:
                 "Communicator: torch.distributed is not initialized; call "
                 "torch.distributed.init_process_group('gloo' on CPU or 'nccl' on GPUs) first"
             )
-        from tpfuse.probe import probe
 
         self.group = group if group is not None else dist.group.WORLD
         self.cpu_group = cpu_group if cpu_group is not None else self.group
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
-        requested, problem = canonical_name(env.strategy_override() or strategy), ""
-        if requested != "auto" and requested not in strategy_names():
-            problem = f"unknown strategy {requested!r}; use 'auto' or one of: {', '.join(strategy_names())}"
+        requested, problem, plugins = strategy, "", {}
         try:  # errors are raised on every rank by agree_settings, not here on this one alone
+            requested, plugins = env.strategy_override() or strategy, env.extra_strategies()
+            if requested != "auto" and requested not in strategy_names():
+                problem = f"unknown strategy {requested!r}; use 'auto' or one of: {', '.join(strategy_names())}"
+            elif requested != "auto":
+                get_strategy(requested)  # a plugin's target must import and be a Strategy
             debug_on = env.debug_enabled() if debug is None else bool(debug)
             strategy_timeout_s(options)  # read by the strategies at their first call
-        except ValueError as exc:
+        except (ValueError, ImportError) as exc:
             debug_on, problem = False, problem or str(exc)
-        device_type = torch.device(device).type if device is not None else device_type_of(self.group)
-        if device_type not in ("cpu", "cuda"):
-            raise ValueError(f"Communicator: device {device!r} is not supported; use 'cpu' or 'cuda'")
+        unknown = sorted(set(options) - set(OPTIONS))
+        if unknown:
+            problem = problem or _unknown_options(unknown)
+        device_type, device_problem = _device_type(device, self.group)
+        problem = problem or device_problem
         if device_type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("Communicator: device='cuda' but torch sees no CUDA GPU; use a gloo group with device='cpu'")
         # Collective, before any other: ranks that differ here would run different collectives.
-        agree_settings(self.cpu_group, "Communicator", {"strategy": requested, "debug": debug_on, "device": device_type},
-                       problem, fixes=_SETTING_FIXES)
+        agree_settings(self.cpu_group, "Communicator", {"strategy": requested, "debug": debug_on, "device": device_type,
+                                                        "plugins": plugins}, problem, fixes=_SETTING_FIXES)
         self.requested = requested
         self.debug = debug_on
         self.options = options
@@ -91,6 +116,7 @@ class Communicator:
         self.device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
         self._instances: dict[str, Strategy] = {}
         self._choices: dict[tuple, Choice] = {}
+        self._routes: dict[tuple, _Route] = {}
         self._closed = False
         # Collective: every rank loads its dispatch table and all agree on its digest, or all
         # use none (tpfuse.dispatch.agree). Loaded once; `tpfuse tune` output applies to new
@@ -103,11 +129,19 @@ class Communicator:
         """Sum of `x` over the group's ranks: out of place, same shape and dtype (fp32 accumulation)."""
         check_all_reduce(x, device=self.device)
         rows = as_rows(x)
-        problem = self._problem(Op.ALL_REDUCE, rows, has_residual=False)
-        if rows.shape[0] == 0 or rows.numel() == 0:
+        m, h = rows.shape
+        if self.debug:
+            self._check_ranks_agree(Op.ALL_REDUCE, rows)
+        route = self._routes.get((Op.ALL_REDUCE, m, h, x.dtype, False, None)) or self._route(
+            Op.ALL_REDUCE, rows, has_residual=False)
+        if m == 0:
             return torch.empty_like(x, memory_format=torch.contiguous_format)
-        with torch.no_grad():  # inference-only: outputs never carry autograd history (README)
-            return self._strategy(problem).all_reduce(rows).view(x.shape)
+        if torch.is_grad_enabled():
+            with torch.no_grad():  # inference-only: outputs never carry autograd history (README)
+                out = route.call(rows)
+        else:
+            out = route.call(rows)
+        return out if rows is x else out.view(x.shape)
 
     def all_reduce_residual_rmsnorm(
         self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float = 1e-6, *, quant=None
@@ -124,27 +158,36 @@ class Communicator:
         has with_normed=True. Every strategy that admits the format gives the reference's bits.
         """
         check_residual_rmsnorm(x, residual, weight, eps, device=self.device)
+        kind = None
         if quant is not None:
             check_quant("all_reduce_residual_rmsnorm", quant, x.shape[-1], device=self.device)
+            kind = quant.kind
         rows = as_rows(x)
         res_rows = as_rows(residual) if residual is not None else None
-        problem = self._problem(Op.ALL_REDUCE_RESIDUAL_RMSNORM, rows, has_residual=residual is not None,
-                                quant=None if quant is None else quant.kind)
-        if quant is not None:
-            return _shaped(self._quantized(problem, rows, res_rows, weight.contiguous(), float(eps), quant), x.shape, quant.kind)
-        if rows.shape[0] == 0:
+        m, h = rows.shape
+        op = Op.ALL_REDUCE_RESIDUAL_RMSNORM
+        if self.debug:
+            self._check_ranks_agree(op, rows)
+        route = self._routes.get((op, m, h, x.dtype, residual is not None, kind)) or self._route(
+            op, rows, has_residual=residual is not None, quant=kind)
+        weight, eps = weight.contiguous(), float(eps)
+        if m == 0:
+            if quant is not None:  # nothing to communicate; the reference gives the empty outputs
+                from tpfuse.reference import residual_rmsnorm_quant_ref
+
+                return _shaped(residual_rmsnorm_quant_ref(rows, res_rows, weight, eps, quant), x.shape, kind)
             empty = torch.empty_like(x, memory_format=torch.contiguous_format)
             return empty, empty.clone()
-        with torch.no_grad():  # inference-only: outputs never carry autograd history (README)
-            normed, new_residual = self._strategy(problem).all_reduce_residual_rmsnorm(
-                rows, res_rows, weight.contiguous(), float(eps)
-            )
-        return normed.view(x.shape), new_residual.view(x.shape)
+        if torch.is_grad_enabled():
+            with torch.no_grad():  # inference-only: outputs never carry autograd history (README)
+                return self._fused(route, x, rows, res_rows, weight, eps, quant)
+        return self._fused(route, x, rows, res_rows, weight, eps, quant)
 
     def prepare(self, *, hidden: int, dtype: torch.dtype, max_tokens: int) -> None:
         """Set up every strategy that calls up to `max_tokens x hidden` may use; call before graph capture."""
-        from tpfuse.dispatch.table import token_buckets
 
+        if self._closed:
+            raise RuntimeError("Communicator.prepare: called after close(); create a new Communicator and prepare it")
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(f"Communicator.prepare: max_tokens must be an integer >= 1, got {max_tokens!r}; pass the "
                              "largest number of tokens a call will have")
@@ -172,10 +215,11 @@ class Communicator:
         """Release every strategy's resources (collective for strategies with peer buffers)."""
         if self._closed:
             return
+        self._closed = True
+        self._routes.clear()  # a later call misses its route, and _route raises
         for instance in self._instances.values():
             instance.close()
         self._instances.clear()
-        self._closed = True
 
     def __enter__(self) -> Communicator:
         return self
@@ -185,19 +229,27 @@ class Communicator:
 
     # ---- internals --------------------------------------------------------------------------
 
-    def _quantized(self, problem: Problem, rows, res_rows, weight, eps: float, quant):
-        if rows.shape[0] == 0:  # nothing to communicate; the reference gives the empty outputs
-            from tpfuse.reference import residual_rmsnorm_quant_ref
+    @staticmethod
+    def _fused(route, x, rows, res_rows, weight, eps, quant):
+        if quant is not None:
+            return _shaped(route.call(rows, res_rows, weight, eps, quant=quant), x.shape, quant.kind)
+        normed, new_residual = route.call(rows, res_rows, weight, eps)
+        if rows is x:
+            return normed, new_residual
+        return normed.view(x.shape), new_residual.view(x.shape)
 
-            return residual_rmsnorm_quant_ref(rows, res_rows, weight, eps, quant)
-        return self._strategy(problem).all_reduce_residual_rmsnorm(rows, res_rows, weight, eps, quant=quant)
-
-    def _problem(self, op: Op, rows: torch.Tensor, *, has_residual: bool, quant: str | None = None) -> Problem:
+    def _route(self, op: Op, rows: torch.Tensor, *, has_residual: bool, quant: str | None = None) -> _Route:
+        """The route of calls of this op and shape (made once, kept unless it has zero tokens)."""
         if self._closed:
             raise RuntimeError("Communicator: used after close(); create a new Communicator")
-        if self.debug:
-            self._check_ranks_agree(op, rows)
-        return Problem(op, rows.shape[0], rows.shape[1], dtype_name(rows.dtype), self.facts, has_residual, quant)
+        m, h = rows.shape
+        problem = Problem(op, m, h, dtype_name(rows.dtype), self.facts, has_residual, quant)
+        if m == 0:  # nothing is communicated: no strategy is chosen
+            return _Route(problem, None, None)
+        instance = self._strategy(problem)
+        call = instance.all_reduce if op is Op.ALL_REDUCE else instance.all_reduce_residual_rmsnorm
+        route = self._routes[(op, m, h, rows.dtype, has_residual, quant)] = _Route(problem, self._choose(problem), call)
+        return route
 
     def _choose(self, problem: Problem) -> Choice:
         key = (problem.op, problem.num_tokens, problem.hidden, problem.dtype, problem.has_residual, problem.quant)
@@ -242,6 +294,8 @@ class Communicator:
         return instance
 
     def _check_ranks_agree(self, op: Op, rows: torch.Tensor) -> None:
+        if self._closed:  # before any collective: the group may be gone
+            raise RuntimeError("Communicator: used after close(); create a new Communicator")
         # A fixed-size integer gather, not all_gather_object: over gloo it is waited on within the
         # strategies' bound, so debug mode raises PeerLostError on a dead peer instead of hanging.
         ops = list(Op)
@@ -255,6 +309,36 @@ class Communicator:
             table = "; ".join(f"rank {r}: {ops[c[0]].value} ({c[1]}, {c[2]}) {SUPPORTED_DTYPES[c[3]]}"
                               for r, c in enumerate(calls))
             raise ValueError(f"{op.value}: ranks disagree on the call ({table}); every rank must pass the same shape and dtype")
+
+
+class _Route(NamedTuple):
+    """What a call of one (op, shape, dtype, residual, quantized-output format) needs, made once:
+    its problem, the strategy's choice and the bound method of the strategy instance to call."""
+
+    problem: Problem
+    choice: Choice | None
+    call: Callable | None
+
+
+def _unknown_options(unknown: list[str]) -> str:
+    guesses = [f"{name!r} (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(name, OPTIONS, 1))
+               else repr(name) for name in unknown]
+    return (f"unknown option{'s' if len(unknown) > 1 else ''} {', '.join(guesses)}; the options are "
+            f"{', '.join(OPTIONS)} (tpfuse.api.OPTIONS says what each sets)")
+
+
+def _device_type(device, group) -> tuple[str, str]:
+    """(device type, problem or "") of the `device` argument; the group's default when None."""
+    if device is None:
+        return device_type_of(group), ""
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, TypeError, ValueError):
+        return str(device), (f"device {device!r} is not a torch device; pass device='cuda' (the current GPU) or "
+                             "device='cpu'")
+    if kind not in ("cpu", "cuda"):
+        return kind, f"device {device!r} is not supported; pass device='cuda' (the current GPU) or device='cpu'"
+    return kind, ""
 
 
 def _shaped(result, shape, kind: str):

@@ -42,6 +42,7 @@ from tpfuse.reference import (
     small_integer_inputs,
 )
 from tpfuse.spec import Op, Verdict
+from tpfuse.strategies.host_wait import PeerLostError
 
 # How many output-sized blocks to poison before a call: outputs of the fused op are two tensors,
 # plus slack for temporaries the strategy frees before allocating its outputs.
@@ -214,7 +215,6 @@ def candidate_cases(op: Op, *, num_tokens: int, hidden: int, dtype: str) -> list
 def check_candidate(instance, op: Op, *, num_tokens: int, hidden: int, dtype: torch.dtype, group,
                     rank: int, world_size: int, device: torch.device) -> Verdict:
     """Collective: the candidate's correctness verdict, identical on every rank (module doc)."""
-    from tpfuse.strategies.host_wait import PeerLostError
 
     cases = candidate_cases(op, num_tokens=num_tokens, hidden=hidden, dtype=str(dtype).removeprefix("torch."))
     fn = op_call(instance, op.value)

@@ -37,6 +37,8 @@ from collections.abc import Sequence
 
 import torch
 
+from tpfuse.quant import QuantOutput
+
 # Norm-wise relative error against the float64 reference, by dtype. u = unit roundoff.
 TOLERANCE = {
     torch.bfloat16: 4 * 2.0**-9,  # u = 2^-9; three roundings + slack: 7.8e-3
@@ -278,7 +280,6 @@ def swizzle_128x4(sf: torch.Tensor) -> torch.Tensor:
 
 def residual_rmsnorm_quant_ref(s, residual, weight, eps: float, quant, *, acc_dtype=None):
     """The epilogue with quantized output: a `tpfuse.quant.QuantOutput` (out, scale, residual, normed)."""
-    from tpfuse.quant import QuantOutput
 
     y, new_residual = normed_unrounded_ref(s, residual, weight, eps, acc_dtype=acc_dtype)
     codes, scales = quantize_ref(y.to(torch.float32), quant)

@@ -3,17 +3,21 @@
 Rows are appended as JSON lines to `benchmarks/results/<name>.jsonl` (one object per line), so
 runs accumulate and any row can be traced to the command that produced it.
 Schema: op, strategy, shape (dict), dtype, world_size, median, p20, p80, unit, gpu, versions
-(dict), date (ISO-8601 UTC), command, plus free-form `extra`.
+(dict), date (ISO-8601 UTC), command, plus free-form `extra`. Rows are strict JSON: a value that
+was not measured (a row made from no samples, a NaN or infinite float anywhere) is written as null.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
 import json
+import math
 import platform
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from tpfuse._version import __version__
 
 
 @dataclass(frozen=True)
@@ -23,9 +27,9 @@ class ResultRow:
     shape: dict
     dtype: str
     world_size: int
-    median: float
-    p20: float
-    p80: float
+    median: float | None
+    p20: float | None
+    p80: float | None
     unit: str
     gpu: str
     versions: dict
@@ -64,14 +68,15 @@ def environment() -> tuple[str, dict]:
         versions["triton"] = triton.__version__
     except ImportError:
         pass
-    from tpfuse._version import __version__
 
     versions["tpfuse"] = __version__
     return gpu, versions
 
 
 def make_row(op: str, strategy: str, shape: dict, dtype: str, world_size: int, samples: list[float], unit: str, **extra) -> ResultRow:
-    median, p20, p80 = percentiles(samples)
+    """A row of `samples`; with no samples (nothing could be measured; say why in `extra`) its
+    median, p20 and p80 are None."""
+    median, p20, p80 = percentiles(samples) if samples else (None, None, None)
     gpu, versions = environment()
     return ResultRow(
         op=op, strategy=strategy, shape=shape, dtype=dtype, world_size=world_size,
@@ -93,8 +98,19 @@ def append_rows(path: str | Path, rows: list[ResultRow]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a") as f:
         for row in rows:
-            f.write(json.dumps(asdict(row), sort_keys=True) + "\n")
+            f.write(json.dumps(_finite(asdict(row)), sort_keys=True, allow_nan=False) + "\n")
     return path
+
+
+def _finite(value):
+    """`value` with every NaN or infinite float replaced by None (JSON has neither)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def read_rows(path: str | Path) -> list[dict]:

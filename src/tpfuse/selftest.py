@@ -13,13 +13,20 @@ returned identical bits (the outputs' digest, compared in the parent), and times
 from __future__ import annotations
 
 import statistics
+import warnings
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
-from tpfuse.correctness import Case
+from tpfuse.presets import PRESETS
+
+if TYPE_CHECKING:  # tpfuse.correctness imports torch; `tpfuse selftest` checks its arguments without it
+    from tpfuse.correctness import Case
 
 # Hidden sizes of the model presets (glm5, deepseek-v3, qwen3-235b, llama3-70b), for random cases.
-MODEL_HIDDEN = (6144, 7168, 4096, 8192)
+MODEL_HIDDEN = tuple(p.hidden for p in PRESETS.values())
 DTYPES = ("bfloat16", "float16", "float32")
+# The exact cases' shapes (tokens, hidden): small-integer inputs whose cross-rank sums are exact.
+EXACT_SHAPES = ((7, 256), (3, 256))
 
 
 @dataclass(frozen=True)
@@ -39,12 +46,21 @@ class CaseResult:
         return d
 
 
+def largest_case(num_tokens: int) -> tuple[int, int]:
+    """(tokens, hidden) of the largest case `default_cases(num_tokens=...)` holds, without torch."""
+    return max((*EXACT_SHAPES, (num_tokens, max(MODEL_HIDDEN))), key=lambda shape: shape[0] * shape[1])
+
+
 def default_cases(*, num_tokens: int = 4) -> list[Case]:
+    from tpfuse.correctness import Case
+
+    (tokens, hidden), (tokens_no_residual, _) = EXACT_SHAPES
     cases = []
     for dtype in DTYPES:
-        cases.append(Case("exact", "all_reduce", 7, 256, dtype, has_residual=False))
-        cases.append(Case("exact", "all_reduce_residual_rmsnorm", 7, 256, dtype))
-        cases.append(Case("exact", "all_reduce_residual_rmsnorm", 3, 256, dtype, has_residual=False))
+        cases.append(Case("exact", "all_reduce", tokens, hidden, dtype, has_residual=False))
+        cases.append(Case("exact", "all_reduce_residual_rmsnorm", tokens, hidden, dtype))
+        cases.append(Case("exact", "all_reduce_residual_rmsnorm", tokens_no_residual, hidden, dtype,
+                          has_residual=False))
         for hidden in MODEL_HIDDEN:
             cases.append(Case("random", "all_reduce_residual_rmsnorm", num_tokens, hidden, dtype))
     return cases
@@ -73,7 +89,17 @@ def run_case(comm, strategy: str, case: Case, *, repeats: int) -> CaseResult:
 def rank_main(rank: int, world_size: int, cases: list[Case], repeats: int, device: str | None, only: list[str] | None,
               show_progress: bool = False):
     """Body of one selftest rank: returns (admission reasons, results) as plain data; rank 0 shows a
-    progress bar on a terminal when `show_progress`."""
+    progress bar on a terminal when `show_progress`. Strategy-choice warnings are not shown: the
+    selftest names every strategy itself (none is the user's override), and checks correctness, not
+    which strategy the measurements prefer."""
+    from tpfuse.dispatch.choice import DispatchWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DispatchWarning)
+        return _rank_main(rank, cases, repeats, device, only, show_progress)
+
+
+def _rank_main(rank, cases, repeats, device, only, show_progress):
     from tpfuse import Communicator
     from tpfuse.rank_setup import progress_bar
     from tpfuse.spec import Op, Problem

@@ -1,5 +1,8 @@
 """Input checks for the public ops: every error names the argument, what was wrong, and the fix.
 
+The checks run on every call: the common valid call passes in a few attribute reads (`_plain_*`),
+anything else takes the full checks, which name what is wrong.
+
 Contract on layout: inputs of shape (..., hidden) are accepted and viewed as (tokens, hidden);
 non-contiguous inputs are copied to a contiguous tensor first (one extra copy; pass contiguous
 tensors on hot paths). Outputs are always contiguous and have the input's shape.
@@ -12,7 +15,10 @@ import numbers
 
 import torch
 
+from tpfuse.quant import KINDS, LAYOUTS, NVFP4_BLOCK, QuantSpec
+
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_SUPPORTED = frozenset(SUPPORTED_DTYPES)
 
 
 def _fail(op: str, message: str, exc=ValueError):
@@ -38,12 +44,33 @@ def check_hidden(op: str, x) -> None:
                   "hidden >= 1 (zero tokens is fine: shape (0, hidden))")
 
 
+def _plain_tensor(t, device: torch.device) -> bool:
+    """True for a tensor that `check_tensor` and `check_hidden` accept: a supported dtype on
+    `device`, at least 1-D, hidden >= 1."""
+    return (isinstance(t, torch.Tensor) and t.dtype in _SUPPORTED and t.device == device and t.dim() > 0
+            and t.shape[-1] > 0)
+
+
 def check_all_reduce(x, *, device: torch.device) -> None:
+    if _plain_tensor(x, device):  # the common valid call in a few attribute reads
+        return
     check_tensor("all_reduce", "x", x, device=device)
     check_hidden("all_reduce", x)
 
 
+def _plain_residual_rmsnorm(x, residual, weight, eps, device: torch.device) -> bool:
+    """True for a call that the checks of `check_residual_rmsnorm` accept, read in a few attribute
+    reads (a Python float eps, every tensor on `device`); False only means: check in full."""
+    return (type(eps) is float and 0.0 <= eps < math.inf and _plain_tensor(x, device)
+            and isinstance(weight, torch.Tensor) and weight.dtype is x.dtype and weight.device == device
+            and weight.shape == (x.shape[-1],)
+            and (residual is None or (isinstance(residual, torch.Tensor) and residual.dtype is x.dtype
+                                      and residual.device == device and residual.shape == x.shape)))
+
+
 def check_residual_rmsnorm(x, residual, weight, eps, *, device: torch.device) -> None:
+    if _plain_residual_rmsnorm(x, residual, weight, eps, device):
+        return
     op = "all_reduce_residual_rmsnorm"
     check_tensor(op, "x", x, device=device)
     check_hidden(op, x)
@@ -66,13 +93,15 @@ def check_residual_rmsnorm(x, residual, weight, eps, *, device: torch.device) ->
 
 
 def as_rows(t: torch.Tensor) -> torch.Tensor:
-    """(..., hidden) -> contiguous (tokens, hidden) view (a copy only when `t` is not contiguous)."""
+    """(..., hidden) -> contiguous (tokens, hidden) view (a copy only when `t` is not contiguous;
+    `t` itself when it is already contiguous rows)."""
+    if t.dim() == 2 and t.is_contiguous():
+        return t
     return t.contiguous().view(-1, t.shape[-1])
 
 
 def check_quant(op: str, quant, hidden: int, *, device: torch.device) -> None:
     """`quant` is a tpfuse.quant.QuantSpec that fits rows of `hidden` on `device`."""
-    from tpfuse.quant import KINDS, LAYOUTS, NVFP4_BLOCK, QuantSpec
 
     if not isinstance(quant, QuantSpec):
         _fail(op, f"quant must be a tpfuse.QuantSpec (from tpfuse.fp8_static, fp8_per_token, fp8_per_group or nvfp4), got {type(quant).__name__}", TypeError)

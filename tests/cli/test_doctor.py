@@ -14,7 +14,8 @@ import pytest
 import tpfuse.probe
 import tpfuse.strategies as strategies
 from tpfuse.cli.doctor import problem_of
-from tpfuse.cli.main import UsageError, main
+from tpfuse.cli.exits import UsageError
+from tpfuse.cli.main import main
 from tpfuse.probe.capabilities import (
     Capabilities,
     CpuInfo,

@@ -21,13 +21,14 @@ def test_runtime_packages_are_declared_dependencies_not_only_extras():
     assert set(RUNTIME_PACKAGES) <= declared
 
 
-def test_ci_runs_the_readme_main_command_in_a_fresh_venv():
+def test_ci_runs_the_readme_commands_in_fresh_venvs():
     ci = (ROOT / ".ci" / "run").read_text()
     readme = (ROOT / "README.md").read_text()
     setup = readme.split("## Set up on a fresh machine", 1)[1].split("\n## ", 1)[0]
     blocks = re.findall(r"^```bash\n(.*?)\n```$", setup, re.M | re.S)
     assert blocks[0] == "pip install torch==2.13.0 && pip install . && tpfuse selftest --world-size 2"
     assert len(blocks) == 2 and "python -m pytest" in blocks[1]
-    # .ci/run reads the blocks from that section and runs the first inside `python -m venv`.
+    # .ci/run reads the blocks from that section and runs each inside its own `python -m venv`.
     assert 'in_setup = ($0 == "## Set up on a fresh machine")' in ci
-    assert 'python -m venv "$venv_dir/venv"' in ci and 'source "$venv_dir/venv/bin/activate"' in ci
+    assert 'python -m venv "$venv_dir/$1"' in ci and 'source "$venv_dir/$1/bin/activate"' in ci
+    assert 'in_fresh_venv main "$main_command"' in ci and 'in_fresh_venv test "$test_command"' in ci

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from tpfuse.cli.main import UsageError, build_parser, main
+from tpfuse.cli.exits import UsageError
+from tpfuse.cli.main import build_parser, main
 from tpfuse.cli.ranks import Ranks, resolve_ranks
 from tpfuse.group import expected_group_facts, representative_problem
 from tpfuse.spec import Op
@@ -55,34 +56,14 @@ def _flags(argv: list[str]) -> set[str]:
 @pytest.mark.parametrize("argv", SPAWNING, ids=lambda argv: argv[0])
 def test_every_command_that_spawns_ranks_has_the_same_rank_flags(argv):
     assert {"--world-size", "--device", "--shared-gpu"} <= _flags(argv)
-    assert not {"--tp", "--backend"} & _flags(argv)  # hidden: the former flags do not show in --help
 
 
-@pytest.mark.parametrize("argv, old, new_dest, new_value, line", [
-    (["selftest"], ["--backend", "gloo"], "device", "cpu",
-     "tpfuse: warning: --backend is deprecated; use --device cpu"),
-    (["selftest"], ["--backend", "nccl"], "device", "cuda",
-     "tpfuse: warning: --backend is deprecated; use --device cuda"),
-    (["selftest"], ["--backend", "auto"], "device", "auto",
-     "tpfuse: warning: --backend is deprecated; use --device auto"),
-    (["bench", "e2e"], ["--tp", "4"], "world_size", 4,
-     "tpfuse: warning: --tp is deprecated; use --world-size 4"),
-    (["profile"], ["--tp", "2"], "world_size", 2,
-     "tpfuse: warning: --tp is deprecated; use --world-size 2"),
-])
-def test_a_former_flag_still_works_and_prints_one_line_naming_the_new_one(argv, old, new_dest, new_value, line, capsys):
-    args = build_parser().parse_args([*argv, *old])
-    assert getattr(args, new_dest) == new_value
-    assert capsys.readouterr().err.splitlines() == [line]
-    assert getattr(build_parser().parse_args(argv), new_dest) in (None, "auto")  # and only when given
-    assert capsys.readouterr().err == ""
-
-
-def test_a_former_flag_reaches_the_same_checks_as_the_new_one(capsys):
-    assert main(["bench", "e2e", "--tp", "0"]) == 2
-    err = capsys.readouterr().err
-    assert err.splitlines()[0] == "tpfuse: warning: --tp is deprecated; use --world-size 0"
-    assert "--world-size must be >= 1, got 0" in err
+@pytest.mark.parametrize("argv", [["selftest", "--backend", "gloo"], ["bench", "e2e", "--tp", "2"],
+                                  ["profile", "--tp", "2"], ["bench", "e2e", "--no-results"]])
+def test_the_former_flags_are_gone(argv, capsys):
+    """The project is unreleased: a renamed flag is renamed everywhere, with no alias left behind."""
+    assert main(argv) == 2
+    assert "unrecognized arguments" in capsys.readouterr().err
 
 
 def test_bench_refuses_shared_gpu_with_the_reason(capsys):
@@ -118,13 +99,13 @@ def _sweep_module():
     return module
 
 
-def test_the_sweep_takes_the_same_rank_flags_and_its_former_cpu_smoke(capsys):
+def test_the_sweep_takes_the_same_rank_flags(capsys):
     sweep = _sweep_module()
     args = sweep.parse_args(["--world-size", "3", "--device", "cuda", "--shared-gpu"])
     assert (args.world_size, args.device, args.shared_gpu, args.timeout) == (3, "cuda", True, 3600.0)
     assert capsys.readouterr().err == ""
-    assert sweep.parse_args(["--cpu-smoke"]).device == "cpu"
-    assert capsys.readouterr().err.splitlines() == ["tpfuse: warning: --cpu-smoke is deprecated; use --device cpu"]
+    with pytest.raises(SystemExit):
+        sweep.parse_args(["--cpu-smoke"])  # the former flag is gone
 
 
 def test_the_sweep_refuses_ranks_it_cannot_run_with_the_fix(capsys):

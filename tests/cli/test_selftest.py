@@ -47,3 +47,30 @@ def test_selftest_usage_errors_exit_2(capsys):
     assert "unknown strategy 'nope'" in capsys.readouterr().err
     assert main(["selftest", "--world-size", "100000"]) == 2
     assert "use --world-size" in capsys.readouterr().err
+
+
+def _table_preferring_reference(cache_dir):
+    """A saved dispatch table for 2 gloo CPU ranks here in which ring is 2x slower than reference on
+    every selftest case: what `Communicator(strategy="ring")` warns about ("remove the override")."""
+    from tpfuse.dispatch.table import DispatchTable, Entry, fingerprint, now_iso, save, table_path, versions_of
+    from tpfuse.group import expected_group_facts
+    from tpfuse.probe import probe
+    from tpfuse.selftest import default_cases
+
+    caps = probe()
+    fp = fingerprint(expected_group_facts(caps, 2, backend="gloo", device_type="cpu"), caps)
+    times = {"reference": {"median": 10.0, "p20": 9.0, "p80": 11.0, "n": 5},
+             "ring": {"median": 20.0, "p20": 19.0, "p80": 21.0, "n": 5}}
+    keys = sorted({(c.op, c.dtype, c.hidden, c.num_tokens) for c in default_cases()})
+    entries = tuple(Entry(op, dtype, hidden, tokens, "reference", "fastest unfused (10.0 us); no fused candidate",
+                          "reference", times) for op, dtype, hidden, tokens in keys)
+    save(DispatchTable(versions_of(caps), fp, entries, {"margin": 0.03}, now_iso()), table_path(fp, cache_dir))
+
+
+@pytest.mark.gloo
+def test_selftest_of_a_named_strategy_does_not_warn_about_an_override_nobody_set(capfd, monkeypatch, tmp_path):
+    _table_preferring_reference(tmp_path)
+    monkeypatch.setenv("TPFUSE_CACHE_DIR", str(tmp_path))
+    assert main(["selftest", "--strategy", "ring", "--repeats", "1"]) == 0
+    err = capfd.readouterr().err
+    assert "remove the override" not in err and "warning" not in err, err

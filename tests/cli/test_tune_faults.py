@@ -13,7 +13,7 @@ import pytest
 from dispatch.test_table_faults import _table
 from tpfuse.cli.main import main
 from tpfuse.dispatch.table import CacheDirError, check_writable, save
-from tpfuse.spawn import FAILURE_GRACE_S
+from tpfuse.spawn import failure_grace_s
 
 TESTS = os.path.dirname(os.path.dirname(__file__))
 SRC = os.path.join(os.path.dirname(TESTS), "src")
@@ -74,7 +74,7 @@ def test_a_killed_tune_takes_every_rank_with_it_and_writes_no_table(tmp_path, ta
             # The survivor's next collective raises within TPFUSE_TIMEOUT_S and stops the tune; the
             # parent names both ranks well before the launcher's grace would have killed the survivor.
             _, err = parent.communicate(timeout=60)
-            assert time.monotonic() - killed < FAILURE_GRACE_S, err
+            assert time.monotonic() - killed < failure_grace_s({"TPFUSE_TIMEOUT_S": "2"}), err
             assert parent.returncode == 2, err
             assert err.startswith("tpfuse tune: tuning on 2 gloo rank(s) failed"), err
             assert "killed by SIGKILL" in err and "PeerLostError: pid_then_block: rank " in err, err
@@ -147,3 +147,79 @@ def test_check_writable_and_save_leave_nothing_behind(tmp_path):
     with pytest.raises(CacheDirError, match="Is a directory"):
         save(table, target)
     assert sorted(os.listdir(tmp_path)) == ["a-file", "is-a-dir.json", "new"]
+
+
+QUICK = ["tune", "--op", "all_reduce", "--strategies", "reference", "--rounds", "2", "--confirm-rounds", "2",
+         "--world-size", "2", "--device", "cpu"]
+
+
+@pytest.mark.gloo
+def test_a_table_tune_cannot_read_is_kept_aside_and_named_never_overwritten(tmp_path, capsys):
+    import json
+
+    cache = ["--cache-dir", str(tmp_path)]
+    assert main([*QUICK, "--hidden", "16", "--max-tokens", "1", *cache, "--json"]) == 0
+    path = json.loads(capsys.readouterr().out)["path"]
+    newer = json.loads(open(path).read())
+    newer["schema"] = 3  # what a later tpfuse might write under the same name
+    with open(path, "w") as f:
+        f.write(json.dumps(newer))
+    assert main([*QUICK, "--hidden", "16", "--max-tokens", "2", *cache]) == 0
+    out = capsys.readouterr().out
+    kept = [p for p in os.listdir(tmp_path) if p.startswith(os.path.basename(path) + ".kept-")]
+    assert len(kept) == 1 and json.loads((tmp_path / kept[0]).read_text()) == newer
+    assert "could not be merged (ignoring dispatch table" in out and "stale: schema 3" in out
+    assert f"was kept as {tmp_path / kept[0]}" in " ".join(out.split())
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("as_json", [True, False], ids=["json", "table"])
+def test_a_save_that_fails_loses_nothing_measured(tmp_path, capsys, monkeypatch, as_json):
+    """A full disk at save time: the measured table is printed (in the one JSON object with --json)
+    before the save, and a copy goes where one can still be written, named in the error."""
+    import json
+
+    from tpfuse.dispatch import table as table_module
+
+    def disk_full(measured, path, *, fresh=False):
+        raise table_module._cannot_write(path.parent, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
+
+    monkeypatch.setattr(table_module, "save_merged", disk_full)
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path / "spare"))
+    (tmp_path / "spare").mkdir()
+    rc = main([*QUICK, "--hidden", "16", "--max-tokens", "2", "--cache-dir", str(tmp_path / "cache"),
+               *(["--json"] if as_json else [])])
+    captured = capsys.readouterr()
+    assert rc == 2
+    (copy,) = (tmp_path / "spare").iterdir()
+    saved = json.loads(copy.read_text())
+    assert sorted(e["tokens"] for e in saved["entries"]) == [1, 2]
+    error = captured.err.strip().splitlines()[-1]
+    assert error.startswith("tpfuse tune: cannot write the dispatch table in ") and os.strerror(errno.ENOSPC) in error
+    assert error.endswith(f"a copy of the measured table is at {copy}")
+    if as_json:
+        doc = json.loads(captured.out)
+        assert doc["exit_code"] == 2 and doc["copy"] == str(copy) and doc["table"] == saved
+        assert sorted(e["tokens"] for e in doc["measured"]) == [1, 2]
+    else:
+        import re
+
+        for tokens in (1, 2):  # this run's buckets, printed before the save was tried
+            assert re.search(rf"all_reduce\s+│\s+16\s+│\s+{tokens}\s+│\s+reference", captured.out), captured.out
+        assert "dispatch table not saved" in captured.out
+
+
+@pytest.mark.slow
+@pytest.mark.gloo
+def test_two_tunes_at_once_keep_both_runs_buckets(tmp_path):
+    import json
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, TESTS])}
+    runs = [subprocess.Popen([sys.executable, "-m", "tpfuse.cli", *QUICK, "--hidden", str(h), "--max-tokens", "2",
+                              "--cache-dir", str(tmp_path), "--json"], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True) for h in (16, 32)]
+    outputs = [run.communicate(timeout=300) for run in runs]
+    assert [run.returncode for run in runs] == [0, 0], outputs
+    (path,) = {json.loads(out)["path"] for out, _ in outputs}
+    table = json.loads(open(path).read())
+    assert sorted((e["hidden"], e["tokens"]) for e in table["entries"]) == [(16, 1), (16, 2), (32, 1), (32, 2)]

@@ -111,20 +111,3 @@ def test_parse_rejects_a_file_whose_digest_does_not_match(here):
     raw["entries"][0]["times_us"]["ring"]["median"] = 1.0
     with pytest.raises(ValueError, match="digest"):
         parse(json.dumps(raw))
-
-
-def test_a_table_written_under_a_former_strategy_name_loads_under_the_current_one(here, tmp_path):
-    """`nccl_fused` became `nccl_epilogue`; a table that says `nccl_fused` (valid digest) still loads."""
-    times = {"nccl_fused": {"median": 5.0, "p20": 4.0, "p80": 6.0, "n": 5},
-             "oneshot": {"median": 3.0, "p20": 2.0, "p80": 4.0, "n": 5}}
-    old = Entry("all_reduce_residual_rmsnorm", "bfloat16", 64, 1, "nccl_fused", "fastest", "nccl_fused",
-                times, dict(times), {"nccl_fused": "not admitted"})
-    path = save(_table(here, [old]), table_path(here[0], tmp_path))
-    assert '"nccl_fused"' in path.read_text()
-    loaded, why = load(path, *here)
-    assert why == ""
-    (entry,) = loaded.entries
-    assert entry.choice == "nccl_epilogue" and entry.best_unfused == "nccl_epilogue"
-    for field_name in ("times_us", "confirmed_us", "rejected"):
-        assert set(getattr(entry, field_name)) == ({"nccl_epilogue", "oneshot"} if field_name != "rejected" else {"nccl_epilogue"})
-    assert entry.median("nccl_epilogue") == 5.0

@@ -125,3 +125,56 @@ def test_what_is_not_a_table_file_is_not_read(here, tmp_path):
         f.truncate(MAX_TABLE_BYTES + 1)  # sparse: no memory, no disk
     table, why = load(big, *here)
     assert table is None and f"more than a table's {MAX_TABLE_BYTES}" in why
+
+
+def _one_bucket(fp, versions, tokens: int) -> DispatchTable:
+    times = {"reference": {"median": 10.0, "p20": 9.0, "p80": 12.0, "n": 5}}
+    entry = Entry("all_reduce", "float32", 16, tokens, "reference", "fastest", "reference", times, {}, {})
+    return DispatchTable(versions, fp, (entry,), {"margin": 0.03}, "2026-01-01T00:00:00+00:00")
+
+
+@pytest.mark.parametrize("name, edit, why", [
+    ("newer schema", lambda raw: raw.update(schema=3), "stale: schema 3"),
+    ("other torch", lambda raw: raw["versions"].update(torch="9.9"), "stale: tuned with torch 9.9"),
+    ("corrupt", None, "corrupt dispatch table"),
+])
+def test_a_table_that_cannot_be_merged_is_kept_aside_never_overwritten(here, tmp_path, name, edit, why):
+    from tpfuse.dispatch.table import save_merged, table_path
+
+    path = table_path(here[0], tmp_path)
+    if edit is None:
+        path.write_bytes(b"{not json")
+    else:
+        raw = json.loads(_table(*here).to_json())
+        edit(raw)
+        path.write_text(_resigned(raw))
+    before = path.read_bytes()
+    saved = save_merged(_one_bucket(*here, 4), path)
+    assert saved.kept is not None and saved.kept.read_bytes() == before, name
+    assert saved.kept.name.startswith(f"{path.name}.kept-") and why in saved.kept_why
+    assert [e.tokens for e in load(path, *here)[0].entries] == [4]
+
+
+def _save_buckets(fp, versions, directory, first: int, count: int) -> None:
+    from tpfuse.dispatch.table import save_merged, table_path
+
+    for tokens in range(first, first + count):
+        save_merged(_one_bucket(fp, versions, tokens), table_path(fp, directory))
+
+
+def test_concurrent_saves_keep_every_bucket(here, tmp_path):
+    """Two tunes saving at once each re-read the table under the lock: neither loses the other's buckets."""
+    import multiprocessing
+
+    from tpfuse.dispatch.table import table_path
+
+    ctx = multiprocessing.get_context("spawn")
+    writers = [ctx.Process(target=_save_buckets, args=(*here, str(tmp_path), 1 + 100 * i, 25)) for i in range(3)]
+    for w in writers:
+        w.start()
+    for w in writers:
+        w.join(timeout=120)
+        assert w.exitcode == 0
+    table, why = load(table_path(here[0], tmp_path), *here)
+    assert why == "" and sorted(e.tokens for e in table.entries) == sorted(
+        t for i in range(3) for t in range(1 + 100 * i, 26 + 100 * i))

@@ -30,7 +30,7 @@ def _graph_rank(rank, world_size):
     group = runtime.EngineGroup("tp:0", dist.new_group(list(range(world_size))),
                                 dist.new_group(list(range(world_size)), backend="gloo"), "cuda")
     runtime.prepare("vllm", group, hidden=H, dtype=DTYPE, max_tokens=64)
-    chosen = runtime.lookup("tp:0").strategy_for(Op.ALL_REDUCE_RESIDUAL_RMSNORM, M, H, DTYPE).name
+    chosen = runtime.state("tp:0").comm.strategy_for(Op.ALL_REDUCE_RESIDUAL_RMSNORM, M, H, DTYPE).name
     op = torch.ops.tpfuse.engine_all_reduce_residual_rmsnorm
     x, res, w = (torch.zeros(M, H, dtype=DTYPE, device="cuda") for _ in range(3))
     side = torch.cuda.Stream()
@@ -50,7 +50,7 @@ def _graph_rank(rank, world_size):
         new_res.fill_(float("nan"))
         graph.replay()
         outs.append((normed.cpu(), new_res.cpu()))
-    runtime.lookup("tp:0").check()
+    runtime.state("tp:0").comm.check()
     dist.barrier()
     runtime.close_all()
     return chosen, outs

@@ -40,3 +40,26 @@ def test_twoshot_region_holds_one_owner_share():
         need = region_elems_for(tokens, hidden, world, plan, twoshot=True)
         assert need >= tokens * hidden and need >= -(-plan.items // world) * plan.chunk
         assert region_elems_for(tokens, hidden, world, plan, twoshot=False) == tokens * hidden
+
+
+def test_buffer_layout_parts_are_aligned_and_disjoint():
+    from tpfuse.kernels.protocol import HEADER_BYTES, NUM_SLOTS, buffer_layout, round_region, round_tags
+
+    for itemsize in (2, 4):
+        for region, regions, items in ((6144, 8, 6), (100, 3, 1), (7168 * 64, 9, 192)):
+            r, t = round_region(region), round_tags(items)
+            lay = buffer_layout(r, regions, t, itemsize)
+            assert lay.header_elems * itemsize == HEADER_BYTES
+            assert lay.tags_elems == lay.header_elems + NUM_SLOTS * regions * r  # tags follow the slots
+            assert lay.tags_elems * itemsize % 128 == 0 and lay.rows_elems * itemsize % 128 == 0
+            assert (lay.rows_elems - lay.tags_elems) * itemsize == NUM_SLOTS * regions * t * 4
+            assert (lay.total_elems - lay.rows_elems) * itemsize == NUM_SLOTS * t * 8
+
+
+def test_twoshot_owns_rows_from_a_measured_rows_per_rank():
+    from tpfuse.kernels.protocol import TWOSHOT_ROWS_PER_RANK, tag_words_for, twoshot_owns_rows
+
+    k = TWOSHOT_ROWS_PER_RANK
+    assert not twoshot_owns_rows(8 * k - 1, 8) and twoshot_owns_rows(8 * k, 8) and twoshot_owns_rows(k, 1)
+    plan = make_plan(3, 6144, 2, 16)
+    assert tag_words_for(plan, 3) == plan.items >= 3

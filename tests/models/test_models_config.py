@@ -54,3 +54,25 @@ def test_weights_are_deterministic_and_shards_tile_the_full_matrix():
     b = random_tensor((4, 4), seed=1, layer=1, name="x", std=1.0, dtype=torch.float32, device="cpu")
     assert torch.equal(a, random_tensor((4, 4), seed=1, layer=0, name="x", std=1.0, dtype=torch.float32, device="cpu"))
     assert not torch.equal(a, b)
+
+
+@pytest.mark.parametrize("cfg, world_size", [
+    (model_config("tiny"), 1), (model_config("tiny"), 2), (model_config("llama3-70b", layers=1, vocab=512), 2),
+    (model_config("glm5", layers=2, experts=8, dense_layers=1, vocab=256), 2),
+], ids=["tiny-tp1", "tiny-tp2", "llama-dense-tp2", "glm5-cut-tp2"])
+def test_the_memory_estimate_counts_exactly_the_weights_and_cache_a_rank_builds(cfg, world_size):
+    from tpfuse.models.decoder import TPDecoder
+
+    model = TPDecoder(cfg, object(), rank=world_size - 1, world_size=world_size, dtype=torch.float32)
+    assert sum(p.numel() for p in model.parameters()) == cfg.weight_elements(world_size)
+    cache = model.new_cache(3, 16)
+    assert cache.k.numel() + cache.v.numel() == cfg.kv_cache_elements(world_size, batch=3, context=16)
+    weights_and_cache = (cfg.weight_elements(world_size) + cfg.kv_cache_elements(world_size, batch=3, context=16)) * 4
+    assert cfg.rank_memory_bytes(world_size, itemsize=4, batch=3, context=16, prompt_len=8) > weights_and_cache
+
+
+def test_the_full_glm5_does_not_fit_one_rank_and_its_cut_does():
+    """The CPU default that ran out of memory after 23 s: the estimate says so before any rank starts."""
+    full = model_config("glm5").rank_memory_bytes(1, itemsize=4, batch=64, context=64, prompt_len=16)
+    cut = model_config("glm5", layers=2, experts=8).rank_memory_bytes(1, itemsize=4, batch=8, context=64, prompt_len=16)
+    assert full > 1 << 40 and 8 << 30 < cut < 20 << 30

@@ -84,5 +84,57 @@ def test_every_survivor_fails_within_the_strategy_timeout(tmp_path):
             assert "destroy the process group" in got["first"]
             assert got["elapsed"] < TIMEOUT_S + SLACK_S, (rank, got)
             assert got["second"].startswith(f"PeerLostError: {where}: rank {rank}: an earlier call failed"), (rank, got)
+            if name != "debug":  # the strategies' own error names the rank that died, whoever raised
+                assert f"rank {VICTIM} exited (no process left on this host)" in got["first"], (rank, got)
     # Rank 3 is not next to the dead rank: it can only have failed on its own bound.
     assert "without an answer" in json.loads((tmp_path / "3.json").read_text())["ring"]["first"]
+
+
+def _stuck_rank(rank, port, strategy, out_dir):
+    """Rank 1 stops calling (alive, sleeping); rank 0's next call must raise, and its process exit."""
+    import torch.distributed as dist
+
+    from tpfuse import Communicator
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    comm = Communicator(strategy=strategy, timeout_s=TIMEOUT_S)
+    x = small_integer_inputs(rank, 5, H, torch.float32)
+    comm.all_reduce(x)
+    if rank == 1:
+        time.sleep(120)
+        os._exit(0)
+    outcome, _ = _call(comm, x)
+    comm.close()
+    dist.destroy_process_group()
+    with open(os.path.join(out_dir, "0.txt"), "w") as f:
+        f.write(outcome)
+
+
+@pytest.mark.parametrize("strategy", ["reference", "ring"])
+def test_a_survivor_of_a_stuck_peer_raises_naming_it_and_its_process_exits_within_the_bound(strategy, tmp_path):
+    """The abandoned request ends with the strategy's private group (its timeout is the bound), so
+    close() and interpreter exit do not wait for the stuck peer or the 30-minute group timeout."""
+    import multiprocessing
+
+    from tpfuse.spawn import free_port
+
+    ctx = multiprocessing.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=_stuck_rank, args=(r, port, strategy, str(tmp_path))) for r in range(2)]
+    start = time.monotonic()
+    for p in procs:
+        p.start()
+    try:
+        procs[0].join(timeout=90)
+        elapsed = time.monotonic() - start
+        assert procs[0].exitcode == 0 and procs[1].is_alive()
+    finally:
+        for p in procs:
+            p.kill()
+            p.join()
+    outcome = (tmp_path / "0.txt").read_text()
+    assert outcome.startswith(f"PeerLostError: {strategy}: rank 0 waited {TIMEOUT_S:g} s for rank 1"), outcome
+    assert "rank 1 alive but did not answer (stuck, or calling another collective)" in outcome
+    # Start-up (two interpreters importing torch) plus the bound, the census and exit; the stuck
+    # peer sleeps 120 s, and the unbounded exit waited for it.
+    assert elapsed < 60, elapsed

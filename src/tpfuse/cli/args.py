@@ -1,7 +1,7 @@
 """Argument groups and their checks shared by the commands (no torch at import).
 
 - `add_rank_args`: `--world-size`, `--device`, `--shared-gpu` (and `--timeout`) for every command that spawns ranks
-  (resolved by `tpfuse.cli.ranks.resolve_ranks`), and `deprecated_alias` for the flags they replace;
+  (resolved by `tpfuse.cli.ranks.resolve_ranks`);
 - `add_shape_args` and `hiddens`: presets, hidden sizes, token buckets and dtype of tune and verify;
 - `add_output_args`: `--json` and `--results` of tune and verify.
 """
@@ -9,12 +9,9 @@
 from __future__ import annotations
 
 import argparse
-import sys
-from collections.abc import Callable
-from typing import Any
 
-from tpfuse.cli.main import UsageError
-from tpfuse.cli.preflight import check_positive, check_world_size, require_runtime
+from tpfuse.cli.exits import UsageError
+from tpfuse.cli.preflight import check_environment, check_positive, check_world_size, require_runtime
 from tpfuse.presets import PRESETS, get_preset
 
 # The model presets plus `tiny`, the test-sized model of `bench e2e` and `profile` (hidden 64), so
@@ -32,7 +29,7 @@ def add_shape_args(p: argparse.ArgumentParser, *, default_max_tokens: int) -> No
     g.add_argument("--hidden", action="append", type=int, default=[], help="hidden size (repeatable)")
     g.add_argument("--max-tokens", type=int, default=default_max_tokens,
                    help=f"largest token bucket; buckets are 1, 2, 4, ... up to it (default {default_max_tokens})")
-    g.add_argument("--dtype", choices=DTYPES, default="bfloat16")
+    g.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="dtype of the tensors (default bfloat16)")
 
 
 DEVICE_HELP = "where the ranks' tensors live (auto: cuda when torch sees a GPU; cuda is NCCL, one GPU per rank)"
@@ -56,19 +53,6 @@ def add_rank_args(p: argparse.ArgumentParser, *, default_world_size: int | None 
                        help=f"seconds before a hung rank is killed (default {default_timeout_s:g})")
 
 
-def deprecated_alias(new_flag: str, translate: Callable[[Any], Any] = lambda value: value) -> type[argparse.Action]:
-    """An argparse action for a former flag: one line on stderr naming `new_flag`, then the value
-    `translate(value)` stored where `new_flag` stores it (add it with help=argparse.SUPPRESS)."""
-
-    class DeprecatedAlias(argparse.Action):
-        def __call__(self, parser, namespace, values, option_string=None):
-            new_value = translate(values)
-            print(f"tpfuse: warning: {option_string} is deprecated; use {new_flag} {new_value}", file=sys.stderr)
-            setattr(namespace, self.dest, new_value)
-
-    return DeprecatedAlias
-
-
 def add_output_args(p: argparse.ArgumentParser) -> None:
     """`--json` and `--results` of tune and verify."""
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
@@ -77,11 +61,12 @@ def add_output_args(p: argparse.ArgumentParser) -> None:
                         "(then PATH/<command>.jsonl)")
 
 
-def hiddens(args, command: str) -> tuple[int, ...]:
-    """The hidden sizes asked for, after the checks of the shape flags (no torch)."""
+def hiddens(args, example: str) -> tuple[int, ...]:
+    """The hidden sizes asked for, after the checks of the shape flags (no torch); `example` is a
+    complete command line that gives them, for the message when none is given."""
     sizes = [TINY_HIDDEN if name == "tiny" else get_preset(name).hidden for name in args.preset] + list(args.hidden)
     if not sizes:
-        raise UsageError(f"give --preset ({', '.join(PRESET_CHOICES)}) or --hidden H, e.g. `tpfuse {command} --preset glm5`")
+        raise UsageError(f"give --preset ({', '.join(PRESET_CHOICES)}) or --hidden H, e.g. `{example}`")
     if any(h < 1 for h in sizes):
         raise UsageError(f"--hidden must be >= 1, got {', '.join(map(str, sizes))}; pass the model's hidden size, e.g. --hidden 4096")
     check_positive(max_tokens=args.max_tokens)
@@ -89,8 +74,10 @@ def hiddens(args, command: str) -> tuple[int, ...]:
 
 
 def check_rank_args(args) -> None:
-    """The rank flags' checks that need no torch, and the runtime packages the ranks need."""
+    """The rank flags' checks that need no torch, the TPFUSE_* variables the ranks read, and the
+    runtime packages the ranks need."""
     check_world_size(args.world_size)
+    check_environment()
     timeout = getattr(args, "timeout", None)
     if timeout is not None and not timeout > 0:
         raise UsageError(f"--timeout must be > 0 seconds, got {timeout}; pass e.g. --timeout 300")
@@ -99,7 +86,7 @@ def check_rank_args(args) -> None:
 
 def ranks_of(args, *, default_world_size: int | None = None):
     """`tpfuse.cli.ranks.resolve_ranks` over the rank flags, with the resolved world size checked
-    against what this host can run (imports torch)."""
+    against what this host can run (imports torch only where a GPU could be visible)."""
     from tpfuse.cli.ranks import resolve_ranks
 
     ranks = resolve_ranks(args.world_size, args.device, shared_gpu=args.shared_gpu,

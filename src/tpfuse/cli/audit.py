@@ -17,7 +17,7 @@ import os
 import sys
 from pathlib import Path
 
-from tpfuse.cli.main import EXIT_NEGATIVE, EXIT_OK, UsageError, dumps_json
+from tpfuse.cli.exits import EXIT_NEGATIVE, EXIT_OK, UsageError, dumps_json
 
 EXIT_INCOMPLETE = 3  # audit: some file was not scanned (listed under `skipped`)
 AUDIT_EXIT_CODES = (

@@ -2,8 +2,11 @@
 
 Runs the tensor-parallel MoE decoder of tpfuse.models (a preset, cut with --layers/--experts)
 with fusion on and/or off over a list of batch sizes, prints a table (or `--json`), and with
-`--results PATH` appends one result row per point to PATH (or PATH/e2e.jsonl for a directory). Exit 0 when every point counted exactly two
-allreduces per layer per step, 1 when one did not, 2 on usage or environment errors.
+`--results PATH` appends one result row per point to PATH (or PATH/e2e.jsonl for a directory).
+Before any rank starts: the cut, the --world-size split, a --strategy asked for by name, and the
+memory one rank would hold (`ModelConfig.rank_memory_bytes`) are checked, each refusal naming the
+fix. Exit 0 when every point counted exactly two allreduces per layer per step, 1 when one did not
+(or a rank failed), 2 on usage or environment errors.
 """
 
 from __future__ import annotations
@@ -11,10 +14,16 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tpfuse.cli.args import add_rank_args, deprecated_alias
-from tpfuse.cli.main import EXIT_NEGATIVE, EXIT_OK, UsageError, dumps_json
+from tpfuse.cli.args import PRESET_CHOICES, add_rank_args
+from tpfuse.cli.exits import EXIT_NEGATIVE, EXIT_OK, CommandError, UsageError, dumps_json
 
 DEFAULT_WORLD_SIZE = 1  # the model on one GPU (or one CPU process) unless asked for tensor parallelism
+# The preset when none is given: GLM-5 (the model of the design's story) on GPUs; on CPU ranks the
+# test-sized model, which runs in seconds there (GLM-5 cut to 2 layers and 8 experts holds 14 GiB).
+DEFAULT_PRESET = {"cuda": "glm5", "cpu": "tiny"}
+# The messages of tpfuse.models and tpfuse.e2e start with the function or class that raised; the
+# CLI names its flags instead.
+_INTERNAL_PREFIXES = ("ModelConfig: ", "model_config: ", "E2ESpec: ", "get_preset: ")
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -29,13 +38,13 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     """Model and run options shared by `bench e2e` and `profile`."""
-    p.add_argument("--preset", default="glm5", help="model preset: glm5, deepseek-v3, qwen3-235b, llama3-70b, tiny (default glm5)")
+    p.add_argument("--preset", choices=PRESET_CHOICES, default=None,
+                   help="model preset (default: glm5 on CUDA ranks, tiny on CPU ranks)")
     p.add_argument("--layers", type=int, help="cut the model to this many layers (dense:MoE ratio kept)")
     p.add_argument("--experts", type=int, help="routed experts (top-k and expert width kept)")
     p.add_argument("--dense-layers", type=int, help="how many of the first layers are dense (default: the preset's ratio)")
     p.add_argument("--vocab", type=int, help="vocabulary size (default: the preset's)")
     add_rank_args(p, default_world_size=DEFAULT_WORLD_SIZE)
-    p.add_argument("--tp", dest="world_size", type=int, help=argparse.SUPPRESS, action=deprecated_alias("--world-size"))
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), help="default bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--strategy", default="auto", help="Communicator strategy (default auto)")
     p.add_argument("--moe-runner", help="force one MoE runner (loop, dense, grouped_mm); default: measured choice")
@@ -46,8 +55,6 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--results", default=None, metavar="PATH",
                    help="also append result rows to PATH: a file, or a directory (then PATH/e2e.jsonl for bench e2e, "
                         "PATH/profile.jsonl for profile); default: none written")
-    # Kept so that older scripts still parse: rows are written only with --results now.
-    p.add_argument("--no-results", action="store_true", help=argparse.SUPPRESS)
 
 
 def fusion_modes(text: str) -> tuple[bool, ...]:
@@ -75,61 +82,151 @@ def _no_subcommand(p) -> int:
     return 2
 
 
+def user_message(exc: Exception) -> str:
+    """`exc`'s message without the internal name it starts with (`_INTERNAL_PREFIXES`)."""
+    text = str(exc)
+    for prefix in _INTERNAL_PREFIXES:
+        text = text.removeprefix(prefix)
+    return text
+
+
 def make_spec(args, **extra):
-    """The E2ESpec the flags ask for, after the checks that need no torch (the world size is checked
-    again by `check_model`, and resolved with the device by `resolve_spec_ranks`)."""
-    from tpfuse.cli.preflight import check_positive, check_world_size
+    """The E2ESpec and the ranks the flags ask for, after every check that needs no rank: the cut,
+    the split over --world-size, the MoE runner, a --strategy asked for by name, and the memory a
+    rank would hold. Imports torch only where the device needs it (`tpfuse.cli.ranks`)."""
+    from tpfuse.cli.args import check_rank_args
+    from tpfuse.cli.preflight import check_positive
+    from tpfuse.cli.ranks import resolve_ranks
     from tpfuse.e2e.decode import E2ESpec
 
-    check_world_size(args.world_size)
+    check_rank_args(args)
     if args.shared_gpu:  # the one rank flag these commands refuse
         raise UsageError("--shared-gpu: the reference model is timed with one GPU per rank over NCCL, and ranks "
                          "sharing a GPU would time the sharing; drop --shared-gpu (`tpfuse selftest --shared-gpu` "
                          "checks the GPU code paths on one GPU)")
     check_positive(layers=args.layers, experts=args.experts, vocab=args.vocab, prompt_len=args.prompt_len,
                    context=args.context, steps=extra.get("steps"))
-    num_ranks = args.world_size if args.world_size is not None else DEFAULT_WORLD_SIZE
+    if args.dense_layers is not None and args.dense_layers < 0:
+        raise UsageError(f"--dense-layers must be >= 0, got {args.dense_layers}; pass 0 for an all-MoE cut")
+    ranks = resolve_ranks(args.world_size, args.device, default_world_size=DEFAULT_WORLD_SIZE)
+    preset = args.preset or DEFAULT_PRESET[ranks.device]
+    if args.experts is not None:
+        from tpfuse.models.config import model_config
+
+        top_k = model_config(preset).top_k
+        if top_k and args.experts < top_k:
+            raise UsageError(f"--experts {args.experts} is below {preset}'s top-{top_k} routing; pass --experts "
+                             f"{top_k} or more")
     try:
-        return E2ESpec(
-            preset=args.preset, layers=args.layers, experts=args.experts, dense_layers=args.dense_layers,
-            vocab=args.vocab, tp=num_ranks, device=args.device, dtype=args.dtype, strategy=args.strategy,
+        spec = E2ESpec(
+            preset=preset, layers=args.layers, experts=args.experts, dense_layers=args.dense_layers,
+            vocab=args.vocab, tp=ranks.world_size, device=ranks.device, dtype=args.dtype, strategy=args.strategy,
             moe_runner=args.moe_runner, prompt_len=args.prompt_len, context=args.context, seed=args.seed, **extra,
         )
+        cfg = spec.config()
     except ValueError as exc:
-        raise UsageError(str(exc)) from None
-
-
-def check_model(spec) -> None:
-    """Usage errors for a bad preset, cut or --world-size, before any process starts or torch is imported."""
-    from tpfuse.cli.preflight import check_world_size, require_runtime
-
-    check_world_size(spec.tp)
-    require_runtime()
-    try:
-        spec.config().check_world_size(spec.tp)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
+        raise UsageError(_cut_message(args, exc)) from None
+    _check_split(cfg, ranks.world_size)
     if spec.moe_runner is not None:
         from tpfuse.models.moe_runners import RUNNERS
 
         if spec.moe_runner not in RUNNERS:
             raise UsageError(f"--moe-runner {spec.moe_runner!r} is not a runner; use one of: {', '.join(RUNNERS)}")
+    _check_memory(spec, cfg, ranks, explicit_preset=args.preset is not None)
+    if spec.strategy != "auto":
+        _check_strategy(spec, cfg, ranks)
+    return spec, ranks
 
 
-def resolve_spec_ranks(spec, args):
-    """(`spec` with its device resolved, Ranks) by `tpfuse.cli.ranks.resolve_ranks`; imports torch."""
-    import dataclasses
+def _cut_message(args, exc: ValueError) -> str:
+    """A cut the model refuses, said in the flags' words."""
+    text = user_message(exc)
+    if "first_dense_layers" in text:
+        return f"--dense-layers {args.dense_layers} is more than the cut's {args.layers or 'preset'} layers; pass fewer"
+    return text
 
-    from tpfuse.cli.ranks import resolve_ranks
 
-    ranks = resolve_ranks(spec.tp, args.device, default_world_size=DEFAULT_WORLD_SIZE)
-    return dataclasses.replace(spec, device=ranks.device), ranks
+def _check_split(cfg, world_size: int) -> None:
+    try:
+        cfg.check_world_size(world_size)
+    except ValueError as exc:
+        why = user_message(exc).replace("a tensor-parallel size", "a --world-size")
+        raise UsageError(f"--world-size {world_size}: {why}") from None
+
+
+def _itemsize(spec) -> int:
+    return {"bfloat16": 2, "float16": 2, "float32": 4}[spec.dtype or ("bfloat16" if spec.device == "cuda" else "float32")]
+
+
+def _check_memory(spec, cfg, ranks, *, explicit_preset: bool) -> None:
+    """UsageError when one rank of this cut does not fit, naming a cut that does."""
+    from tpfuse.cli.preflight import check_rank_memory
+
+    def need(c) -> int:
+        return c.rank_memory_bytes(ranks.world_size, itemsize=_itemsize(spec), batch=max(spec.batches),
+                                   context=spec.context, prompt_len=spec.prompt_len)
+
+    if not _fits(need(cfg), ranks):
+        fits = _fitting_cut(spec, cfg, ranks, need)
+        fix = (f"cut it with {fits}, " if fits else "") + "or pass --preset tiny (the test-sized model)"
+        check_rank_memory(need(cfg), world_size=ranks.world_size, device=ranks.device,
+                          what=f"{cfg.name}{'' if explicit_preset else ' (the default preset)'} with {cfg.num_layers} "
+                               f"layers and {cfg.num_experts} experts at batch {max(spec.batches)}",
+                          fix=fix)
+
+
+def _budget(ranks) -> int | None:
+    """The bytes one rank's model may take here: its share of the host memory for CPU ranks (less
+    the process itself), its GPU's memory for CUDA ranks; None if unknown."""
+    from tpfuse import host_memory
+    from tpfuse.cli.preflight import RANK_MEMORY_BYTES, gpu_memory_bytes
+
+    if ranks.device != "cpu":
+        return gpu_memory_bytes()
+    available = host_memory.available_bytes()
+    return None if available is None else available // ranks.world_size - RANK_MEMORY_BYTES
+
+
+def _fits(need: int, ranks) -> bool:
+    budget = _budget(ranks)
+    return budget is None or need <= budget
+
+
+def _fitting_cut(spec, cfg, ranks, need) -> str:
+    """The flags of the largest of a few cuts of the preset that would fit here, or "" (estimates)."""
+    from tpfuse.models.config import model_config
+
+    experts = [e for e in (64, 32, 16, 8) if cfg.top_k <= e < cfg.num_experts and e % ranks.world_size == 0]
+    for layers in sorted({min(cfg.num_layers, 4), 2, 1}, reverse=True):
+        for num_experts in ([None, *experts] if cfg.num_moe_layers else [None]):
+            for vocab in (spec.vocab, 32768):
+                try:
+                    cut = model_config(spec.preset, layers=layers, experts=num_experts or spec.experts,
+                                       dense_layers=spec.dense_layers, vocab=vocab)
+                    cut.check_world_size(ranks.world_size)
+                except ValueError:
+                    continue
+                if _fits(need(cut), ranks):
+                    flags = [f"--layers {layers}", *([f"--experts {num_experts}"] if num_experts else []),
+                             *([f"--vocab {vocab}"] if vocab else [])]
+                    return " ".join(flags)
+    return ""
+
+
+def _check_strategy(spec, cfg, ranks) -> None:
+    """A --strategy asked for by name, admitted for the calls this run makes, or UsageError."""
+    from tpfuse.cli.preflight import reject_not_admitted
+
+    dtype = spec.dtype or ("bfloat16" if ranks.device == "cuda" else "float32")
+    problems = [("all_reduce_residual_rmsnorm" if fused else "all_reduce", batch, cfg.hidden, dtype, fused)
+                for fused in spec.fusion for batch in spec.batches]
+    reject_not_admitted([spec.strategy], problems, world_size=ranks.world_size, backend=ranks.backend,
+                        device=ranks.device)
 
 
 def run(args) -> int:
-    spec = make_spec(args, batches=args.batch, fusion=fusion_modes(args.fusion), steps=args.steps,
-                     min_seconds=args.min_seconds, graphs=not args.no_graphs, progress=True)
-    check_model(spec)
+    spec, ranks = make_spec(args, batches=args.batch, fusion=fusion_modes(args.fusion), steps=args.steps,
+                            min_seconds=args.min_seconds, graphs=not args.no_graphs, progress=True)
     if args.results:
         from tpfuse.cli.preflight import check_writable
         from tpfuse.results import results_file
@@ -142,15 +239,13 @@ def run(args) -> int:
     from tpfuse.results import append_rows, results_file
     from tpfuse.spawn import RankFailure
 
-    spec, _ = resolve_spec_ranks(spec, args)
     started = time.perf_counter()
     try:
         result = run_e2e(spec, runner=run_cli_ranks)
+    except RankFailure as exc:
+        raise CommandError(f"{spec.tp} rank(s) failed: {describe_failure(exc)}") from None
     except RuntimeError as exc:
-        if isinstance(exc, RankFailure):
-            print(f"tpfuse bench e2e: {spec.tp} rank(s) failed: {describe_failure(exc)}", file=sys.stderr)
-            return EXIT_NEGATIVE
-        raise UsageError(str(exc)) from None
+        raise UsageError(user_message(exc)) from None
     path = None
     if args.results:
         path = str(append_rows(results_file(args.results, "e2e.jsonl"), e2e_rows(spec, result)).resolve())

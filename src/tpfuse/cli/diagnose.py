@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tpfuse.cli.main import EXIT_NEGATIVE, EXIT_OK, EXIT_USAGE, UsageError, dumps_json
+from tpfuse.cli.exits import EXIT_NEGATIVE, EXIT_OK, EXIT_USAGE, UsageError, dumps_json
 
 # Mirrors tpfuse.diagnose.sampler (not imported here: a subcommand's parser imports nothing heavy).
 DEFAULT_INTERVAL_S = 0.1

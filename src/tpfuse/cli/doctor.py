@@ -15,7 +15,7 @@ import argparse
 import dataclasses
 import sys
 
-from tpfuse.cli.main import EXIT_OK, EXIT_USAGE, UsageError, dumps_json
+from tpfuse.cli.exits import EXIT_OK, EXIT_USAGE, UsageError, dumps_json
 
 # GLM-5's hidden size; 8 tokens is a decode batch, where allreduce latency dominates a step.
 # Both are labelled defaults, not measurements.

@@ -9,43 +9,34 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import logging
-import math
 import sys
-from typing import Any
 
 from tpfuse._version import __version__
+from tpfuse.cli.exits import EXIT_USAGE, CommandError, dumps_json
+from tpfuse.cli.ranks import install_warning_format
 
 # subcommand module names under tpfuse.cli, in the order `tpfuse --help` lists them.
 COMMANDS = ("doctor", "selftest", "diagnose", "tune", "verify", "bench", "profile", "audit")
 
-EXIT_OK, EXIT_NEGATIVE, EXIT_USAGE = 0, 1, 2
+
+class _ParseError(Exception):
+    def __init__(self, prog: str, message: str) -> None:
+        super().__init__(message)
+        self.prog = prog
 
 
-class UsageError(Exception):
-    """Raised by a subcommand for bad arguments or an unusable environment (exit code 2)."""
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, whose errors reach `main` (which prints them as argparse does, and as one
+    JSON object with --json) instead of exiting from inside argparse. Subparsers are this class too."""
 
-
-def _finite(obj: Any) -> Any:
-    """`obj` with every NaN/inf float replaced by None (JSON has no such numbers)."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
-    return obj
-
-
-def dumps_json(obj: Any, *, indent: int | None = 2, default: Any = None) -> str:
-    """Strict JSON for every `--json` output: a value that was not measured (NaN) becomes null,
-    so that any JSON parser, not only Python's, reads what tpfuse prints."""
-    return json.dumps(_finite(obj), indent=indent, default=default, allow_nan=False)
+    def error(self, message: str):
+        self.print_usage(sys.stderr)
+        raise _ParseError(self.prog, message)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tpfuse", description="Fused tensor-parallel collectives: probe, choose, verify, audit.")
+    parser = _Parser(prog="tpfuse", description="Fused tensor-parallel collectives: probe, choose, verify, audit.")
     parser.add_argument("--version", action="version", version=f"tpfuse {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages to stderr")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -56,25 +47,51 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
-    except SystemExit as exc:  # argparse exits 2 on usage errors, 0 on --help
+    except _ParseError as exc:
+        print(f"{exc.prog}: error: {exc}", file=sys.stderr)
+        if "--json" in argv:
+            print(dumps_json({"error": f"{exc.prog}: {exc}", "exit_code": EXIT_USAGE}, indent=None))
+        return EXIT_USAGE
+    except SystemExit as exc:  # --help and --version exit 0 from inside argparse
         return int(exc.code or 0)
     if args.command is None:
         parser.print_help()
         return EXIT_USAGE
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    from tpfuse.cli.ranks import install_warning_format
-
     install_warning_format()
     try:
         return int(args.run(args))
-    except UsageError as exc:
-        print(f"tpfuse {args.command}: {exc}", file=sys.stderr)
-        if getattr(args, "json", False):  # a program reading stdout still gets one JSON document
-            print(dumps_json({"error": f"tpfuse {args.command}: {exc}", "exit_code": EXIT_USAGE}, indent=None))
-        return EXIT_USAGE
+    except CommandError as exc:
+        return _failed(args, str(exc), exc.exit_code)
     except KeyboardInterrupt:
-        print(f"tpfuse {args.command}: interrupted", file=sys.stderr)
-        return 130
+        return _failed(args, "interrupted", EXIT_INTERRUPTED)
+    except Exception as exc:  # a defect: the traceback goes to stderr, a program reading stdout still gets JSON
+        if getattr(args, "json", False):
+            _json_error(args, f"internal error: {type(exc).__name__}: {exc}", EXIT_INTERNAL)
+        raise
+
+
+# 128 + SIGINT, what a shell reports for a command ended by Ctrl-C; 1 for a defect (Python's own code
+# for an uncaught exception, which it still is).
+EXIT_INTERRUPTED, EXIT_INTERNAL = 130, 1
+
+
+def _command(args) -> str:
+    """The command as typed: `tpfuse bench e2e`, `tpfuse tune`."""
+    return " ".join(["tpfuse", args.command, *([args.bench_command] if getattr(args, "bench_command", None) else [])])
+
+
+def _json_error(args, message: str, exit_code: int) -> None:
+    print(dumps_json({"error": f"{_command(args)}: {message}", "exit_code": exit_code}, indent=None), flush=True)
+
+
+def _failed(args, message: str, exit_code: int) -> int:
+    """One line on stderr and, with --json, one JSON object on stdout; `exit_code`."""
+    print(f"{_command(args)}: {message}", file=sys.stderr)
+    if getattr(args, "json", False):  # a program reading stdout still gets one JSON document
+        _json_error(args, message, exit_code)
+    return exit_code

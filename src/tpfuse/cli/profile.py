@@ -3,16 +3,17 @@
 Profiles a few eager decode steps of the tpfuse.models decoder under torch.profiler and
 attributes GPU kernel time (CPU operator time on a CPU run) to stages: attention, MoE GEMMs, other
 GEMMs, allreduce/communication, norm, other; with kernel launches per step and estimated bytes.
-Prints a table (or `--json`), optionally writes a Chrome trace (--trace) and a PNG bar chart
-(--plot, needs matplotlib: `pip install tpfuse[plot]`), and with `--results PATH` appends one
-result row per stage to PATH (or PATH/profile.jsonl for a directory). Exit 0 when each step made 2 allreduces per layer, 1 otherwise.
+Prints a table (or `--json`), optionally writes Chrome traces (--trace: the path itself for one
+fusion mode, `<stem>.fusion-on.json` and `<stem>.fusion-off.json` beside it for both) and a PNG bar
+chart (--plot, needs matplotlib), and with `--results PATH` appends one result row per stage to
+PATH (or PATH/profile.jsonl for a directory). Every path is checked before any rank starts, and
+the files written are the ones printed. Exit 0 when each step made 2 allreduces per layer, 1
+otherwise (or when a rank failed), 2 on usage or environment errors.
 """
 
 from __future__ import annotations
 
-import sys
-
-from tpfuse.cli.main import EXIT_NEGATIVE, EXIT_OK, UsageError, dumps_json
+from tpfuse.cli.exits import EXIT_NEGATIVE, EXIT_OK, CommandError, UsageError, dumps_json
 
 
 def add_parser(subparsers) -> None:
@@ -24,55 +25,57 @@ def add_parser(subparsers) -> None:
     p.add_argument("--batch", type=int, default=8, help="decode batch size (default 8)")
     p.add_argument("--steps", type=int, default=5, help="profiled decode steps (default 5)")
     p.add_argument("--fusion", choices=("on", "off", "both"), default="both", help="fused allreduce+norm (default both)")
-    p.add_argument("--trace", help="write a Chrome trace to this .json path (one per fusion mode with --fusion both)")
+    p.add_argument("--trace", help="write a Chrome trace to this .json path (with --fusion both: "
+                                   "<stem>.fusion-on.json and <stem>.fusion-off.json beside it)")
     p.add_argument("--plot", help="write a PNG bar chart of the breakdown to this path")
     p.set_defaults(run=run)
 
 
+PLOT_HINT = ("install matplotlib with `pip install 'tpfuse[plot]'` (from a checkout: `pip install '.[plot]'`) "
+             "or drop --plot")
+
+
 def run(args) -> int:
-    from tpfuse.cli.bench import check_model, fusion_modes, make_spec, resolve_spec_ranks
-    from tpfuse.cli.preflight import check_positive
+    from tpfuse.cli.bench import fusion_modes, make_spec, user_message
+    from tpfuse.cli.preflight import check_positive, check_writable
+    from tpfuse.e2e.profile import trace_paths
+    from tpfuse.results import results_file
 
     check_positive(batch=args.batch, steps=args.steps)
     if args.plot:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            raise UsageError("--plot needs matplotlib; install it with `pip install tpfuse[plot]`") from None
-    spec = make_spec(args, batches=(args.batch,), fusion=fusion_modes(args.fusion), progress=False)
-    check_model(spec)
-    from tpfuse.cli.preflight import check_writable
-    from tpfuse.results import results_file
-
+            raise UsageError(f"--plot needs matplotlib; {PLOT_HINT}") from None
+    traces = trace_paths(args.trace, fusion_modes(args.fusion)) if args.trace else None
     for flag, path in (("--results", args.results and str(results_file(args.results, "profile.jsonl"))),
-                       ("--trace", args.trace), ("--plot", args.plot)):
+                       *(("--trace", p) for p in (traces or {}).values()), ("--plot", args.plot)):
         if path:
             check_writable(path, flag=flag)
+    spec, ranks = make_spec(args, batches=(args.batch,), fusion=fusion_modes(args.fusion), progress=False)
     from rich.console import Console
 
     from tpfuse.cli.ranks import describe_failure, run_cli_ranks
     from tpfuse.e2e.profile import profile_rank
     from tpfuse.spawn import RankFailure
 
-    spec, ranks = resolve_spec_ranks(spec, args)
     try:
         with Console(stderr=True).status(f"profile: {args.steps} decode steps per fusion mode ...", spinner="dots"):
             result = run_cli_ranks(profile_rank, ranks.world_size, backend=ranks.backend,
-                           args=(spec, args.batch, args.steps, args.trace), timeout_s=1800)[0]
+                                   args=(spec, args.batch, args.steps, traces), timeout_s=1800)[0]
     except RankFailure as exc:
-        print(f"tpfuse profile: {spec.tp} rank(s) failed: {describe_failure(exc)}", file=sys.stderr)
-        return EXIT_NEGATIVE
+        raise CommandError(f"{spec.tp} rank(s) failed: {describe_failure(exc)}") from None
     except RuntimeError as exc:
-        raise UsageError(str(exc)) from None
+        raise UsageError(user_message(exc)) from None
     if args.plot:
         from tpfuse.e2e.profile import plot_stages
 
         result["plot"] = plot_stages(result, args.plot)
-    if args.trace:
-        result["trace"] = args.trace
+    if traces:
+        result["trace"] = list(traces.values())
     if args.results:
         from tpfuse.e2e.profile import profile_rows
-        from tpfuse.results import append_rows, results_file
+        from tpfuse.results import append_rows
 
         path = append_rows(results_file(args.results, "profile.jsonl"), profile_rows(spec, result))
         result["results_file"] = str(path.resolve())
@@ -124,7 +127,9 @@ def _print(result: dict) -> None:
         console.print(table)
         console.print(f"allreduces per step: {sum(mode['allreduces_per_step'].values())} "
                       f"(expected {2 * cfg['num_layers']}: 2 per layer)")
-    for key in ("trace", "plot", "results_file"):
+    for trace in result.get("trace") or []:
+        console.print(f"trace: {trace}", highlight=False, soft_wrap=True)
+    for key in ("plot", "results_file"):
         if result.get(key):
             console.print(f"{key.replace('_', ' ')}: {result[key]}", highlight=False, soft_wrap=True)
     if not result.get("results_file"):

@@ -18,11 +18,16 @@ into one line per distinct error, naming the ranks; the full tracebacks go to th
 
 from __future__ import annotations
 
+import glob
 import logging
+import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+from tpfuse.cli.exits import UsageError
 
 log = logging.getLogger("tpfuse.cli")
 
@@ -48,7 +53,20 @@ class Ranks:
         return self.backend == "gloo" and self.device == "cuda"
 
 
+def no_gpu_visible() -> bool:
+    """True when torch could see no CUDA GPU here, known without importing it: CUDA_VISIBLE_DEVICES
+    hides every GPU, or the host has neither an NVIDIA driver's devices nor ROCm's (`/dev/kfd`)."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
+        return True
+    nvidia = Path("/proc/driver/nvidia/gpus")
+    return not (nvidia.is_dir() and any(nvidia.iterdir())) and not glob.glob("/dev/nvidia[0-9]*") \
+        and not os.path.exists("/dev/kfd")
+
+
 def visible_gpus() -> int:
+    """The CUDA GPUs torch sees (0 without importing torch when `no_gpu_visible`)."""
+    if no_gpu_visible():
+        return 0
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -59,18 +77,20 @@ def resolve_ranks(world_size: int | None, device: str = "auto", *, shared_gpu: b
     """The ranks asked for by the rank flags (module doc), or UsageError naming the fix.
 
     `world_size` None takes `default_world_size`, or when that is None too the GPU count if 2 or
-    more, else 2. `num_gpus`: the GPUs to plan for (default: what torch sees here)."""
-    from tpfuse.cli.main import UsageError
-
+    more, else 2. `num_gpus`: the GPUs to plan for (default: what torch sees here; torch is not
+    imported when the flags alone decide, or when no GPU can be visible here)."""
     if device not in ("auto", "cpu", "cuda"):
         raise UsageError(f"--device {device!r} is not a device; use auto, cpu or cuda")
-    num_gpus = visible_gpus() if num_gpus is None else num_gpus
+    if shared_gpu and device == "cpu":
+        raise UsageError("--shared-gpu needs --device cuda (or auto on a GPU machine)")
+    if num_gpus is None:
+        needed = device != "cpu" or (world_size is None and default_world_size is None)
+        num_gpus = visible_gpus() if needed else 0
     resolved = device if device != "auto" else ("cuda" if num_gpus else "cpu")
     if resolved == "cuda" and not num_gpus:
         raise UsageError("--device cuda but torch sees no CUDA GPU; use --device cpu")
     if shared_gpu and resolved == "cpu":
-        raise UsageError("--shared-gpu needs --device cuda (or auto on a GPU machine)" if device == "cpu" else
-                         "--shared-gpu needs a CUDA GPU and torch sees none; drop --shared-gpu to run on CPU")
+        raise UsageError("--shared-gpu needs a CUDA GPU and torch sees none; drop --shared-gpu to run on CPU")
     if world_size is None:
         world_size = default_world_size if default_world_size is not None else (num_gpus if num_gpus >= 2 else 2)
     if resolved == "cpu":

@@ -7,15 +7,12 @@ errors, among them a --strategy that is admitted for none of the cases here (sai
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 
-from tpfuse.cli.args import add_rank_args, check_rank_args, deprecated_alias, ranks_of
-from tpfuse.cli.main import EXIT_NEGATIVE, EXIT_OK, UsageError, dumps_json
+from tpfuse.cli.args import add_rank_args, check_rank_args, ranks_of
+from tpfuse.cli.exits import EXIT_NEGATIVE, EXIT_OK, CommandError, UsageError, dumps_json
 
 DEFAULT_WORLD_SIZE = 2  # the smallest group with a real collective
-# The former --backend flag, as the --device it meant.
-_BACKEND_AS_DEVICE = {"auto": "auto", "gloo": "cpu", "nccl": "cuda"}
 
 
 def add_parser(sub) -> None:
@@ -27,8 +24,6 @@ def add_parser(sub) -> None:
         "model hidden sizes (relative error against a float64 reference), and prints a table.",
     )
     add_rank_args(p, default_world_size=DEFAULT_WORLD_SIZE, default_timeout_s=300.0)
-    p.add_argument("--backend", dest="device", choices=tuple(_BACKEND_AS_DEVICE), help=argparse.SUPPRESS,
-                   action=deprecated_alias("--device", _BACKEND_AS_DEVICE.get))
     p.add_argument("--strategy", action="append", help="only this strategy (repeatable)")
     p.add_argument("--tokens", dest="num_tokens", metavar="TOKENS", type=int, default=4,
                    help="tokens of the random model-shape cases (default 4)")
@@ -40,39 +35,40 @@ def add_parser(sub) -> None:
 def _check_args(args: argparse.Namespace) -> None:
     """Every check that needs no torch, before anything heavy is imported."""
     from tpfuse.cli.preflight import check_positive
-    from tpfuse.strategies import canonical_name, strategy_names
+    from tpfuse.strategies import strategy_names
 
     check_rank_args(args)
     check_positive(tokens=args.num_tokens, repeats=args.repeats)
-    args.strategy = [canonical_name(n) for n in args.strategy] if args.strategy else args.strategy
     for name in args.strategy or []:
         if name not in strategy_names():
             raise UsageError(f"unknown strategy {name!r}; registered: {', '.join(strategy_names())}")
 
 
 def run(args: argparse.Namespace) -> int:
-    _check_args(args)
-    from tpfuse.cli.preflight import reject_not_admitted
-    from tpfuse.cli.ranks import describe_failure, run_cli_ranks
-    from tpfuse.selftest import default_cases, merge_ranks, rank_main
+    from tpfuse.cli.preflight import check_bytes, check_rank_memory, reject_not_admitted
+    from tpfuse.selftest import default_cases, largest_case
 
+    _check_args(args)
     ranks = ranks_of(args, default_world_size=DEFAULT_WORLD_SIZE)
-    cases = default_cases(num_tokens=args.num_tokens)
+    check_rank_memory(check_bytes(*largest_case(args.num_tokens)), world_size=ranks.world_size, device=ranks.device,
+                      shared_gpu=ranks.shared_gpu, what=f"--tokens {args.num_tokens}",
+                      fix="pass fewer --tokens (default 4) or a smaller --world-size")
     if args.strategy:
-        problems = [(c.op, c.num_tokens, c.hidden, c.dtype, c.has_residual) for c in cases]
-        reject_not_admitted(args.strategy, problems, world_size=ranks.world_size, backend=ranks.backend,
-                            device=ranks.device)
+        reject_not_admitted(args.strategy, lambda: [(c.op, c.num_tokens, c.hidden, c.dtype, c.has_residual)
+                                                    for c in default_cases(num_tokens=args.num_tokens)],
+                            world_size=ranks.world_size, backend=ranks.backend, device=ranks.device)
+    from tpfuse.cli.ranks import describe_failure, run_cli_ranks
+    from tpfuse.selftest import merge_ranks, rank_main
     from tpfuse.spawn import RankFailure
 
+    cases = default_cases(num_tokens=args.num_tokens)
     started = time.perf_counter()
     env = {"TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES": "1"} if ranks.shared_gpu else {}
     try:
         per_rank = run_cli_ranks(rank_main, ranks.world_size, backend=ranks.backend, timeout_s=args.timeout,
-                         args=(cases, args.repeats, ranks.device, args.strategy, not args.json), env=env)
+                                 args=(cases, args.repeats, ranks.device, args.strategy, not args.json), env=env)
     except RankFailure as exc:
-        print(f"tpfuse selftest: {ranks.world_size} {ranks.backend} rank(s) failed: {describe_failure(exc)}",
-              file=sys.stderr)
-        return EXIT_NEGATIVE
+        raise CommandError(f"{ranks.world_size} {ranks.backend} rank(s) failed: {describe_failure(exc)}") from None
     skipped, rows = merge_ranks(per_rank)
     elapsed = time.perf_counter() - started
     ok = bool(rows) and all(r.passed for r in rows)

@@ -22,7 +22,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--strategy", required=True, help="the strategy under test")
     p.add_argument("--baseline", default=None, help="strategy to compare against (default: the best unfused path)")
     add_shape_args(p, default_max_tokens=64)
-    p.add_argument("--op", choices=("all_reduce_residual_rmsnorm", "all_reduce"), default="all_reduce_residual_rmsnorm")
+    p.add_argument("--op", choices=("all_reduce_residual_rmsnorm", "all_reduce"), default="all_reduce_residual_rmsnorm",
+                   help="the op to A/B: the fused allreduce + residual + RMSNorm (default) or the plain allreduce")
     p.add_argument("--margin", type=float, default=0.03,
                    help="REVERT when slower than the baseline by more than this fraction plus the noise (default 0.03)")
     p.add_argument("--rounds", type=int, default=30, help="interleaved A/B/B rounds per bucket")
@@ -47,19 +48,21 @@ def _verify_rank(rank, world_size, strategy, baseline, sizes, buckets, dtype, op
 def run(args) -> int:
     import time
 
-    from tpfuse.cli.main import EXIT_NEGATIVE, EXIT_OK, UsageError, dumps_json
-    from tpfuse.cli.preflight import reject_not_admitted
+    from tpfuse.cli.exits import EXIT_NEGATIVE, EXIT_OK, UsageError, dumps_json
+    from tpfuse.cli.preflight import check_bytes, check_rank_memory, cuda_only_on_cpu, reject_not_admitted
     from tpfuse.cli.ranks import describe_failure, run_cli_ranks
     from tpfuse.dispatch.table import token_buckets
-    from tpfuse.strategies import canonical_name, strategy_names
+    from tpfuse.strategies import strategy_names
 
-    sizes = hiddens(args, "verify")
+    sizes = hiddens(args, f"tpfuse verify --strategy {args.strategy} --preset glm5")
     check_rank_args(args)
     known = strategy_names()
-    args.strategy, args.baseline = (canonical_name(n) if n else n for n in (args.strategy, args.baseline))
     for name in (args.strategy, args.baseline):
         if name is not None and name not in known:
             raise UsageError(f"unknown strategy {name!r}; registered: {', '.join(known)}")
+    if args.baseline == args.strategy:
+        raise UsageError(f"--baseline {args.baseline} is the strategy under test: an A/B of a strategy against "
+                         "itself decides nothing; drop --baseline to compare against the best unfused path")
     if not 0 <= args.margin < 1:
         raise UsageError(f"--margin is a fraction in [0, 1), e.g. 0.03; got {args.margin}")
     if args.rounds < 2:
@@ -74,11 +77,14 @@ def run(args) -> int:
     buckets = tuple(token_buckets(args.max_tokens))
     ranks = ranks_of(args)
     world_size, backend, device = ranks.world_size, ranks.backend, ranks.device
+    check_rank_memory(check_bytes(args.max_tokens, max(sizes)), world_size=world_size, device=device,
+                      shared_gpu=ranks.shared_gpu, what=f"--max-tokens {args.max_tokens} at hidden {max(sizes)}",
+                      fix="pass a smaller --max-tokens (default 64), a smaller hidden size or fewer --world-size ranks")
     problems = [(args.op, t, h, args.dtype, args.op == "all_reduce_residual_rmsnorm") for h in sizes for t in buckets]
-    reject_not_admitted([args.strategy], problems, world_size=world_size, backend=backend, device=device)
-    if args.baseline is not None:
-        reject_not_admitted([args.baseline], problems, world_size=world_size, backend=backend, device=device,
-                            flag="--baseline")
+    named = [(args.strategy, "--strategy"), *([(args.baseline, "--baseline")] if args.baseline else [])]
+    named.sort(key=lambda item: not cuda_only_on_cpu([item[0]], device))  # what is refused without torch first
+    for name, flag in named:
+        reject_not_admitted([name], problems, world_size=world_size, backend=backend, device=device, flag=flag)
     from tpfuse.spawn import RankFailure
 
     started = time.perf_counter()

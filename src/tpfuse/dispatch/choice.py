@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tpfuse.spec import Problem, Verdict
+from tpfuse.strategies import get_strategy
 
 if TYPE_CHECKING:
     from tpfuse.dispatch.table import DispatchTable, Entry
@@ -33,7 +34,6 @@ CONSERVATIVE_DEFAULT = ("nccl_epilogue", "reference")
 def is_fused(name: str) -> bool:
     """True when the strategy runs collective and epilogue in one kernel (the guard's subject);
     False for an unregistered name or one whose module cannot be imported here."""
-    from tpfuse.strategies import get_strategy
 
     try:
         return bool(get_strategy(name).fused)

@@ -1,12 +1,11 @@
-"""Typed validation of a dispatch table's JSON (schemas 1 and 2), before any of its fields is used.
+"""Typed validation of a dispatch table's JSON (schema 2), before any of its fields is used.
 
 `check_table(raw)` raises ValueError naming the first bad field by its JSON path, e.g.
 "entries[2].tokens: expected an integer >= 1, got '8' (str)". A file that parses as JSON but
 holds a wrong-typed or out-of-range field (even with a recomputed digest) is thereby refused at
 load, with the reason, instead of loading and raising on the first call that looks it up. The
 accepted shape is exactly what `DispatchTable.to_json` writes; unknown fields are refused too
-(a reader cannot know what they mean). Schema 2 entries carry `guarded` (a boolean); schema 1
-entries do not, and the loader derives it (`tpfuse.dispatch.table`). Plain data: no torch.
+(a reader cannot know what they mean). Plain data: no torch.
 """
 
 from __future__ import annotations
@@ -20,8 +19,9 @@ TOP_FIELDS = ("kind", "schema", "created", "versions", "fingerprint", "fingerpri
               "entries", "digest")
 ENTRY_FIELDS = ("op", "dtype", "hidden", "tokens", "choice", "reason", "best_unfused", "times_us",
                 "confirmed_us", "rejected", "guarded")
-# The entry fields of each schema this reader accepts: schema 1 had no `guarded`.
-ENTRY_FIELDS_OF = {1: ENTRY_FIELDS[:-1], 2: ENTRY_FIELDS}
+# The one schema written and read; it changes whenever a reader of the old format would misread
+# the new one (`tpfuse.dispatch.table` says how the file is laid out).
+SCHEMA_VERSION = 2
 VERSION_FIELDS = ("tpfuse", "torch", "driver", "cuda")
 STAT_FIELDS = ("median", "p20", "p80", "n")
 _HEX64 = re.compile(r"[0-9a-f]{64}")
@@ -77,8 +77,8 @@ def _times(path: str, value) -> None:
         _int(f"{path}.{name}.n", stats["n"], 0)
 
 
-def _entry(path: str, value, schema: int) -> tuple:
-    e = _object(path, value, required=ENTRY_FIELDS_OF[schema])
+def _entry(path: str, value) -> tuple:
+    e = _object(path, value, required=ENTRY_FIELDS)
     if e["op"] not in _OPS:
         raise _bad(f"{path}.op", f"one of {', '.join(_OPS)}", e["op"])
     _str(f"{path}.dtype", e["dtype"], nonempty=True)
@@ -92,7 +92,7 @@ def _entry(path: str, value, schema: int) -> tuple:
     _times(f"{path}.confirmed_us", e["confirmed_us"])
     for name, why in _object(f"{path}.rejected", e["rejected"], any_keys=True).items():
         _str(f"{path}.rejected.{name}", why)
-    if "guarded" in e and not isinstance(e["guarded"], bool):
+    if not isinstance(e["guarded"], bool):
         raise _bad(f"{path}.guarded", "true or false", e["guarded"])
     return e["op"], e["dtype"], e["hidden"], e["tokens"]
 
@@ -101,8 +101,8 @@ def check_table(raw) -> None:
     """Raise ValueError naming the first field of `raw` (parsed JSON) that its schema does not allow."""
     top = _object("table", raw, required=TOP_FIELDS)
     _int("schema", top["schema"], 1)
-    if top["schema"] not in ENTRY_FIELDS_OF:
-        raise _bad("schema", f"one of {', '.join(map(str, ENTRY_FIELDS_OF))}", top["schema"])
+    if top["schema"] != SCHEMA_VERSION:
+        raise _bad("schema", str(SCHEMA_VERSION), top["schema"])
     _str("created", top["created"])
     versions = _object("versions", top["versions"], required=VERSION_FIELDS[:3], optional=VERSION_FIELDS[3:])
     for key, value in versions.items():
@@ -119,7 +119,7 @@ def check_table(raw) -> None:
         raise _bad("entries", "a list", top["entries"])
     seen: dict[tuple, int] = {}
     for i, entry in enumerate(top["entries"]):
-        key = _entry(f"entries[{i}]", entry, top["schema"])
+        key = _entry(f"entries[{i}]", entry)
         if key in seen:
             raise ValueError(f"entries[{i}]: the same bucket {key} as entries[{seen[key]}]")
         seen[key] = i

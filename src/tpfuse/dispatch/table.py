@@ -1,7 +1,6 @@
 """The dispatch table: what `tpfuse tune` measured and chose, persisted as JSON.
 
-File format (schema 2; `SCHEMA_VERSION` changes whenever a reader of the old format would
-misread the new one):
+File format (schema 2, `tpfuse.dispatch.schema.SCHEMA_VERSION`):
 
     {"kind": "tpfuse-dispatch-table", "schema": 2, "created": ISO-8601 UTC,
      "versions": {"tpfuse", "torch", "driver", "cuda"},
@@ -15,11 +14,8 @@ misread the new one):
                   "confirmed_us": {strategy: {...}}, "rejected": {strategy: reason}, "guarded"}],
      "digest": sha256 of the canonical JSON of everything above}
 
-Schema notes. 2 added the entry field `guarded` (true when a fused candidate reached the bucket's
-decision, so the do-no-harm guard weighed it; readers used to find these entries by matching
-words in `reason`). Schema 1 files still load: the digest is checked over the file as written,
-then `guarded` is derived once from the reason, by the rule that matching used, and the table is
-held as schema 2 (a merge-and-save writes it as schema 2).
+`guarded` is true when a fused candidate reached the bucket's decision, so the do-no-harm guard
+weighed it. A table of any other schema is stale: it is reported and ignored, never converted.
 
 One file per fingerprint, `<cache dir>/dispatch-<fingerprint digest[:16]>.json`, cache dir from
 `tpfuse.env.cache_dir()` (TPFUSE_CACHE_DIR, else the XDG cache). `load` never raises on a bad
@@ -27,30 +23,29 @@ file: it returns (None, why) for a missing, unreadable (not a regular file, over
 corrupt (not UTF-8, not JSON, a field of the wrong type or range per `tpfuse.dispatch.schema`,
 digest mismatch), stale (unreadable schema or other tpfuse/torch/driver versions) or foreign (other
 fingerprint) table, so that the Communicator can warn and fall back. Writing: `check_writable`
-before measuring, `merged_with_saved` (a run's buckets into the table already saved), `save`
-atomically (temp file, fsync, rename; it also removes the temp files of saves killed mid-write);
-the writers raise `CacheDirError` with the fix. Plain data: importing this imports no torch.
+before measuring, `save_merged` (a run's buckets into the table already saved, under a lock, a
+file it cannot merge kept aside), `save` atomically (temp file, fsync, rename; it also removes the
+temp files of saves killed mid-write); the writers raise `CacheDirError` with the fix. Plain data:
+importing this imports no torch.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
 import errno
+import fcntl
 import hashlib
 import json
 import os
 import secrets
 import stat
 import tempfile
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tpfuse import env
-from tpfuse.dispatch.schema import check_table
+from tpfuse.dispatch.schema import SCHEMA_VERSION, check_table
 
-SCHEMA_VERSION = 2
-# Schemas `parse` reads: the current one, and 1 (no `guarded`; derived at load).
-READABLE_SCHEMAS = (1, 2)
 KIND = "tpfuse-dispatch-table"
 # Default do-no-harm margin: a fused strategy must beat the best unfused one by 3% (a chosen
 # default; larger than the run-to-run spread of the interleaved medians seen in CPU tests).
@@ -188,14 +183,40 @@ class DispatchTable:
         return DispatchTable(other.versions, other.fingerprint, kept + other.entries, other.settings, other.created, other.schema)
 
 
-def merged_with_saved(measured: DispatchTable, path: str | Path, versions: dict, *, fresh: bool = False) -> DispatchTable:
-    """The table to save at `path` after a tuning run: `measured` merged into the current table
-    already there (its buckets replace same-key ones, the others are kept), or `measured` alone when
-    `fresh` or when `path` holds no current table for this fingerprint and these versions."""
-    if fresh:
-        return measured
-    old, _ = load(path, measured.fingerprint, versions)
-    return old.merged(measured) if old is not None else measured
+@dataclass(frozen=True)
+class Saved:
+    """What `save_merged` wrote: the table now at `path`, and where a file it could not merge went."""
+
+    table: DispatchTable
+    path: Path
+    kept: Path | None = None  # the unreadable or foreign file found at `path`, renamed aside
+    kept_why: str = ""  # why it could not be merged (load's reason)
+
+
+def save_merged(measured: DispatchTable, path: str | Path, *, fresh: bool = False) -> Saved:
+    """Save a tuning run's table at `path`: `measured` merged into the current table already there
+    (its buckets replace same-key ones, the others are kept), or `measured` alone when `fresh`.
+
+    Under an exclusive lock on a lock file beside `path`, and re-reading the table inside it, so
+    that concurrent tunes of one machine never lose each other's buckets. A file at `path` that is
+    not a current table for this fingerprint and `measured.versions` (corrupt, another schema,
+    other versions or fingerprint) is never overwritten: it is renamed aside first
+    (`<name>.kept-<UTC time>`, in `Saved.kept`). CacheDirError if the directory is not writable."""
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path.with_name(f".{path.name}.lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or when the process dies
+            old, why = load(path, measured.fingerprint, measured.versions)
+            kept = None
+            if old is None and os.path.lexists(path):
+                kept = path.with_name(f"{path.name}.kept-{_dt.datetime.now(_dt.timezone.utc):%Y%m%dT%H%M%S.%fZ}")
+                os.replace(path, kept)
+            table = measured if fresh or old is None else old.merged(measured)
+            save(table, path)
+    except OSError as exc:
+        raise _cannot_write(path.parent, exc) from None
+    return Saved(table, path, kept, why if kept else "")
 
 
 def now_iso() -> str:
@@ -295,51 +316,22 @@ def parse(text: str | bytes) -> DispatchTable:
     if not isinstance(raw, dict) or raw.get("kind") != KIND:
         raise ValueError(f"not a tpfuse dispatch table (kind is not {KIND!r})")
     schema = raw.get("schema")
-    if isinstance(schema, int) and not isinstance(schema, bool) and schema not in READABLE_SCHEMAS:
-        raise StaleTableError(f"stale: schema {schema}, this tpfuse reads schema "
-                              f"{' and '.join(map(str, READABLE_SCHEMAS))}")
+    if isinstance(schema, int) and not isinstance(schema, bool) and schema != SCHEMA_VERSION:
+        raise StaleTableError(f"stale: schema {schema}, this tpfuse reads schema {SCHEMA_VERSION}")
     try:
         check_table(raw)
     except ValueError as exc:
         raise ValueError(f"malformed field: {exc}") from None
-    # The digest covers the file as written (for schema 1, entries without `guarded`).
     written = {k: v for k, v in raw.items() if k != "digest"}
     if canonical_digest(written) != raw["digest"] or raw["fingerprint_digest"] != canonical_digest(raw["fingerprint"]):
         raise ValueError("digest mismatch (the file was edited or truncated after it was written)")
-    entries = tuple(Entry(**_as_schema_2(e, raw["schema"])) for e in raw["entries"])
-    table = DispatchTable(raw["versions"], raw["fingerprint"], entries, raw["settings"], raw["created"], SCHEMA_VERSION)
-    return _current_names(table)
-
-
-def _as_schema_2(entry: dict, schema: int) -> dict:
-    """A schema-1 entry with `guarded` derived from its reason, as readers of schema 1 found guarded
-    entries: the tuner's reasons name "fused" exactly when a fused candidate was weighed ("fused X
-    beats unfused Y", "kept unfused Y: fused X ...", "no unfused strategy passed"), except "no fused
-    candidate"."""
-    if schema != 1:
-        return entry
-    reason = entry["reason"]
-    return {**entry, "guarded": "fused" in reason and "no fused candidate" not in reason}
-
-
-def _current_names(table: DispatchTable) -> DispatchTable:
-    """`table` with every former strategy name (`tpfuse.strategies.RENAMED`) replaced by its
-    current one, after the digest was checked over the names as written. The schema is unchanged
-    by a rename: the names are data, and a reader maps the old ones."""
-    from tpfuse.strategies import canonical_name
-
-    def rename(entry: Entry) -> Entry:
-        keyed = {k: {canonical_name(n): v for n, v in getattr(entry, k).items()}
-                 for k in ("times_us", "confirmed_us", "rejected")}
-        unfused = canonical_name(entry.best_unfused) if entry.best_unfused else entry.best_unfused
-        return replace(entry, choice=canonical_name(entry.choice), best_unfused=unfused, **keyed)
-
-    return replace(table, entries=tuple(rename(e) for e in table.entries))
+    entries = tuple(Entry(**e) for e in raw["entries"])
+    return DispatchTable(raw["versions"], raw["fingerprint"], entries, raw["settings"], raw["created"], raw["schema"])
 
 
 def check_current(table: DispatchTable, fingerprint_dict: dict, versions: dict) -> str:
     """"" when `table` applies here, else why not (stale or foreign)."""
-    if table.schema != SCHEMA_VERSION:  # `parse` holds every table it reads as the current schema
+    if table.schema != SCHEMA_VERSION:  # `parse` reads only the current schema; a table built in memory may differ
         return f"stale: schema {table.schema}, this tpfuse reads schema {SCHEMA_VERSION}"
     for key in ("tpfuse", "torch", "driver"):
         if table.versions.get(key) != versions.get(key):

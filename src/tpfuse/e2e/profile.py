@@ -28,6 +28,7 @@ import re
 import sys
 import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 STAGES = ("attention", "moe_gemm", "other_gemm", "communication", "norm", "other")
 STAGE_TITLES = {"attention": "attention", "moe_gemm": "MoE GEMMs", "other_gemm": "other GEMMs",
@@ -167,11 +168,23 @@ def quiet_profiler_log():
                 sys.stderr.flush()
 
 
-def profile_rank(rank: int, world_size: int, spec, batch: int, steps: int, trace_path: str | None,
+def trace_paths(path: str, fusion: tuple[bool, ...]) -> dict[bool, str]:
+    """Where `--trace PATH` writes each fusion mode's Chrome trace: PATH itself for one mode, else
+    `<stem>.fusion-on<suffix>` and `<stem>.fusion-off<suffix>` beside it (suffix .json if none)."""
+    if len(fusion) == 1:
+        return {fusion[0]: path}
+    p = Path(path)
+    stem, suffix = (p.stem, p.suffix) if p.suffix else (p.name, ".json")
+    return {f: str(p.with_name(f"{stem}.fusion-{'on' if f else 'off'}{suffix}")) for f in fusion}
+
+
+def profile_rank(rank: int, world_size: int, spec, batch: int, steps: int, traces: dict[bool, str] | None,
                  keep_records: bool = False) -> dict:
     """Collective: build the model, prefill, warm up, then profile `steps` eager decode steps per fusion mode.
 
-    `keep_records=True` also returns every attributed Record (for tests of the attribution)."""
+    `traces` (fusion mode -> path, `trace_paths`): rank 0 writes each mode's Chrome trace there,
+    and raises if the file did not appear. `keep_records=True` also returns every attributed
+    Record (for tests of the attribution)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -197,9 +210,10 @@ def profile_rank(rank: int, world_size: int, spec, batch: int, steps: int, trace
                     step()
                 if device.type == "cuda":
                     torch.cuda.synchronize()
-            if trace_path and rank == 0:
-                prof.export_chrome_trace(trace_path.replace(".json", f".fusion-{'on' if fusion else 'off'}.json")
-                                         if len(spec.fusion) > 1 else trace_path)
+            if traces and rank == 0:
+                prof.export_chrome_trace(traces[fusion])
+                if not os.path.isfile(traces[fusion]) or not os.path.getsize(traces[fusion]):
+                    raise RuntimeError(f"profile: the Chrome trace was not written to {traces[fusion]}")
             records = records_from_profiler(prof, device_type=device.type)
             stages = attribute(records, steps=steps)
             est = stage_bytes(model.cfg, batch=batch, context=spec.context, world_size=world_size,
@@ -223,7 +237,8 @@ def profile_rank(rank: int, world_size: int, spec, batch: int, steps: int, trace
 
 
 def plot_stages(result: dict, path: str) -> str:
-    """A PNG bar chart of time per step by stage, one bar per fusion mode (needs matplotlib: tpfuse[plot])."""
+    """A PNG bar chart of time per step by stage, one bar per fusion mode (needs matplotlib:
+    `pip install 'tpfuse[plot]'`)."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -12,10 +12,13 @@ from tpfuse import env
 
 # engine -> (distribution, entry-point group, the versions the plugin was written against, what it does)
 ENGINES = {
-    "sglang": ("sglang", "sglang.srt.plugins", ">= 0.5.23 (plugin hooks); 0.5.10 via `python -m tpfuse.integrations.sglang_legacy`",
-               "replaces the fused allreduce + residual + RMSNorm op, its gate and workspaces with tpfuse's Communicator"),
+    "sglang": ("sglang", "sglang.srt.plugins",
+               ">= 0.5.23 (plugin hooks); 0.5.10 via `python -m tpfuse.integrations.sglang_legacy`",
+               "replaces the fused allreduce + residual + RMSNorm op, its gate and workspaces with tpfuse's "
+               "Communicator"),
     "vllm": ("vllm", "vllm.general_plugins", "0.33",
-             "adds a post-grad pass rewriting all_reduce + (fused_add_)rms_norm to tpfuse where vLLM's own fusion is off"),
+             "adds a post-grad pass rewriting all_reduce + (fused_add_)rms_norm to tpfuse where vLLM's own fusion "
+             "is off, and keys vLLM's compile cache on tpfuse"),
 }
 _FILTER_VARS = {"sglang": "SGLANG_PLUGINS", "vllm": "VLLM_PLUGINS"}
 
@@ -32,6 +35,22 @@ def _entry_point(group: str) -> str | None:
         if ep.name == "tpfuse":
             return ep.value
     return None
+
+
+def start_up() -> str:
+    """What an enabled plugin does at the engine's warm-up here: calibrate or not, and the tables saved."""
+    directory = env.cache_dir()
+    tables = sorted(directory.glob("dispatch-*.json")) if directory.is_dir() else []
+    saved = f"{len(tables)} dispatch table(s) in {directory}"
+    try:
+        budget = env.calibrate_budget_s()
+    except ValueError as exc:
+        return f"stands down: {exc}"
+    if budget is None:
+        return (f"does not calibrate (TPFUSE_CALIBRATE=0): the conservative default serves sizes the table lacks "
+                f"({saved})")
+    return (f"calibrates the captured batch sizes the dispatch table lacks, within {budget:g} s, and saves them "
+            f"({saved})")
 
 
 def engine_rows(environ=None) -> list[dict]:
@@ -60,9 +79,10 @@ def engine_rows(environ=None) -> list[dict]:
         elif filtered:
             would = f"nothing: {_FILTER_VARS[engine]}={allowed!r} does not list tpfuse"
         else:
-            would = f"it {action}"
+            would = f"it {action}; at start-up it {start_up()}"
+        on = engine in enabled and not filtered and entry is not None and version is not None
         rows.append({"engine": engine, "installed": version, "supported": versions, "entry_point": entry,
-                     "enabled": engine in enabled and not filtered and entry is not None and version is not None, "would": would})
+                     "enabled": on, "would": would})
     return rows
 
 

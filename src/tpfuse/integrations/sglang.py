@@ -21,6 +21,8 @@ each falls through to sglang's own code whenever tpfuse stands down):
 
 from __future__ import annotations
 
+import logging
+
 from tpfuse.integrations import runtime
 
 ENGINE = "sglang"
@@ -29,7 +31,8 @@ GATE = "sglang.srt.layers.layer_boundary.residual.add_norm.flashinfer_ar_fusion_
 OP = f"{_FC}.flashinfer_allreduce_residual_rmsnorm"
 PREINIT = f"{_FC}.pre_initialize_workspaces"
 CLEANUP = f"{_FC}.cleanup_flashinfer_workspace"
-RUNNER_PREINIT = "sglang.srt.model_executor.runner.base_runner.BaseRunner._pre_initialize_flashinfer_allreduce_workspace"
+RUNNER_PREINIT = ("sglang.srt.model_executor.runner.base_runner.BaseRunner."
+                  "_pre_initialize_flashinfer_allreduce_workspace")
 TARGETS = (GATE, OP, PREINIT, CLEANUP, RUNNER_PREINIT)
 
 _registered = False
@@ -44,10 +47,12 @@ def plugin() -> None:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    for target, hook in ((GATE, _gate), (OP, _op), (PREINIT, _preinit), (CLEANUP, _cleanup), (RUNNER_PREINIT, _runner_preinit)):
+    hooks = ((GATE, _gate), (OP, _op), (PREINIT, _preinit), (CLEANUP, _cleanup), (RUNNER_PREINIT, _runner_preinit))
+    for target, hook in hooks:
         HookRegistry.register(target, hook, HookType.AROUND)
     _registered = True
-    runtime.log_once("sglang:on", "tpfuse: sglang hooks registered (fusion gate, fused op, workspace preparation, cleanup)")
+    runtime.log_once("sglang:on", "tpfuse: sglang hooks registered (fusion gate, fused op, workspace preparation, "
+                     "cleanup)")
 
 
 def stand_down_reason() -> str:
@@ -70,76 +75,120 @@ def fusion_group(use_attn_tp_group: bool) -> runtime.EngineGroup | None:
     from sglang.srt.layers.flashinfer_comm_fusion import resolve_fusion_group
 
     world_size, _, coordinator = resolve_fusion_group(use_attn_tp_group=use_attn_tp_group)
-    if world_size <= 1:
-        return None
-    device = "cuda" if str(getattr(coordinator, "device", "cpu")).startswith("cuda") else "cpu"
-    return runtime.EngineGroup(coordinator.unique_name, coordinator.device_group, coordinator.cpu_group, device)
+    return runtime.EngineGroup.of(coordinator) if world_size > 1 else None
 
 
-def _groups() -> list[runtime.EngineGroup]:
-    groups = {}
-    for attn in (True, False):
-        group = fusion_group(attn)
-        if group is not None:
-            groups.setdefault(group.name, group)
-    return list(groups.values())
+# The gate's and the op's static inputs, read once: "reason" (stand_down_reason), "names"
+# ({use_attn_tp_group: group name or None}, set at the warm-up), "limit" (the gate's token bound,
+# -1 when a group stood down). Cleared by the warm-up and the cleanup.
+_CACHE: dict = {}
 
 
-def _active() -> bool:
-    why = stand_down_reason()
-    if why:
-        runtime.log_once(f"sglang:down:{why}", f"tpfuse: stands down in sglang: {why}")
-    return not why
+def _reason() -> str:
+    why = _CACHE.get("reason")
+    if why is None:
+        why = _CACHE["reason"] = stand_down_reason()
+        if why:
+            runtime.log_once(f"sglang:down:{why}", f"tpfuse: stands down in sglang: {why}")
+    return why
+
+
+def _limit() -> int:
+    limit = _CACHE.get("limit")
+    if limit is None:
+        names = [n for n in _CACHE.get("names", {}).values() if n is not None]
+        if any(runtime.down_reason(n) for n in names):
+            limit = -1
+        else:
+            limit = runtime.prepared_tokens(names) if names else 0
+            if limit == 0:
+                runtime.log_once("sglang:unprepared", "tpfuse: sglang fusion off: the model runner's warm-up did not "
+                                 "prepare tpfuse (it runs on CUDA devices before graph capture)")
+        _CACHE["limit"] = limit
+    return limit
 
 
 def _gate(original, batch_size):
-    if not _active():
+    if _reason():
         return original(batch_size)
-    limit = runtime.prepared_tokens([g.name for g in _groups()])
-    if limit == 0:
-        runtime.log_once("sglang:unprepared", "tpfuse: sglang fusion off: the model runner's warm-up did not prepare tpfuse "
-                         "(it runs on CUDA devices before graph capture)")
-        return False
+    limit = _limit()
+    if limit < 0:
+        return original(batch_size)
     # Size checks last: under Dynamo they guard on the symbolic token dimension (as sglang's gate).
-    return batch_size > 0 and batch_size <= limit
+    return limit > 0 and batch_size > 0 and batch_size <= limit
 
 
 def _op(original, input_tensor, residual, weight, eps=1e-6, max_token_num=2048, use_oneshot=None,
         trigger_completion_at_end=False, fp32_acc=True, use_attn_tp_group=True):
-    if not _active():
+    names = _CACHE.get("names", {})
+    name = names.get(use_attn_tp_group)
+    if _reason() or (name is not None and runtime.down_reason(name)):
         return original(input_tensor, residual, weight, eps, max_token_num, use_oneshot,
                         trigger_completion_at_end, fp32_acc, use_attn_tp_group)
+    if name is None:
+        return None, None  # one rank, or no warm-up: sglang's caller runs its own path
+    why = runtime.unservable(name, input_tensor, residual, weight)
+    if why:
+        import torch
+
+        if not torch.compiler.is_compiling():  # the eager warm-up and prefill say it; a compiled call only declines
+            runtime.log_once(f"sglang:decline:{name}:{why}", f"tpfuse: sglang group {name}: calls that {why} run "
+                             "sglang's own allreduce + add + norm", level=logging.WARNING)
+        return None, None
+    return torch_op()(input_tensor, residual, weight, float(eps), name)
+
+
+def torch_op():
     import torch
 
-    group = fusion_group(use_attn_tp_group)
-    if group is None:
-        return None, None  # one rank: sglang's own answer, its caller then normalises locally
-    if not torch.compiler.is_compiling():
-        runtime.communicator(group)  # normally prepared in the warm-up; eager first use creates it
-    return torch.ops.tpfuse.engine_all_reduce_residual_rmsnorm(input_tensor, residual, weight, float(eps), group.name)
+    return torch.ops.tpfuse.engine_all_reduce_residual_rmsnorm
 
 
-def prepare_workspaces(max_token_num: int, hidden_dim: int, dtype) -> None:
-    """Collective over each fusion group: create and prepare its Communicator."""
-    for group in _groups():
-        runtime.prepare(ENGINE, group, hidden=hidden_dim, dtype=dtype, max_tokens=max_token_num)
+def captured_tokens(runner) -> tuple[int, ...]:
+    """The token counts the runner captures CUDA graphs for (its batch sizes times tokens per request)."""
+    width = getattr(runner, "captured_req_width", 1) or 1
+    return tuple(sorted({int(bs) * width for bs in getattr(runner, "capture_bs", None) or ()}))
+
+
+def prepare_workspaces(max_token_num: int, hidden_dim: int, dtype, buckets: tuple[int, ...] = ()) -> bool:
+    """Collective over each fusion group: set tpfuse up (`runtime.prepare`); True when tpfuse serves
+    every group, False when it stood down for one (sglang's own preparation should then run)."""
+    _CACHE.clear()
+    names: dict = {}
+    groups: dict = {}
+    for attn in (True, False):
+        group = fusion_group(attn)
+        names[attn] = group.name if group is not None else None
+        if group is not None:
+            groups.setdefault(group.name, group)
+    _CACHE["names"] = names
+    served = True
+    for group in groups.values():
+        served &= runtime.prepare(ENGINE, group, hidden=hidden_dim, dtype=dtype, max_tokens=max_token_num,
+                                  buckets=buckets)
+    _CACHE.pop("limit", None)
+    return served
 
 
 def _preinit(original, max_token_num, hidden_dim, dtype, use_oneshot=None):
-    if not _active():
+    _CACHE.clear()
+    if _reason() or not prepare_workspaces(max_token_num, hidden_dim, dtype):
         return original(max_token_num, hidden_dim, dtype, use_oneshot)
-    prepare_workspaces(max_token_num, hidden_dim, dtype)
 
 
 def _runner_preinit(original, runner):
-    if not _active():
+    _CACHE.clear()
+    if _reason():
         return original(runner)
     from sglang.srt.layers.layer_boundary.residual.add_norm import FUSE_ALLREDUCE_MAX_BATCH_SIZE
 
     mr = runner.model_runner
-    prepare_workspaces(FUSE_ALLREDUCE_MAX_BATCH_SIZE, mr.model_config.hidden_size, mr.dtype)
+    if not prepare_workspaces(FUSE_ALLREDUCE_MAX_BATCH_SIZE, mr.model_config.hidden_size, mr.dtype,
+                              captured_tokens(runner)):
+        return original(runner)
 
 
 def _cleanup(original):
     runtime.close_all()
+    _CACHE.clear()
     return original()

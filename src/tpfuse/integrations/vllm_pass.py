@@ -21,6 +21,7 @@ import torch
 from torch import fx
 from vllm.compilation.passes.vllm_inductor_pass import VllmInductorPass
 
+from tpfuse._version import __version__
 from tpfuse.integrations import runtime
 
 
@@ -44,7 +45,8 @@ def rewrite_allreduce_rmsnorm(graph: fx.Graph) -> int:
     for ar in list(graph.nodes):
         if ar.op != "call_function" or ar.target != all_reduce:
             continue
-        norms = [u for u in ar.users if u.op == "call_function" and u.target in fused_norms | plain_norms and u.args[0] is ar]
+        norms = [u for u in ar.users
+                 if u.op == "call_function" and u.target in fused_norms | plain_norms and u.args[0] is ar]
         if len(norms) != 1:
             continue
         norm = norms[0]
@@ -79,13 +81,18 @@ def rewrite_allreduce_rmsnorm(graph: fx.Graph) -> int:
 
 
 class TpfuseAllReduceNormPass(VllmInductorPass):
-    """Prepares the TP group's Communicator at construction; rewrites matched pairs when called."""
+    """Sets tpfuse up for the TP group at construction; rewrites matched pairs when called.
+
+    Construction runs on every rank before compilation and capture (the pass manager's configure,
+    also on a compile-cache hit): `runtime.prepare` for `max_num_batched_tokens` tokens of the
+    model's hidden size and dtype, calibrating vLLM's CUDA-graph capture sizes when the dispatch
+    table lacks them. The rewrite does not depend on how that went: a group tpfuse stood down for
+    is served by the op's fallback (vLLM's own allreduce and norm), so a cached graph is right
+    whatever a later start's set-up does."""
 
     def __init__(self, config) -> None:
         super().__init__(config)
         from vllm.distributed import parallel_state
-
-        from tpfuse.integrations.vllm import engine_group
 
         self.disabled = True
         self.matched_count = 0
@@ -93,17 +100,19 @@ class TpfuseAllReduceNormPass(VllmInductorPass):
         if tp.world_size <= 1:
             runtime.log_once("vllm:tp1", "tpfuse: vLLM pass off: tensor parallel size 1 has no allreduce")
             return
-        group = engine_group(tp)
         model = config.model_config
         if model is not None:
-            runtime.prepare("vllm", group, hidden=model.get_hidden_size(), dtype=model.dtype,
-                            max_tokens=config.scheduler_config.max_num_batched_tokens)
+            max_tokens = config.scheduler_config.max_num_batched_tokens
+            sizes = getattr(config.compilation_config, "cudagraph_capture_sizes", None) or ()
+            buckets = tuple(sorted({int(s) for s in sizes if 0 < s <= max_tokens}))
+            runtime.prepare("vllm", runtime.EngineGroup.of(tp), hidden=model.get_hidden_size(), dtype=model.dtype,
+                            max_tokens=max_tokens, buckets=buckets)
         else:
-            runtime.log_once("vllm:nomodel", "tpfuse: vLLM config has no model; the Communicator is created at the first eager call")
+            runtime.log_once("vllm:nomodel", "tpfuse: vLLM config has no model; the op's fallback (vLLM's own "
+                             "allreduce and norm) serves until a pass with a model prepares the group")
         self.disabled = False
 
     def uuid(self) -> str:
-        from tpfuse._version import __version__
 
         return self.hash_source(self, rewrite_allreduce_rmsnorm, __version__)
 

@@ -11,7 +11,7 @@ launcher's (the op itself returns plain contiguous tensors: DeepGEMM's column-ma
 (H/g, align4(M)) storage, an empty scale for fp8_static and an empty normed without with_normed).
 
 The collective op names its strategy instance by an integer `handle` (a custom op cannot take a
-Python object): `tpfuse.strategies.oneshot.PeerStrategy` registers itself at construction
+Python object): `tpfuse.strategies.peer.PeerStrategy` registers itself at construction
 (`strategy.handle`) and unregisters in close(). Both ops return fresh tensors and mutate nothing;
 their fake (meta) implementations give the output shapes to the compiler. Importing this module
 registers the ops (it imports torch, not Triton).

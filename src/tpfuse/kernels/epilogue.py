@@ -11,28 +11,37 @@ with the approximate rsqrt, for the same reason.
 
 Shapes: s, residual, normed, new_residual (M, H) contiguous; weight (H,). Any H up to 16384 (one
 program holds a whole row in registers: BLOCK_H = next power of two >= H, masked); bf16, fp16 and
-fp32. `residual_rmsnorm` is the validated launcher; `epilogue_row` is the per-row helper the fused
-collectives call. CUDA-graph safe: no host sync, no allocation except the outputs.
+fp32. `residual_rmsnorm` is the validated launcher, `launch_residual_rmsnorm` the same launch for
+callers that validated (strategies): one Triton launch pre-bound per shape
+(`tpfuse.kernels.launcher`), so a steady-state call costs the outputs' allocation and the launch.
+`epilogue_row` is the per-row helper the fused collectives call. CUDA-graph safe: no host sync,
+no allocation except the outputs.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from tpfuse.kernels.device import hardware_fp4, hardware_fp8, interpreting
+from tpfuse.kernels.launcher import PreboundLaunch, bind
 from tpfuse.kernels.protocol import MAX_HIDDEN  # one row in registers: 16384 fp32 over 16 warps = 32 a thread
-from tpfuse.kernels.quant import PAD_CHUNK, QuantBuffers, block_for, pad_programs, quantize_row, zero_scale_padding
+from tpfuse.kernels.quant import (
+    PAD_CHUNK,
+    QuantBuffers,
+    block_for,
+    load_param,
+    pad_programs,
+    quantize_chunk,
+    zero_scale_padding,
+)
+from tpfuse.quant import QuantOutput
+from tpfuse.validation import check_quant
 
 SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
-
-
-def interpreting() -> bool:
-    """True when kernels run in the Triton interpreter (no inline assembly there)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit
@@ -128,7 +137,7 @@ def residual_rmsnorm_quant_kernel(
     WITH_NORMED: tl.constexpr, KIND: tl.constexpr, GROUP: tl.constexpr, SWIZZLED: tl.constexpr,
     HAS_UB: tl.constexpr, HW_CVT: tl.constexpr,
 ):
-    """The epilogue with quantized output (`tpfuse.kernels.quant.quantize_row`); with swizzled
+    """The epilogue with quantized output (`tpfuse.kernels.quant.quantize_chunk` of whole rows); with swizzled
     NVFP4 scales the programs after the row programs zero the scales of the padding rows."""
     pid = tl.program_id(0)
     row_programs = (M + ROWS - 1) // ROWS
@@ -136,14 +145,15 @@ def residual_rmsnorm_quant_kernel(
         cols = tl.arange(0, BLOCK_H)
         cmask = cols < H
         w = load_weight(w_ptr, cols, cmask, True)
+        param = load_param(param_ptr, KIND)  # with the weight, off the rows' dependency chains
         for i in tl.static_range(ROWS):
             row = pid * ROWS + i
             s, mask = load_row(s_ptr, row, cols, cmask, M, H)
             y = normed_row(s, row, cols, mask, res_ptr, w, newres_ptr, H, eps, HAS_RES, SOFT_BF16)
             if WITH_NORMED:
                 tl.store(out_ptr + row.to(tl.int64) * H + cols, round_like(y, s, SOFT_BF16), mask=mask)
-            quantize_row(y, row, cols, cmask, M, H, q_ptr, q_row_stride, sc_ptr, s_row_stride, s_col_stride,
-                         param_ptr, scale_ub, KIND, GROUP, BLOCK_H, SWIZZLED, HAS_UB, HW_CVT)
+            quantize_chunk(y, row, 0, M, H, q_ptr, q_row_stride, sc_ptr, s_row_stride, s_col_stride, param, scale_ub,
+                           0, KIND, GROUP, BLOCK_H, SWIZZLED, HAS_UB, HW_CVT, False)
     elif SWIZZLED:
         zero_scale_padding(sc_ptr, M, H, pid - row_programs, BLOCK_H // 16, PAD_CHUNK)
 
@@ -182,81 +192,83 @@ def residual_rmsnorm(
     a `tpfuse.quant.QuantOutput` (out, scale, residual, normed) is returned instead."""
     _check(s, residual, weight)
     if quant is not None:
-        return _residual_rmsnorm_quant(s, residual, weight, eps, quant, config)
+
+        check_quant("residual_rmsnorm", quant, s.shape[1], device=s.device)
+    return launch_residual_rmsnorm(s, residual, weight, eps, out=out, config=config, quant=quant)
+
+
+# Launches per shape, pre-bound (tpfuse.kernels.launcher): (M, H, dtype, residual?, device, config
+# [, quantized-output variant]) -> PreboundLaunch. Bounded for memory, not tuned: a process that sees
+# every token count up to this many keeps them all; past it the cache starts again (each shape then
+# costs one ordinary Triton launch more).
+MAX_CACHED_SHAPES = 16384
+_LAUNCHES: dict[tuple, PreboundLaunch] = {}
+
+
+def launch_residual_rmsnorm(s, residual, weight, eps: float, *, out=None, config=None, quant=None):
+    """`residual_rmsnorm` for callers that have validated its arguments (as `residual_rmsnorm`
+    does: contiguous (M, H) `s` of a supported dtype, H <= MAX_HIDDEN, residual and weight to
+    match, `quant` a fitting QuantSpec): the outputs, then one launch pre-bound per shape."""
+    if quant is not None:
+        return _launch_quant(s, residual, weight, eps, quant, config)
     m, h = s.shape
     normed, new_res = out if out is not None else (torch.empty_like(s), torch.empty_like(s))
     if m == 0:
         return normed, new_res
+    args = (s, residual if residual is not None else s, weight, normed, new_res, m, h, float(eps))
+    key = (m, h, s.dtype, residual is not None, s.get_device(), config)
+    launch = _LAUNCHES.get(key)
+    if launch is not None:
+        launch(*args)
+        return normed, new_res
     block, warps, rows = config or launch_config(h, s.element_size(), m)
-    grid = (triton.cdiv(m, rows),)
-    residual_rmsnorm_kernel[grid](
-        s, residual if residual is not None else s, weight, normed, new_res, m, h, float(eps),
-        BLOCK_H=block, ROWS=rows, HAS_RES=residual is not None, SOFT_BF16=interpreting(), num_warps=warps,
-    )
+    meta = dict(BLOCK_H=block, ROWS=rows, HAS_RES=residual is not None, SOFT_BF16=interpreting(), num_warps=warps)
+    _remember(key, bind(residual_rmsnorm_kernel, (triton.cdiv(m, rows),), args, meta, launch=True))
     return normed, new_res
 
 
-def _residual_rmsnorm_quant(s, residual, weight, eps, quant, config):
-    from tpfuse.quant import QuantOutput
-    from tpfuse.validation import check_quant
+def _launch_quant(s, residual, weight, eps, quant, config):
 
     m, h = s.shape
-    check_quant("residual_rmsnorm", quant, h, device=s.device)
-    buf = QuantBuffers(quant, m, h, s.device, hardware_fp8(s.device), hardware_fp4(s.device))
+    key = (m, h, s.dtype, residual is not None, s.get_device(), config, quant.kind, quant.group, quant.layout,
+           quant.scale_ub is not None, quant.with_normed)
+    launch = _LAUNCHES.get(key)
+    buf = QuantBuffers(quant, m, h, s.device, *_hardware(key[4]))
     normed = torch.empty_like(s) if quant.with_normed else None
     new_res = torch.empty_like(s)
+    if m == 0:
+        return QuantOutput(buf.out, buf.scale, new_res, normed)
+    args = (s, residual if residual is not None else s, weight, normed if normed is not None else s, new_res,
+            m, h, float(eps), buf.codes, buf.codes.stride(0), buf.scales, *buf.s_strides, buf.param, buf.scale_ub)
+    if launch is not None:
+        launch(*args)
+        return QuantOutput(buf.out, buf.scale, new_res, normed)
     block, warps, rows = config or launch_config(h, s.element_size(), m)
     block = max(block, block_for(h, quant.kind))
-    if m:
-        grid = triton.cdiv(m, rows) + (pad_programs(m) if buf.swizzled else 0)
-        residual_rmsnorm_quant_kernel[(grid,)](
-            s, residual if residual is not None else s, weight, normed if normed is not None else s, new_res,
-            m, h, float(eps), buf.codes, buf.codes.stride(0), buf.scales, *buf.s_strides, buf.param,
-            buf.scale_ub, BLOCK_H=block, ROWS=rows, HAS_RES=residual is not None, SOFT_BF16=interpreting(),
-            WITH_NORMED=normed is not None, num_warps=warps, **_quant_constexprs(buf, block),
-        )
+    grid = triton.cdiv(m, rows) + (pad_programs(m) if buf.swizzled else 0)
+    meta = dict(BLOCK_H=block, ROWS=rows, HAS_RES=residual is not None, SOFT_BF16=interpreting(),
+                WITH_NORMED=normed is not None, num_warps=warps, **_quant_constexprs(buf, block))
+    _remember(key, bind(residual_rmsnorm_quant_kernel, (grid,), args, meta, launch=True))
     return QuantOutput(buf.out, buf.scale, new_res, normed)
+
+
+def _remember(key: tuple, launch: PreboundLaunch) -> None:
+    if len(_LAUNCHES) >= MAX_CACHED_SHAPES:
+        _LAUNCHES.clear()
+    _LAUNCHES[key] = launch
+
+
+@functools.cache
+def _hardware(index: int) -> tuple[bool, bool]:
+    """(hardware_fp8, hardware_fp4) of the device with this `Tensor.get_device()` index (-1: CPU)."""
+    device = torch.device("cuda", index) if index >= 0 else torch.device("cpu")
+    return hardware_fp8(device), hardware_fp4(device)
 
 
 def _quant_constexprs(buf, block: int) -> dict:
     kw = buf.constexprs(block)
     del kw["BLOCK"]
     return kw
-
-
-def hardware_fp8(device) -> bool:
-    """Whether kernels on `device` round to e4m3 with the hardware cvt (sm_89 and newer; never in
-    the interpreter, whose float8 cast does not round to nearest even). Same bits either way."""
-    device = torch.device(device)
-    if interpreting() or device.type != "cuda":
-        return False
-    return _capability_has_fp8_cvt(device.index if device.index is not None else torch.cuda.current_device())
-
-
-def hardware_fp4(device) -> bool:
-    """Whether kernels on `device` convert to e2m1 with the hardware cvt (compute capability 10.0
-    and newer, `tpfuse.quant.FP4_CVT_MIN_CAPABILITY`). Same bits either way."""
-    device = torch.device(device)
-    if interpreting() or device.type != "cuda":
-        return False
-    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= _min_fp4()
-
-
-def _capability_has_fp8_cvt(index: int) -> bool:
-    from tpfuse.quant import FP8_CVT_MIN_CAPABILITY
-
-    return _capability(index) >= FP8_CVT_MIN_CAPABILITY
-
-
-def _min_fp4():
-    from tpfuse.quant import FP4_CVT_MIN_CAPABILITY
-
-    return FP4_CVT_MIN_CAPABILITY
-
-
-@functools.cache
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
 
 
 def _check(s: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor) -> None:

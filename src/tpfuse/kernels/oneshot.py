@@ -3,18 +3,21 @@
 Rows are cut into items (row, chunk) by `tpfuse.kernels.protocol.make_plan`; program p handles
 items p, p + G, ... in every phase:
   1. push: load the chunk, canonicalise -0.0, store it into region `rank` of the current slot of
-     every *other* rank's buffer (plain stores, 16 bytes per thread);
-  2. reduce: issue the loads of all W - 1 sources at once, poll until none holds the sentinel
-     (`sync.poll_block`), re-arm exactly what was read, sum in fp32 in rank order 0..W-1 with this
-     rank's own chunk taken from its input (so every rank adds the same values in the same order:
-     identical bits), round to the dtype, add the residual, store new_residual;
+     every *other* rank's buffer (strong 16-byte stores), then the item's tag (this call's count);
+  2. reduce: issue the loads of all W - 1 sources and their tags at once, poll until none holds
+     the sentinel and every tag is this call's (`sync.poll_block`), re-arm exactly what was read,
+     sum in fp32 in rank order 0..W-1 with this rank's own chunk taken from its input (so every
+     rank adds the same values in the same order: identical bits), round to the dtype, add the
+     residual, store new_residual;
   3. norm: a row of one chunk is finished at once; a row of several chunks publishes its sum of
      squares as an epoch-tagged partial, and (after all of this program's items are published, so
      no program waits on one that waits on it) every program reads its rows' partials in chunk
      order and writes normed;
-  4. arrive: the last program advances the epoch.
-A rank that failed earlier, or whose abort word is set, pushes nothing and writes NaN. Layout,
-slots, epochs and error words: `tpfuse.kernels.protocol`.
+  4. `kernel_tail`: this program's epoch words, the end-of-kernel launch trigger.
+At decode sizes (C.single: every program holds at most one item) phases 1-3 run in one pass with
+nothing loaded twice. With programmatic dependent launch (C.pdl) every access, inputs included,
+follows `pdl_wait`. A rank that failed earlier, or whose abort word is set, pushes nothing and
+writes NaN. Layout, slots, epochs, tags and error words: `tpfuse.kernels.protocol`.
 
 The finishing stages (norm, quantized stores, split-row partials) are shared with two-shot
 (`tpfuse.kernels.peer_stages`), and so is the host side (`tpfuse.kernels.peer_launch`).
@@ -27,11 +30,10 @@ import triton
 import triton.language as tl
 
 from tpfuse.kernels.epilogue import round_like
-from tpfuse.kernels.peer_launch import launch_peer_kernel
 from tpfuse.kernels.peer_stages import (
     KIND_FP8_TOKEN_C,
     item_at,
-    norm_partials_pass,
+    kernel_tail,
     normed_fp32,
     publish_amax,
     residual_step,
@@ -39,181 +41,183 @@ from tpfuse.kernels.peer_stages import (
     start_quantized,
     store_normed,
     sum_in_rank_order,
-    token_quant_pass,
 )
-from tpfuse.kernels.protocol import NUM_SLOTS, STATE_ARRIVE, STATE_CALLS
+from tpfuse.kernels.protocol import NUM_SLOTS
 from tpfuse.kernels.sync import (
     and_scalar,
     canonicalize,
     entry_state,
     fail,
     int32_ptr,
-    pending_ranks,
+    partials_deadline,
+    pdl_wait,
     poll_block,
-    poll_from,
     publish_partial,
+    push,
+    push_word,
+    row_partials,
     sentinel_like,
+    source_status,
     stall,
     start_deadline,
-    wait_partials,
 )
 
-_CALLS, _ARRIVE, _SLOTS = tl.constexpr(STATE_CALLS), tl.constexpr(STATE_ARRIVE), tl.constexpr(NUM_SLOTS)
+_SLOTS = tl.constexpr(NUM_SLOTS)
+
+
+@triton.jit
+def tags_at(buf_ptr, header, region, tag_words, slot, src, C: tl.constexpr):
+    """Pointer to the tag words of region `src` of `slot` in a one-shot buffer (W regions a slot)."""
+    start = (header + _SLOTS * C.world * region) * (C.elem_bits // 8) // 4
+    return int32_ptr(buf_ptr) + start + (slot * C.world + src) * tag_words
 
 
 @triton.jit(do_not_specialize=["rank", "M", "timeout_ns", "max_spins"])
 def oneshot_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, newres_ptr, bufs, local_ptr, part_ptr, state_ptr, err_ptr, qargs,
-    rank, M, H, region, header, eps, timeout_ns, max_spins,
-    W: tl.constexpr, WP: tl.constexpr, CHUNK: tl.constexpr, NCHUNK: tl.constexpr, NCP: tl.constexpr,
-    SENT: tl.constexpr, ELEM_BITS: tl.constexpr, HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr,
-    SPLIT: tl.constexpr, USE_ASM: tl.constexpr, SOFT_BF16: tl.constexpr, QKIND: tl.constexpr, QGROUP: tl.constexpr,
-    QSWIZZLED: tl.constexpr, QHAS_UB: tl.constexpr, QHW: tl.constexpr, WITH_NORMED: tl.constexpr, QNG: tl.constexpr,
+    x_ptr, res_ptr, w_ptr, out_ptr, newres_ptr, bufs, local_ptr, part_ptr, state_ptr, err_ptr, errmap_ptr, qargs,
+    rank, M, H, region, header, tag_words, eps, timeout_ns, max_spins, C: tl.constexpr, Q: tl.constexpr,
 ):
+    pdl_wait(C)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    # [1, CHUNK] tensors share the [sources, CHUNK] block's layout: no layout conversions
-    cols = tl.arange(0, CHUNK)[None, :]
-    srcs = tl.arange(0, WP)
-    items = M * NCHUNK
-    # One item per program (decode sizes): its inputs are loaded first, so their latency overlaps
-    # the reads of the state and error words that the push has to wait for.
-    single = items <= nprog
-    row, col, cmask, offs = item_at(pid, H, cols, CHUNK, NCHUNK)
-    first = and_scalar(cmask, single & (pid < items))
-    x = canonicalize(tl.load(x_ptr + offs, mask=first, other=0.0), SENT, ELEM_BITS)
-    r = tl.load(res_ptr + offs, mask=first & HAS_RES, other=0.0)
-    w = tl.load(w_ptr + col, mask=first & HAS_NORM, other=0.0).to(tl.float32)
-    calls = tl.load(state_ptr + _CALLS)
-    qargs = start_quantized(qargs, pid, nprog, M, H, QKIND, QSWIZZLED, QNG)
+    # [1, chunk] tensors share the [sources, chunk] block's layout: no layout conversions
+    cols = tl.arange(0, C.chunk)[None, :]
+    srcs = tl.arange(0, C.world_p2)
+    items = M * C.num_chunks
+    calls = tl.load(state_ptr + pid)
     abort_ptr = int32_ptr(local_ptr)
-    dead = entry_state(err_ptr, abort_ptr, rank, calls)
-    deadline = start_deadline(timeout_ns, USE_ASM)
-    slot_base = header + (calls % _SLOTS).to(tl.int64) * W * region
-    fill = sentinel_like(tl.zeros([WP, CHUNK], dtype=local_ptr.dtype.element_ty), SENT, ELEM_BITS)
-    peer_rows = (srcs[:, None] != rank) & (srcs[:, None] < W)
+    fx = (err_ptr, errmap_ptr, abort_ptr, rank, bufs)
+    slot = calls % _SLOTS
+    slot_base = header + slot.to(tl.int64) * C.world * region
+    my_tags = tags_at(local_ptr, header, region, tag_words, slot, 0, C)  # + src * tag_words + item
+    WP: tl.constexpr = C.world_p2  # shapes take constexprs, not a bundle's plain fields
+    CHUNK: tl.constexpr = C.chunk
+    fill = sentinel_like(tl.zeros([WP, CHUNK], dtype=local_ptr.dtype.element_ty), C.sentinel, C.elem_bits)
+    peer_rows = (srcs[:, None] != rank) & (srcs[:, None] < C.world)
 
-    if single:
-        # every phase in one pass, nothing loaded twice
+    if C.single:
+        # every phase in one pass, nothing loaded twice; the inputs are loaded first, so their
+        # latency overlaps the reads of the error and abort words that the push has to wait for
+        row, col, cmask, offs = item_at(pid, H, cols, C)
+        first = and_scalar(cmask, pid < items)
+        x = canonicalize(tl.load(x_ptr + offs, mask=first, other=0.0), C.sentinel, C.elem_bits)
+        r = tl.load(res_ptr + offs, mask=first & C.has_res, other=0.0)
+        w = tl.load(w_ptr + col, mask=first & C.has_norm, other=0.0).to(tl.float32)
+        qargs = start_quantized(qargs, pid, nprog, M, H, Q)
+        dead = entry_state(err_ptr, errmap_ptr, abort_ptr, rank, calls, C)
+        deadline = start_deadline(timeout_ns, C.use_asm)
+        pdeadline, pspins = partials_deadline(deadline, timeout_ns, max_spins, C.use_asm)
+        tm = (deadline, max_spins, pdeadline, pspins)
         if pid < items:
             dst = slot_base + rank * region + offs
-            for p in tl.static_range(W):
-                tl.store(bufs[p] + dst, x, mask=and_scalar(cmask, (p != rank) & (dead == 0)))
+            for p in tl.static_range(C.world):
+                push(bufs[p] + dst, x, and_scalar(cmask, (p != rank) & (dead == 0)), C)
+            for p in tl.static_range(C.world):
+                if (p != rank) & (dead == 0):
+                    push_word(tags_at(bufs[p], header, region, tag_words, slot, rank, C) + pid, calls, C)
             ptrs = local_ptr + slot_base + srcs[:, None] * region + offs
             m2 = peer_rows & cmask
-            v, pending, arrived = poll_block(ptrs, m2, deadline, max_spins, dead, abort_ptr, SENT, ELEM_BITS, USE_ASM)
+            tag_ptrs = my_tags + srcs[:, None] * tag_words + pid
+            v = tl.load(ptrs, mask=and_scalar(m2, dead == 0), other=0.0, volatile=True)
+            t = tl.load(tag_ptrs, mask=and_scalar(peer_rows, dead == 0), other=0, volatile=True)
+            v, status = poll_block(v, t, ptrs, m2, tag_ptrs, calls, deadline, max_spins, dead, abort_ptr, C)
+            arrived = tl.max(tl.max(status, axis=0), axis=0) == 0
             if (arrived == 0) & (dead == 0):
-                fail(err_ptr, abort_ptr, bufs, rank, pending_ranks(pending, srcs), row, calls, W)
+                pend, foreign = source_status(status, srcs)
+                fail(err_ptr, errmap_ptr, abort_ptr, bufs, rank, pend, foreign, row, calls, C)
             dead = dead | (arrived == 0)
             tl.store(ptrs, fill, mask=m2)  # re-arm exactly what was read (a failed workspace is never read again)
-            acc = tl.where(dead, float("nan"), sum_in_rank_order(v, x, srcs, rank, W))
-            s = round_like(acc, x, SOFT_BF16)
-            if SPLIT:  # every program has published before any waits: no program waits on a waiter
+            acc = tl.where(dead, float("nan"), sum_in_rank_order(v, x, srcs, rank, C.world))
+            s = round_like(acc, x, C.soft_bf16)
+            if C.split:  # every program has published before any waits: no program waits on a waiter
                 nr = s
-                if HAS_RES:
-                    nr = round_like(s.to(tl.float32) + r.to(tl.float32), s, SOFT_BF16)
+                if C.has_res:
+                    nr = round_like(s.to(tl.float32) + r.to(tl.float32), s, C.soft_bf16)
                 tl.store(newres_ptr + offs, nr, mask=cmask)
                 h = nr.to(tl.float32)
                 publish_partial(part_ptr, pid, tl.sum(tl.where(cmask, h * h, 0.0)), calls)
-                parts = tl.arange(0, NCP)
-                p, ok = wait_partials(part_ptr + row * NCHUNK + parts, parts < NCHUNK, calls, deadline, max_spins,
-                                      dead, USE_ASM)
+                ss, ok = row_partials(part_ptr + row * C.num_chunks, calls, pdeadline, pspins, dead, C, 0)
                 if (ok == 0) & (dead == 0):
-                    stall(err_ptr, row, calls)
+                    stall(err_ptr, errmap_ptr, abort_ptr, bufs, rank, row, calls, C)
                 dead = dead | (ok == 0)
-                ss = tl.where(dead, float("nan"), tl.sum(p, axis=0))
+                ss = tl.where(dead, float("nan"), ss)
                 y = normed_fp32(h, w, ss, H, eps)
-                start = (pid % NCHUNK) * CHUNK
-                if QKIND == KIND_FP8_TOKEN_C:  # the row's absmax, from its chunks' programs
+                start = (pid % C.num_chunks) * C.chunk
+                if Q.kind == KIND_FP8_TOKEN_C:  # the row's absmax, from its chunks' programs
                     publish_amax(part_ptr, items, pid, y, cmask, calls)
-                    amax, dead = row_amax_of(part_ptr, items, row, calls, deadline, max_spins, dead, err_ptr, NCHUNK,
-                                             NCP, USE_ASM)
-                    store_normed(y, row, start, M, H, out_ptr, offs, cmask, s, qargs, amax, CHUNK, SOFT_BF16, QKIND,
-                                 QGROUP, QSWIZZLED, QHAS_UB, QHW, WITH_NORMED, True)
+                    amax, dead = row_amax_of(part_ptr, items, row, calls, tm, dead, fx, C)
+                    store_normed(y, row, start, M, H, out_ptr, offs, cmask, s, qargs, amax, C, Q, True)
                 else:
-                    store_normed(y, row, start, M, H, out_ptr, offs, cmask, s, qargs, 0, CHUNK, SOFT_BF16, QKIND,
-                                 QGROUP, QSWIZZLED, QHAS_UB, QHW, WITH_NORMED, False)
+                    store_normed(y, row, start, M, H, out_ptr, offs, cmask, s, qargs, 0, C, Q, False)
             else:
                 residual_step(s, row, col, cmask, offs, r, w, newres_ptr, out_ptr, part_ptr, pid, M, H, eps, calls,
-                              qargs, CHUNK, HAS_RES, HAS_NORM, SPLIT, SOFT_BF16, QKIND, QGROUP, QSWIZZLED, QHAS_UB,
-                              QHW, WITH_NORMED)
+                              qargs, C, Q)
+        # the split-row passes have nothing left to do here: single items finished their rows
+        kernel_tail(newres_ptr, w_ptr, out_ptr, part_ptr, state_ptr, pid, nprog, items, M, H, eps, calls, tm, dead,
+                    fx, qargs, C, Q, False)
     else:
+        qargs = start_quantized(qargs, pid, nprog, M, H, Q)
+        dead = entry_state(err_ptr, errmap_ptr, abort_ptr, rank, calls, C)
+        deadline = start_deadline(timeout_ns, C.use_asm)
+        pdeadline, pspins = partials_deadline(deadline, timeout_ns, max_spins, C.use_asm)
+        tm = (deadline, max_spins, pdeadline, pspins)
         # 1. push this rank's chunks into every other rank's current slot, region `rank`
         # (the next item's input is loaded before this one is stored: the loads overlap the stores)
         if dead == 0:
             i = pid
-            _, _, cmask, offs = item_at(i, H, cols, CHUNK, NCHUNK)
+            _, _, cmask, offs = item_at(i, H, cols, C)
             x_next = tl.load(x_ptr + offs, mask=cmask, other=0.0)
             while i < items:
-                _, _, cmask, offs = item_at(i, H, cols, CHUNK, NCHUNK)
-                x = canonicalize(x_next, SENT, ELEM_BITS)
+                _, _, cmask, offs = item_at(i, H, cols, C)
+                x = canonicalize(x_next, C.sentinel, C.elem_bits)
                 j = i + nprog
-                _, _, cmask_j, offs_j = item_at(j, H, cols, CHUNK, NCHUNK)
+                _, _, cmask_j, offs_j = item_at(j, H, cols, C)
                 x_next = tl.load(x_ptr + offs_j, mask=and_scalar(cmask_j, j < items), other=0.0)
                 dst = slot_base + rank * region + offs
-                for p in tl.static_range(W):
-                    tl.store(bufs[p] + dst, x, mask=and_scalar(cmask, p != rank))
+                for p in tl.static_range(C.world):
+                    push(bufs[p] + dst, x, and_scalar(cmask, p != rank), C)
+                for p in tl.static_range(C.world):
+                    if p != rank:
+                        push_word(tags_at(bufs[p], header, region, tag_words, slot, rank, C) + i, calls, C)
                 i = j
 
         # 2. reduce in rank order; new_residual; normed or its partial. The next item's sources
-        # are loaded before this item is finished, so their latency overlaps this item's work.
+        # and tags are loaded before this item is finished, so their latency overlaps its work.
         i = pid
-        row, col, cmask, offs = item_at(i, H, cols, CHUNK, NCHUNK)
-        ptrs = local_ptr + slot_base + srcs[:, None] * region + offs
+        row, col, cmask, offs = item_at(i, H, cols, C)
         m2 = peer_rows & cmask
-        v_next = tl.load(ptrs, mask=and_scalar(m2, dead == 0), other=0.0, volatile=True)
+        v_next = tl.load(local_ptr + slot_base + srcs[:, None] * region + offs, mask=and_scalar(m2, dead == 0),
+                         other=0.0, volatile=True)
+        t_next = tl.load(my_tags + srcs[:, None] * tag_words + i, mask=and_scalar(peer_rows, dead == 0), other=0,
+                         volatile=True)
         while i < items:
-            row, col, cmask, offs = item_at(i, H, cols, CHUNK, NCHUNK)
-            x = canonicalize(tl.load(x_ptr + offs, mask=cmask, other=0.0), SENT, ELEM_BITS)
-            r = tl.load(res_ptr + offs, mask=cmask & HAS_RES, other=0.0)
-            w = tl.load(w_ptr + col, mask=cmask & HAS_NORM & (NCHUNK == 1), other=0.0).to(tl.float32)
+            row, col, cmask, offs = item_at(i, H, cols, C)
+            x = canonicalize(tl.load(x_ptr + offs, mask=cmask, other=0.0), C.sentinel, C.elem_bits)
+            r = tl.load(res_ptr + offs, mask=cmask & C.has_res, other=0.0)
+            w = tl.load(w_ptr + col, mask=cmask & C.has_norm & (C.num_chunks == 1), other=0.0).to(tl.float32)
             ptrs = local_ptr + slot_base + srcs[:, None] * region + offs
+            tag_ptrs = my_tags + srcs[:, None] * tag_words + i
             m2 = peer_rows & cmask
-            v, pending, arrived = poll_from(v_next, ptrs, m2, deadline, max_spins, dead, abort_ptr, SENT, ELEM_BITS, USE_ASM)
+            v, status = poll_block(v_next, t_next, ptrs, m2, tag_ptrs, calls, deadline, max_spins, dead, abort_ptr,
+                                   C)
+            arrived = tl.max(tl.max(status, axis=0), axis=0) == 0
             if (arrived == 0) & (dead == 0):
-                fail(err_ptr, abort_ptr, bufs, rank, pending_ranks(pending, srcs), row, calls, W)
+                pend, foreign = source_status(status, srcs)
+                fail(err_ptr, errmap_ptr, abort_ptr, bufs, rank, pend, foreign, row, calls, C)
             dead = dead | (arrived == 0)
             j = i + nprog
-            _, _, cmask_j, offs_j = item_at(j, H, cols, CHUNK, NCHUNK)
+            _, _, cmask_j, offs_j = item_at(j, H, cols, C)
+            live_j = (dead == 0) & (j < items)
             v_next = tl.load(local_ptr + slot_base + srcs[:, None] * region + offs_j,
-                             mask=and_scalar(peer_rows & cmask_j, (dead == 0) & (j < items)),
-                             other=0.0, volatile=True)
+                             mask=and_scalar(peer_rows & cmask_j, live_j), other=0.0, volatile=True)
+            t_next = tl.load(my_tags + srcs[:, None] * tag_words + j, mask=and_scalar(peer_rows, live_j), other=0,
+                             volatile=True)
             tl.store(ptrs, fill, mask=m2)  # re-arm exactly what was read (a failed workspace is never read again)
-            acc = tl.where(dead, float("nan"), sum_in_rank_order(v, x, srcs, rank, W))
-            s = round_like(acc, x, SOFT_BF16)
+            acc = tl.where(dead, float("nan"), sum_in_rank_order(v, x, srcs, rank, C.world))
+            s = round_like(acc, x, C.soft_bf16)
             residual_step(s, row, col, cmask, offs, r, w, newres_ptr, out_ptr, part_ptr, i, M, H, eps, calls, qargs,
-                          CHUNK, HAS_RES, HAS_NORM, SPLIT, SOFT_BF16, QKIND, QGROUP, QSWIZZLED, QHAS_UB, QHW,
-                          WITH_NORMED)
+                          C, Q)
             i = j
-
         # 3. split rows: every partial of this program is published; now finish the norm
-        if SPLIT:
-            dead = norm_partials_pass(newres_ptr, w_ptr, out_ptr, part_ptr, pid, nprog, items, M, H, eps, calls,
-                                      deadline, max_spins, dead, err_ptr, qargs, CHUNK, NCHUNK, NCP, USE_ASM,
-                                      SOFT_BF16, QKIND, QGROUP, QSWIZZLED, QHAS_UB, QHW, WITH_NORMED)
-            if QKIND == KIND_FP8_TOKEN_C:
-                token_quant_pass(newres_ptr, w_ptr, part_ptr, pid, nprog, items, M, H, eps, calls, deadline,
-                                 max_spins, dead, err_ptr, qargs, CHUNK, NCHUNK, NCP, USE_ASM, QHAS_UB, QHW)
-
-    # 4. the last program to arrive advances the epoch
-    old = tl.atomic_add(state_ptr + _ARRIVE, 1)
-    if old == nprog - 1:
-        tl.store(state_ptr + _ARRIVE, 0)
-        tl.store(state_ptr + _CALLS, (calls + 1) & 0x7FFFFFFF)
-
-
-def oneshot_launch(x, residual, weight, eps, ws, *, timeout_s: float, max_programs: int, plan_programs: int,
-                   has_norm: bool = True, warmup: bool = False, out: tuple | None = None, plan=None, quant=None):
-    """Run one call on the current stream; returns (out, new_residual) (new_residual is None without norm),
-    or with `quant` (a `tpfuse.quant.QuantSpec`, checked by the caller) a QuantOutput quantized in
-    this kernel (`quantizes_in_kernel(plan, quant)` must hold).
-
-    x (M, H) contiguous and fitting the workspace; weight (H,) (ignored without norm).
-    `plan_programs` sizes the work plan (identical on every rank); `max_programs` caps the grid.
-    `warmup=True` compiles the kernel without launching it (call before any collective use).
-    `out=(out, new_residual)` writes into given buffers (new_residual ignored without norm; with
-    `quant`, out is the unquantized normed output the spec asks for).
-    """
-    return launch_peer_kernel(oneshot_kernel, "oneshot", x, residual, weight, eps, ws, timeout_s=timeout_s,
-                              max_programs=max_programs, plan_programs=plan_programs, has_norm=has_norm,
-                              warmup=warmup, out=out, plan=plan, quant=quant, twoshot=False)
+        kernel_tail(newres_ptr, w_ptr, out_ptr, part_ptr, state_ptr, pid, nprog, items, M, H, eps, calls, tm, dead,
+                    fx, qargs, C, Q, C.split)

@@ -1,24 +1,71 @@
-"""The host side both peer kernels share: fitting a call to the workspace, outputs, arguments,
-compile-time constants, grid, and one launcher (`launch_peer_kernel`) that `oneshot_launch` and
-`twoshot_launch` call with their kernel.
+"""The host side both peer kernels share: one `PeerLaunch` per call shape, built once and then
+reused by every call of that shape.
 
-`ws` (the workspace) provides peers.views (W 1-D tensors), peers.local, state, err, partials,
-region_elems, header_elems, sentinel and rank (`tpfuse.strategies.workspace.LamportWorkspace`,
-or the emulated workspaces of benchmarks/bench_peer_kernels.py).
+A `PeerLaunch` holds what depends only on (kernel, tokens, hidden, dtype, residual or not, norm
+or not, quantized-output format, workspace): the work plan, the checks that the call fits the
+workspace, the compile-time bundles (`PeerConfig`, `QuantOpts`), the grid and launch options, the
+workspace's pointer arguments, and a pre-bound launch of the compiled variant
+(`tpfuse.kernels.launcher.bind`). A call then allocates its outputs and launches: nothing on the
+host that scales with the arguments beyond that.
+
+Launch options (`LaunchOptions`): programmatic dependent launch (`pdl`: 0 off, 1 with the
+trigger at the kernel's end, 2 with the trigger at entry: the next call's programs are launched
+while this one runs and wait in `griddepcontrol.wait`), the per-thread spins in inline assembly
+(`spin`: 1 for the data polls, 2 for the norm partials' waits and two-shot's row words as well)
+and cooperative launch (`cooperative`). Co-residency: the partials' waits need all programs of a
+launch resident together, and a rank's waits need its peers' programs resident too when ranks
+share a GPU, so the first launch of a shape checks the compiled kernel's occupancy against the
+grid of every rank on the GPU (twice over with an entry trigger, which keeps two launches per
+rank resident), falls back from an entry trigger to the end one where two do not fit, and raises
+where one does not. With `cooperative` the driver also refuses a grid that cannot be resident.
+
+`ws` (the workspace) provides peers.views (W 1-D tensors), peers.local, state, err, errmap,
+partials, region_elems, header_elems, tag_words, sentinel, rank and ranks_per_device
+(`tpfuse.strategies.workspace.LamportWorkspace`, or the emulated workspaces of
+benchmarks/bench_peer_kernels.py).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
+import triton.language as tl
 
-from tpfuse.kernels.epilogue import interpreting
-from tpfuse.kernels.protocol import MAX_HIDDEN, make_plan, partials_needed, quantizes_in_kernel, region_elems_for
+from tpfuse.kernels.device import hardware_fp4, hardware_fp8, interpreting, sm_count
+from tpfuse.kernels.launcher import bind
+from tpfuse.kernels.peer_stages import PeerConfig, QuantOpts
+from tpfuse.kernels.protocol import (
+    MAX_GRID,
+    MAX_HIDDEN,
+    Plan,
+    partials_needed,
+    quantizes_in_kernel,
+    region_elems_for,
+    tag_words_for,
+    twoshot_owns_rows,
+)
 from tpfuse.kernels.quant import KIND_BY_NAME, QuantBuffers
+from tpfuse.quant import QuantOutput
 
 # Interpreter spin bound per second of timeout: one interpreted poll of a 32-element row took
-# about 1 ms on the 2-core CI-class machine (tests/kernels/test_interpreter.py timeout test).
+# about 1 ms on the 2-core CI-class machine (tests/strategies/test_peer.py timeout test).
 INTERPRETER_SPINS_PER_S = 1_000
+# Items a two-shot receiver polls at once with whole-row owners: enough loads in flight to cover
+# a read's latency (four 4 KB chunks a program), few enough registers to stay resident.
+TWOSHOT_PER_POLL = 4
+# Hopper and Ampere SM limits, for the occupancy check where torch does not report them.
+DEFAULT_REGS_PER_SM, DEFAULT_THREADS_PER_SM, DEFAULT_BLOCKS_PER_SM = 65536, 2048, 32
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    """How a peer kernel is launched (see the module docstring); identical bits whatever they are."""
+
+    pdl: int = 0
+    spin: int = 0  # 0: block-wide polls; 1: data polls spin per thread; 2: partial waits and row words too
+    cooperative: bool = False
 
 
 def spin_bounds(timeout_s: float) -> tuple[int, int]:
@@ -26,99 +73,172 @@ def spin_bounds(timeout_s: float) -> tuple[int, int]:
     return int(timeout_s * 1e9), max(1, int(timeout_s * INTERPRETER_SPINS_PER_S))
 
 
-def check_fits(where: str, x, ws, plan, *, twoshot: bool, quant=None) -> None:
-    m, h = x.shape
+def check_fits(where: str, m: int, h: int, ws, plan: Plan, *, twoshot: bool, quant=None, rows: bool = False) -> None:
     if h > MAX_HIDDEN:
         raise ValueError(f"{where}: hidden size {h} exceeds {MAX_HIDDEN}; use strategy='nccl_epilogue'")
     need = region_elems_for(m, h, len(ws.peers.views), plan, twoshot=twoshot)
-    if need > ws.region_elems or (plan.split and partials_needed(plan, quant) > ws.partials.numel()):
+    if (need > ws.region_elems or tag_words_for(plan, m) > ws.tag_words
+            or (plan.split and partials_needed(plan, quant) > ws.partials.numel())):
         raise ValueError(f"{where}: {m}x{h} elements exceed the workspace region of {ws.region_elems}; "
                          "call prepare() with a larger max_tokens")
     if quant is not None and not quantizes_in_kernel(plan, quant):
         raise ValueError(f"{where}: chunks of {plan.chunk} elements do not hold whole {quant.kind} scale blocks; "
                          "quantize after the allreduce (tpfuse.kernels.epilogue.residual_rmsnorm)")
+    if quant is not None and rows:
+        raise ValueError(f"{where}: two-shot with whole-row owners ({m} tokens, {len(ws.peers.views)} ranks) does "
+                         "not quantize in the kernel; quantize after the allreduce "
+                         "(tpfuse.kernels.epilogue.residual_rmsnorm)")
 
 
-def quant_buffers(x, quant, with_normed_out):
-    """(QuantBuffers or None, the kernels' qargs tuple, normed output or None) of one call."""
+def quant_opts(device, quant, hidden: int) -> QuantOpts:
     if quant is None:
-        return None, (x, 0, x, 0, 0, x, 0.0), None
-    from tpfuse.kernels.epilogue import hardware_fp4, hardware_fp8
-
-    m, h = x.shape
-    buf = QuantBuffers(quant, m, h, x.device, hardware_fp8(x.device), hardware_fp4(x.device))
-    qargs = (buf.codes, buf.codes.stride(0), buf.scales, *buf.s_strides, buf.param, buf.scale_ub)
-    normed = (with_normed_out if with_normed_out is not None else torch.empty_like(x)) if quant.with_normed else None
-    return buf, qargs, normed
+        return QuantOpts.of()
+    hw = int(hardware_fp8(device)) | (2 if hardware_fp4(device) else 0)
+    return QuantOpts.of(kind=KIND_BY_NAME[quant.kind], group=quant.group or 16, swizzled=quant.layout == "swizzled",
+                     has_ub=quant.scale_ub is not None, hw=hw, with_normed=quant.with_normed,
+                     ng=triton.next_power_of_2(max(4, -(-(hidden // 16) // 4) * 4)))
 
 
-def launch_args(x, residual, weight, ws, out, has_norm, quant=None):
-    """(out, new_residual, QuantBuffers or None, the pointer arguments both peer kernels share)."""
-    given, given_res = out if out is not None else (None, None)  # caller's buffers (tests poison them with NaN)
-    out = given if given is not None else torch.empty_like(x)
-    new_res = (given_res if given_res is not None else torch.empty_like(x)) if has_norm else out
-    buf, qargs, normed = quant_buffers(x, quant, given)
-    if quant is not None:
-        out = normed
-    ptrs = (x, residual if residual is not None else x, weight if weight is not None else x,
-            out if out is not None else x, new_res, tuple(ws.peers.views), ws.peers.local, ws.partials, ws.state,
-            ws.err, qargs)
-    return out, new_res, buf, ptrs
-
-
-def kernel_meta(x, residual, ws, plan, has_norm, quant=None) -> dict:
+def peer_config(m: int, ws, plan: Plan, grid: int, *, itemsize: int, has_res: bool, has_norm: bool, twoshot: bool,
+                rows: bool, options: LaunchOptions, quantized: bool) -> PeerConfig:
     world = len(ws.peers.views)
-    h = x.shape[1]
-    return dict(W=world, WP=triton.next_power_of_2(world), CHUNK=plan.chunk, NCHUNK=plan.num_chunks,
-                NCP=triton.next_power_of_2(plan.num_chunks), SENT=ws.sentinel, ELEM_BITS=8 * x.element_size(),
-                HAS_RES=residual is not None, HAS_NORM=has_norm, SPLIT=has_norm and plan.split, USE_ASM=not interpreting(),
-                SOFT_BF16=interpreting(), num_warps=plan.num_warps,
-                QKIND=KIND_BY_NAME[quant.kind] if quant is not None else 0, QGROUP=(quant.group or 16) if quant else 16,
-                QSWIZZLED=quant is not None and quant.layout == "swizzled",
-                QHAS_UB=quant is not None and quant.scale_ub is not None,
-                QHW=quant_hw_bits(x.device, quant), WITH_NORMED=quant is not None and quant.with_normed,
-                QNG=triton.next_power_of_2(max(4, -(-(h // 16) // 4) * 4)))
+    gpu = not interpreting()
+    return PeerConfig.of(
+        world=world, world_p2=triton.next_power_of_2(world), chunk=plan.chunk, num_chunks=plan.num_chunks,
+        num_chunks_p2=triton.next_power_of_2(plan.num_chunks), sentinel=ws.sentinel, elem_bits=8 * itemsize,
+        has_res=has_res, has_norm=has_norm, split=has_norm and plan.split and not rows, use_asm=gpu,
+        soft_bf16=not gpu, pdl=options.pdl if gpu else 0, spin=int(options.spin) if gpu else 0,
+        single=not twoshot and plan.items <= grid, rows_owned=rows,
+        per_poll=TWOSHOT_PER_POLL if rows and not quantized and -(-plan.items // grid) > 1 else 1)
 
 
-def quant_hw_bits(device, quant) -> int:
-    """HW_CVT bits of `tpfuse.kernels.quant` for `device` (0 without quantization)."""
-    if quant is None:
-        return 0
-    from tpfuse.kernels.epilogue import hardware_fp4, hardware_fp8
-
-    return int(hardware_fp8(device)) | (2 if hardware_fp4(device) else 0)
-
-
-def finish_outputs(out, new_res, buf, has_norm):
-    """What a launcher returns: (out, new_residual), or a QuantOutput with quantization."""
-    if buf is None:
-        return out, (new_res if has_norm else None)
-    from tpfuse.quant import QuantOutput
-
-    return QuantOutput(buf.out, buf.scale, new_res, out)
-
-
-def grid_for(plan, max_programs: int) -> tuple[int]:
-    programs = max(1, min(plan.items, max_programs))
+def grid_for(plan: Plan, max_programs: int) -> int:
+    programs = max(1, min(plan.items, max_programs, MAX_GRID))
     if interpreting() and plan.split:
         programs = 1  # the interpreter runs programs one after another: one program owns every row
-    return (programs,)
+    return programs
 
 
-def launch_peer_kernel(kernel, where, x, residual, weight, eps, ws, *, timeout_s, max_programs, plan_programs,
-                       has_norm, warmup, out, plan, quant, twoshot):
-    """The launcher both peer kernels share (their arguments are the same)."""
-    m, h = x.shape
-    plan = plan or make_plan(m, h, x.element_size(), plan_programs)
-    check_fits(where, x, ws, plan, twoshot=twoshot, quant=quant)
-    out, new_res, buf, ptrs = launch_args(x, residual, weight, ws, out, has_norm, quant)
-    timeout_ns, max_spins = spin_bounds(timeout_s)
-    args = ptrs + (ws.rank, m, h, ws.region_elems, ws.header_elems, float(eps), timeout_ns, max_spins)
-    meta = kernel_meta(x, residual, ws, plan, has_norm, quant)
-    grid = grid_for(plan, max_programs)
-    if warmup:
+class PeerLaunch:
+    """One call shape of one peer kernel on one workspace (see the module docstring).
+
+    `__call__(x, residual, weight, eps, out=None, quant=None)` runs one call on the current stream
+    and returns (out, new_residual) (new_residual None without norm), or a QuantOutput with
+    `quant` (its format must be the one this launch was built for; its scale tensors are data).
+    `owns_rows` forces two-shot's cut (None: `twoshot_owns_rows`; benchmarks force one to compare).
+    `out=(out, new_residual)` writes into given buffers (with `quant`: out is the unquantized
+    normed output the spec asks for). `compile()` compiles the variant without launching.
+    """
+
+    def __init__(self, kernel, where: str, ws, num_tokens: int, hidden: int, dtype: torch.dtype, *, has_res: bool,
+                 has_norm: bool, quant, plan: Plan, max_programs: int, timeout_s: float, twoshot: bool,
+                 options: LaunchOptions = LaunchOptions(), owns_rows: bool | None = None) -> None:
+        rows = twoshot and (twoshot_owns_rows(num_tokens, len(ws.peers.views)) if owns_rows is None else owns_rows)
+        check_fits(where, num_tokens, hidden, ws, plan, twoshot=twoshot, quant=quant, rows=rows)
+        self.kernel, self.where, self.ws, self.plan = kernel, where, ws, plan
+        self.num_tokens, self.hidden, self.dtype, self.has_norm, self.quant = num_tokens, hidden, dtype, has_norm, quant
+        self.grid = (grid_for(plan, max_programs),)
+        device = ws.peers.local.device
+        self.device = device
+        self.Q = quant_opts(device, quant, hidden)
+        self.options = options
+        self.C = peer_config(num_tokens, ws, plan, self.grid[0], itemsize=dtype.itemsize, has_res=has_res,
+                             has_norm=has_norm, twoshot=twoshot, rows=rows, options=options,
+                             quantized=quant is not None)
+        timeout_ns, max_spins = spin_bounds(timeout_s)
+        self._workspace_args = (tuple(ws.peers.views), ws.peers.local, ws.partials, ws.state, ws.err, ws.errmap)
+        self._shape_args = (ws.rank, num_tokens, hidden, ws.region_elems, ws.header_elems, ws.tag_words)
+        self._wait_args = (timeout_ns, max_spins)
+        self._launch = None
+        self._checked = False
+
+    def meta(self) -> dict:
+        meta = dict(C=self.C, Q=self.Q, num_warps=self.plan.num_warps)
         if not interpreting():
-            kernel.warmup(*args, grid=grid, **meta)
-        return None
-    kernel[grid](*args, **meta)
-    return finish_outputs(out, new_res, buf, has_norm)
+            meta.update(launch_pdl=bool(self.C.pdl > 0), launch_cooperative_grid=self.options.cooperative)
+        return meta
+
+    def args(self, x, residual, weight, eps, out, new_res, qargs) -> tuple:
+        bufs, local, partials, state, err, errmap = self._workspace_args
+        return ((x, residual if residual is not None else x, weight if weight is not None else x, out, new_res, bufs,
+                 local, partials, state, err, errmap, qargs) + self._shape_args + (float(eps),) + self._wait_args)
+
+    def compile(self) -> None:
+        """Compile this variant without launching it (and check that its grid can be resident)."""
+        if interpreting():
+            return
+        x = torch.zeros(self.num_tokens, self.hidden, dtype=self.dtype, device=self.device)
+        _, qargs, _ = self._outputs(x, None, self.quant) if self.quant is not None else (None, _plain_qargs(x), None)
+        args = self.args(x, x, x[0], 1e-6, x, x, qargs)
+        compiled = self.kernel.warmup(*args, grid=self.grid, **self.meta())
+        self._check_resident(compiled)
+
+    def _check_resident(self, compiled) -> None:
+        if self._checked or compiled is None or self.device.type != "cuda":
+            return
+        if hasattr(compiled, "result"):
+            compiled = compiled.result()
+        compiled.run  # noqa: B018 - loads the binary, which sets n_regs
+        props = torch.cuda.get_device_properties(self.device)
+        warps = compiled.metadata.num_warps
+        per_warp = -(-max(1, compiled.n_regs) * 32 // 256) * 256  # registers are allocated 256 a warp
+        blocks = min(DEFAULT_BLOCKS_PER_SM,
+                     getattr(props, "max_threads_per_multi_processor", DEFAULT_THREADS_PER_SM) // (32 * warps),
+                     getattr(props, "regs_per_multiprocessor", DEFAULT_REGS_PER_SM) // (per_warp * warps))
+        shared = compiled.metadata.shared
+        if shared:
+            blocks = min(blocks, getattr(props, "shared_memory_per_multiprocessor", shared) // shared)
+        capacity = blocks * sm_count(self.device)
+        ranks = max(1, int(getattr(self.ws, "ranks_per_device", 1)))
+        need = self.grid[0] * ranks
+        if need > capacity:
+            raise RuntimeError(
+                f"{self.where}: {ranks} rank(s) x {self.grid[0]} programs of {warps} warps and {compiled.n_regs} "
+                f"registers cannot be resident together on this GPU ({blocks} per SM x {sm_count(self.device)} SMs), "
+                "and the protocol's waits need them resident; pass a smaller max_programs")
+        if int(self.C.pdl) == 2 and 2 * need > capacity:  # two launches per rank: fall back to the end trigger
+            self.C = self.C._replace(pdl=tl.constexpr(1))
+            self.compile()
+        self._checked = True
+
+    def _outputs(self, x, out, quant):
+        """(QuantBuffers, qargs, normed output or None) of one quantized call (`quant`: this
+        launch's format; its scale tensors are the call's data)."""
+        m, h = x.shape
+        buf = QuantBuffers(quant, m, h, x.device, hardware_fp8(x.device), hardware_fp4(x.device))
+        qargs = (buf.codes, buf.codes.stride(0), buf.scales, *buf.s_strides, buf.param, buf.scale_ub)
+        given = out[0] if out is not None else None
+        normed = (given if given is not None else torch.empty_like(x)) if quant.with_normed else None
+        return buf, qargs, normed
+
+    def __call__(self, x, residual, weight, eps, out=None, quant=None):
+        if quant is not None:
+            if quant.key != self.quant.key:
+                raise ValueError(f"{self.where}: this launch quantizes to {self.quant.key}, not {quant.key}")
+            buf, qargs, normed = self._outputs(x, out, quant)
+            new_res = out[1] if out is not None and out[1] is not None else torch.empty_like(x)
+            target = normed if normed is not None else x
+        else:
+            qargs = _plain_qargs(x)
+            if out is not None:
+                target, new_res = out[0], (out[1] if self.has_norm else out[0])
+            elif self.has_norm:  # two allocations: outputs must not alias (torch.library ops check it)
+                target, new_res = torch.empty_like(x), torch.empty_like(x)
+            else:
+                target = new_res = torch.empty_like(x)
+        args = self.args(x, residual, weight, eps, target, new_res, qargs)
+        launch = self._launch
+        if launch is None:
+            if not interpreting() and not self._checked:
+                self._check_resident(self.kernel.warmup(*args, grid=self.grid, **self.meta()))
+            launch = self._launch = bind(self.kernel, self.grid, args, self.meta(), launch=True)
+        else:
+            launch(*args)
+        if quant is not None:
+            return QuantOutput(buf.out, buf.scale, new_res, normed)
+        return target, (new_res if self.has_norm else None)
+
+
+def _plain_qargs(x) -> tuple:
+    """The kernels' qargs without quantization (never read)."""
+    return (x, 0, x, 0, 0, x, 0.0)

@@ -1,30 +1,89 @@
-"""Device stages the peer kernels share (`tpfuse.kernels.oneshot`, `tpfuse.kernels.twoshot`).
+"""Device stages the peer kernels share (`tpfuse.kernels.oneshot`, `tpfuse.kernels.twoshot`), and
+the two compile-time bundles every stage takes.
+
+- `PeerConfig` (C): the kernel's shape of work and build (world size, chunking, sentinel, which
+  outputs, GPU or interpreter, programmatic dependent launch, spin kind, paths);
+- `QuantOpts` (Q): the quantized output's format (`tpfuse.kernels.quant` constants), kind 0 = none.
+
+Both are NamedTuples passed as `tl.constexpr`: one argument each, read by field (`C.chunk`,
+`Q.kind`) wherever needed, and part of the compile key. Build them with `of(...)`, which holds every
+field as a `tl.constexpr` (so a field serves as a shape, a `static_range` bound or a constexpr
+argument in compiled code as well as in the interpreter; host code reads it with bool() / int()).
 
 After a chunk of a row has been reduced (sum of all ranks, rounded to the data dtype), both
 kernels finish it the same way: new_residual, then the norm (a row of one chunk at once; a split
 row through epoch-tagged sum-of-squares partials in `norm_partials_pass`), then the normed values
 stored in the data dtype or quantized (`tpfuse.kernels.quant.quantize_chunk`; per-token FP8 of a
-split row exchanges its absmax as a second partial and quantizes in `token_quant_pass`).
+split row exchanges its absmax as a second partial and quantizes in `token_quant_pass`). Both end
+in `kernel_tail`: the split-row passes, the epoch words, the end-of-kernel launch trigger.
 
 Deadlock freedom of the partials: every program publishes all of its partials of a kind before it
-waits for any of that kind, and all programs of a launch are resident together (the grid never
-exceeds the SMs given to this rank), so no program waits on a program that waits on it. A wait is
-bounded; a stall records ERR_STALL and poisons the rows with NaN.
+waits for any of that kind, and all programs of a launch are resident together (the launcher
+checks that the grid fits the GPU), so no program waits on a program that waits on it. A wait is
+bounded; a stall records ERR_STALL, tells every rank and poisons the rows with NaN.
 
-`qargs` (the quantized output): (codes, codes' row stride, scales, scale row stride, scale column
-stride, static or global scale (a pointer until `start_quantized` loads it), scale bound).
+Runtime bundles (tuples): `qargs` (codes, codes' row stride, scales, scale row stride, scale
+column stride, static or global scale (a pointer until `start_quantized` loads it), scale bound);
+`fx` (err, errmap, abort word, rank, peer buffers): where failures go; `tm` (deadline, spin bound,
+partials' deadline, partials' spin bound).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import triton
 import triton.language as tl
 
 from tpfuse.kernels.epilogue import round_like
+from tpfuse.kernels.protocol import MAX_GRID
 from tpfuse.kernels.quant import KIND_FP8_TOKEN, PAD_CHUNK, abs_bits, load_param, quantize_chunk, zero_scale_padding
-from tpfuse.kernels.sync import and_scalar, publish_partial, stall, wait_partials
+from tpfuse.kernels.sync import and_scalar, pdl_trigger_at_end, publish_partial, row_partials, stall
 
 KIND_FP8_TOKEN_C = tl.constexpr(KIND_FP8_TOKEN)
+MAX_GRID_C = tl.constexpr(MAX_GRID)
+
+
+class PeerConfig(NamedTuple):
+    """Compile-time facts of one peer-kernel variant (see the module docstring)."""
+
+    world: int  # W ranks
+    world_p2: int  # next power of two >= W (the sources' block)
+    chunk: int  # elements per item
+    num_chunks: int  # items per row
+    num_chunks_p2: int  # next power of two >= num_chunks (a row's partials)
+    sentinel: int  # -0.0's bits in the data dtype, as a signed integer
+    elem_bits: int  # 16 or 32
+    has_res: bool
+    has_norm: bool
+    split: bool  # rows of several chunks exchange norm partials
+    use_asm: bool  # GPU build: %globaltimer deadlines, strong stores, PDL, the asm spin
+    soft_bf16: bool  # round to bf16 in software (the interpreter)
+    pdl: int  # programmatic dependent launch: 0 off, 1 on with the trigger at the end, 2 trigger at entry
+    spin: int  # per-thread spins in inline assembly (GPU builds): 1 data polls, 2 also partials and row words
+    single: bool  # one-shot: every program holds at most one item (one pass)
+    rows_owned: bool  # two-shot: owners hold whole rows and push each row's sum of squares
+    per_poll: int  # two-shot whole rows: items a program receives per poll (a power of two)
+
+    @classmethod
+    def of(cls, **fields) -> PeerConfig:
+        return cls(*(tl.constexpr(v) for v in cls(**fields)))
+
+
+class QuantOpts(NamedTuple):
+    """The quantized output's compile-time format (`tpfuse.kernels.quant`); kind 0: none."""
+
+    kind: int = 0
+    group: int = 16
+    swizzled: bool = False
+    has_ub: bool = False
+    hw: int = 0  # HW_CVT bits
+    with_normed: bool = False
+    ng: int = 4  # a power of two >= align4(H / 16): the swizzled padding's scale columns
+
+    @classmethod
+    def of(cls, **fields) -> QuantOpts:
+        return cls(*(tl.constexpr(v) for v in cls(**fields)))
 
 
 @triton.jit
@@ -36,35 +95,27 @@ def normed_fp32(h, w, ss, H, eps):
 
 
 @triton.jit
-def store_normed(
-    y, row, start, M, H, out_ptr, offs, cmask, like, qargs, row_amax,
-    CHUNK: tl.constexpr, SOFT_BF16: tl.constexpr, QKIND: tl.constexpr, QGROUP: tl.constexpr,
-    QSWIZZLED: tl.constexpr, QHAS_UB: tl.constexpr, QHW: tl.constexpr, WITH_NORMED: tl.constexpr,
-    ROW_AMAX: tl.constexpr,
-):
-    """Store the chunk's normed values `y` (fp32): rounded to the data dtype (without quantization,
-    or with WITH_NORMED), and quantized (QKIND > 0, `tpfuse.kernels.quant.quantize_chunk`; qargs
-    = (codes, codes' row stride, scales, scale row stride, scale column stride, static or global
-    scale (loaded, `start_quantized`), scale bound), `row_amax` the row's absmax bits when ROW_AMAX)."""
-    if (QKIND == 0) | WITH_NORMED:
-        tl.store(out_ptr + offs, round_like(y, like, SOFT_BF16), mask=cmask)
-    if QKIND != 0:
+def store_normed(y, row, start, M, H, out_ptr, offs, cmask, like, qargs, row_amax, C: tl.constexpr,
+                 Q: tl.constexpr, ROW_AMAX: tl.constexpr):
+    """Store the chunk's normed values `y` (fp32, [1, chunk]): rounded to the data dtype (without
+    quantization, or with Q.with_normed), and quantized (Q.kind > 0, `quantize_chunk`, with
+    `row_amax` the row's absmax bits when ROW_AMAX)."""
+    if (Q.kind == 0) | Q.with_normed:
+        tl.store(out_ptr + offs, round_like(y, like, C.soft_bf16), mask=cmask)
+    if Q.kind != 0:
+        CHUNK: tl.constexpr = C.chunk  # shapes take constexprs, not a bundle's plain fields
         quantize_chunk(tl.reshape(y, [CHUNK]), row, start, M, H, qargs[0], qargs[1], qargs[2], qargs[3], qargs[4],
-                       qargs[5], qargs[6], row_amax, QKIND, QGROUP, CHUNK, QSWIZZLED, QHAS_UB, QHW, ROW_AMAX)
+                       qargs[5], qargs[6], row_amax, Q.kind, Q.group, C.chunk, Q.swizzled, Q.has_ub, Q.hw, ROW_AMAX)
 
 
 @triton.jit
-def row_amax_of(part_ptr, items, row, calls, deadline, max_spins, dead, err_ptr,
-                NCHUNK: tl.constexpr, NCP: tl.constexpr, USE_ASM: tl.constexpr):
+def row_amax_of(part_ptr, items, row, calls, tm, dead, fx, C: tl.constexpr):
     """(absmax bits of `row` from its chunks' published partials, dead): per-token FP8 of a split
     row. The absmax partials sit after the norm partials (`part_ptr + items + item`)."""
-    parts = tl.arange(0, NCP)
-    a, ok = wait_partials(part_ptr + items + row * NCHUNK + parts, parts < NCHUNK, calls, deadline, max_spins,
-                          dead, USE_ASM)
+    amax, ok = row_partials(part_ptr + items + row * C.num_chunks, calls, tm[2], tm[3], dead, C, 1)
     if (ok == 0) & (dead == 0):
-        stall(err_ptr, row, calls)
+        stall(fx[0], fx[1], fx[2], fx[4], fx[3], row, calls, C)
     dead = dead | (ok == 0)
-    amax = tl.max(a.to(tl.int32, bitcast=True), axis=0)
     return tl.where(dead, 0x7FC00000, amax), dead  # a failed row's scale is NaN
 
 
@@ -75,27 +126,23 @@ def publish_amax(part_ptr, items, i, y, cmask, calls):
 
 
 @triton.jit
-def start_quantized(qargs, pid, nprog, M, H, QKIND: tl.constexpr, QSWIZZLED: tl.constexpr, QNG: tl.constexpr):
+def start_quantized(qargs, pid, nprog, M, H, Q: tl.constexpr):
     """At a peer kernel's start, before it waits for any peer: zero the 128x4-swizzled NVFP4
     scales of the padding rows (M .. align128(M); they depend on no data), spread over the
     programs, and load the static / global scale. Returns qargs with that scale in place of its
     pointer, so no load of it sits at the end of a row's dependency chain."""
-    if QSWIZZLED:
+    if Q.swizzled:
         num_pad = ((M + 127) // 128 * 128 - M + PAD_CHUNK - 1) // PAD_CHUNK
         c = pid
         while c < num_pad:
-            zero_scale_padding(qargs[2], M, H, c, QNG, PAD_CHUNK)
+            zero_scale_padding(qargs[2], M, H, c, Q.ng, PAD_CHUNK)
             c += nprog
-    return qargs[0], qargs[1], qargs[2], qargs[3], qargs[4], load_param(qargs[5], QKIND), qargs[6]
+    return qargs[0], qargs[1], qargs[2], qargs[3], qargs[4], load_param(qargs[5], Q.kind), qargs[6]
 
 
 @triton.jit
-def norm_partials_pass(
-    newres_ptr, w_ptr, out_ptr, part_ptr, pid, nprog, items, M, H, eps, calls, deadline, max_spins, dead, err_ptr,
-    qargs, CHUNK: tl.constexpr, NCHUNK: tl.constexpr, NCP: tl.constexpr, USE_ASM: tl.constexpr,
-    SOFT_BF16: tl.constexpr, QKIND: tl.constexpr, QGROUP: tl.constexpr, QSWIZZLED: tl.constexpr,
-    QHAS_UB: tl.constexpr, QHW: tl.constexpr, WITH_NORMED: tl.constexpr,
-):
+def norm_partials_pass(newres_ptr, w_ptr, out_ptr, part_ptr, pid, nprog, items, M, H, eps, calls, tm, dead, fx,
+                       qargs, C: tl.constexpr, Q: tl.constexpr):
     """Phase 3 of split rows: wait for each row's partials, sum them in chunk order, write normed
     (or quantize it). Per-token FP8 publishes each chunk's absmax here and quantizes in a second
     pass (`token_quant_pass`), once every program has published: the same no-waiter-waits order.
@@ -103,104 +150,115 @@ def norm_partials_pass(
     The next item's loads are issued before this item is finished, so their latency overlaps.
     Returns `dead`.
     """
-    cols = tl.arange(0, CHUNK)
-    parts = tl.arange(0, NCP)
-    pmask = parts < NCHUNK
+    cols = tl.arange(0, C.chunk)
     i = pid
-    row = i // NCHUNK
-    col = (i % NCHUNK) * CHUNK + cols
+    row = i // C.num_chunks
+    col = (i % C.num_chunks) * C.chunk + cols
     cmask = and_scalar(col < H, i < items)
     w_next = tl.load(w_ptr + col, mask=cmask, other=0.0)
     nr_next = tl.load(newres_ptr + row.to(tl.int64) * H + col, mask=cmask, other=0.0)
     while i < items:
-        row = i // NCHUNK
-        start = (i % NCHUNK) * CHUNK
+        row = i // C.num_chunks
+        start = (i % C.num_chunks) * C.chunk
         col = start + cols
         cmask = col < H
         offs = row.to(tl.int64) * H + col
         w, nr = w_next.to(tl.float32), nr_next
         j = i + nprog
-        col_j = (j % NCHUNK) * CHUNK + cols
+        col_j = (j % C.num_chunks) * C.chunk + cols
         cmask_j = and_scalar(col_j < H, j < items)
         w_next = tl.load(w_ptr + col_j, mask=cmask_j, other=0.0)
-        nr_next = tl.load(newres_ptr + (j // NCHUNK).to(tl.int64) * H + col_j, mask=cmask_j, other=0.0)
-        p, ok = wait_partials(part_ptr + row * NCHUNK + parts, pmask, calls, deadline, max_spins, dead, USE_ASM)
+        nr_next = tl.load(newres_ptr + (j // C.num_chunks).to(tl.int64) * H + col_j, mask=cmask_j, other=0.0)
+        ss, ok = row_partials(part_ptr + row * C.num_chunks, calls, tm[2], tm[3], dead, C, 0)
         if (ok == 0) & (dead == 0):
-            stall(err_ptr, row, calls)
+            stall(fx[0], fx[1], fx[2], fx[4], fx[3], row, calls, C)
         dead = dead | (ok == 0)
-        ss = tl.sum(p, axis=0)
         ss = tl.where(dead, float("nan"), ss)
         y = normed_fp32(nr.to(tl.float32), w, ss, H, eps)
-        if QKIND == KIND_FP8_TOKEN_C:
+        if Q.kind == KIND_FP8_TOKEN_C:
             publish_amax(part_ptr, items, i, y, cmask, calls)
-            if WITH_NORMED:  # the codes come in token_quant_pass
-                tl.store(out_ptr + offs, round_like(y, nr, SOFT_BF16), mask=cmask)
+            if Q.with_normed:  # the codes come in token_quant_pass
+                tl.store(out_ptr + offs, round_like(y, nr, C.soft_bf16), mask=cmask)
         else:
-            store_normed(y, row, start, M, H, out_ptr, offs, cmask, nr, qargs, 0, CHUNK, SOFT_BF16, QKIND, QGROUP,
-                         QSWIZZLED, QHAS_UB, QHW, WITH_NORMED, False)
+            store_normed(y, row, start, M, H, out_ptr, offs, cmask, nr, qargs, 0, C, Q, False)
         i = j
     return dead
 
 
 @triton.jit
-def token_quant_pass(
-    newres_ptr, w_ptr, part_ptr, pid, nprog, items, M, H, eps, calls, deadline, max_spins, dead, err_ptr, qargs,
-    CHUNK: tl.constexpr, NCHUNK: tl.constexpr, NCP: tl.constexpr, USE_ASM: tl.constexpr, QHAS_UB: tl.constexpr,
-    QHW: tl.constexpr,
-):
+def token_quant_pass(newres_ptr, w_ptr, part_ptr, pid, nprog, items, M, H, eps, calls, tm, dead, fx, qargs,
+                     C: tl.constexpr, Q: tl.constexpr):
     """Per-token FP8 of split rows, after `norm_partials_pass`: recompute each chunk's normed values
     (the same loads and arithmetic, so the same bits), then quantize them with the row's absmax."""
-    cols = tl.arange(0, CHUNK)
-    parts = tl.arange(0, NCP)
+    cols = tl.arange(0, C.chunk)
     i = pid
     while i < items:
-        row = i // NCHUNK
-        start = (i % NCHUNK) * CHUNK
+        row = i // C.num_chunks
+        start = (i % C.num_chunks) * C.chunk
         col = start + cols
         cmask = col < H
         w = tl.load(w_ptr + col, mask=cmask, other=0.0).to(tl.float32)
         nr = tl.load(newres_ptr + row.to(tl.int64) * H + col, mask=cmask, other=0.0)
-        p, ok = wait_partials(part_ptr + row * NCHUNK + parts, parts < NCHUNK, calls, deadline, max_spins, dead,
-                              USE_ASM)  # already published: this returns at once
+        ss, ok = row_partials(part_ptr + row * C.num_chunks, calls, tm[2], tm[3], dead, C, 0)  # published: at once
         dead = dead | (ok == 0)
-        amax, dead = row_amax_of(part_ptr, items, row, calls, deadline, max_spins, dead, err_ptr, NCHUNK, NCP, USE_ASM)
-        ss = tl.where(dead, float("nan"), tl.sum(p, axis=0))
+        amax, dead = row_amax_of(part_ptr, items, row, calls, tm, dead, fx, C)
+        ss = tl.where(dead, float("nan"), ss)
         y = normed_fp32(nr.to(tl.float32), w, ss, H, eps)
         quantize_chunk(y, row, start, M, H, qargs[0], qargs[1], qargs[2], qargs[3], qargs[4], qargs[5], qargs[6], amax,
-                       KIND_FP8_TOKEN_C, 0, CHUNK, False, QHAS_UB, QHW, True)
+                       KIND_FP8_TOKEN_C, 0, C.chunk, False, Q.has_ub, Q.hw, True)
         i += nprog
 
 
 @triton.jit
-def residual_step(
-    s, row, col, cmask, offs, r, w, newres_ptr, out_ptr, part_ptr, i, M, H, eps, calls, qargs, CHUNK: tl.constexpr,
-    HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr, SPLIT: tl.constexpr, SOFT_BF16: tl.constexpr,
-    QKIND: tl.constexpr, QGROUP: tl.constexpr, QSWIZZLED: tl.constexpr, QHAS_UB: tl.constexpr, QHW: tl.constexpr,
-    WITH_NORMED: tl.constexpr,
-):
-    """After the reduced chunk `s` (data dtype): new_residual, and normed (quantized) or its partial."""
-    if HAS_NORM:
-        if HAS_RES:
-            nr = round_like(s.to(tl.float32) + r.to(tl.float32), s, SOFT_BF16)
+def residual_step(s, row, col, cmask, offs, r, w, newres_ptr, out_ptr, part_ptr, i, M, H, eps, calls, qargs,
+                  C: tl.constexpr, Q: tl.constexpr):
+    """After the reduced chunk `s` (data dtype, [1, chunk]): new_residual, and normed (quantized)
+    or its partial."""
+    if C.has_norm:
+        if C.has_res:
+            nr = round_like(s.to(tl.float32) + r.to(tl.float32), s, C.soft_bf16)
         else:
             nr = s
         tl.store(newres_ptr + offs, nr, mask=cmask)
         h = nr.to(tl.float32)
         ss = tl.sum(tl.where(cmask, h * h, 0.0))
-        if SPLIT:
+        if C.split:
             publish_partial(part_ptr, i, ss, calls)
         else:  # the chunk is the whole row
-            store_normed(normed_fp32(h, w, ss, H, eps), row, 0, M, H, out_ptr, offs, cmask, s, qargs, 0, CHUNK,
-                         SOFT_BF16, QKIND, QGROUP, QSWIZZLED, QHAS_UB, QHW, WITH_NORMED, False)
+            store_normed(normed_fp32(h, w, ss, H, eps), row, 0, M, H, out_ptr, offs, cmask, s, qargs, 0, C, Q, False)
     else:
         tl.store(out_ptr + offs, s, mask=cmask)
 
 
 @triton.jit
-def item_at(i, H, cols, CHUNK: tl.constexpr, NCHUNK: tl.constexpr):
+def advance_epoch(state_ptr, pid, nprog, calls):
+    """Write calls + 1 into this program's epoch words (p, p + G, ...; `tpfuse.kernels.protocol`)."""
+    k = tl.arange(0, MAX_GRID_C)
+    words = pid + k * nprog
+    tl.store(state_ptr + words, tl.zeros_like(k) + ((calls + 1) & 0x7FFFFFFF), mask=words < MAX_GRID_C)
+
+
+@triton.jit
+def kernel_tail(newres_ptr, w_ptr, out_ptr, part_ptr, state_ptr, pid, nprog, items, M, H, eps, calls, tm, dead, fx,
+                qargs, C: tl.constexpr, Q: tl.constexpr, SPLIT_PASS: tl.constexpr):
+    """The end both peer kernels share: with SPLIT_PASS, the split-row norm pass (and per-token
+    FP8's quantizing pass) once every partial of this program is published; then this program's
+    epoch words, then the end-of-kernel launch trigger (C.pdl == 1)."""
+    if SPLIT_PASS:
+        dead = norm_partials_pass(newres_ptr, w_ptr, out_ptr, part_ptr, pid, nprog, items, M, H, eps, calls, tm, dead,
+                                  fx, qargs, C, Q)
+        if Q.kind == KIND_FP8_TOKEN_C:
+            token_quant_pass(newres_ptr, w_ptr, part_ptr, pid, nprog, items, M, H, eps, calls, tm, dead, fx, qargs,
+                             C, Q)
+    advance_epoch(state_ptr, pid, nprog, calls)
+    pdl_trigger_at_end(C)
+
+
+@triton.jit
+def item_at(i, H, cols, C: tl.constexpr):
     """(row, columns, column mask, element offsets) of item i."""
-    row = i // NCHUNK
-    col = (i % NCHUNK) * CHUNK + cols
+    row = i // C.num_chunks
+    col = (i % C.num_chunks) * C.chunk + cols
     return row, col, col < H, row.to(tl.int64) * H + col
 
 

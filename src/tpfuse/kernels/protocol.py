@@ -1,11 +1,12 @@
 """The peer protocol's constants and its work plan, in one place (imports neither torch nor Triton).
 
 Kernels (`oneshot`, `twoshot`, `sync`), the workspace (`tpfuse.strategies.workspace`) and
-admission (`tpfuse.strategies.oneshot`) import these names; nothing else may restate them.
+admission (`tpfuse.strategies.peer`) import these names; nothing else may restate them.
 
-Buffer of one rank (elements of the data dtype):
+Buffer of one rank (`buffer_layout`; elements of the data dtype unless said otherwise):
 
     [header: HEADER_BYTES] [slot 0: num_regions x region] [slot 1: num_regions x region]
+    [tags: NUM_SLOTS x num_regions x tag_words int32] [row words: NUM_SLOTS x tag_words int64]
 
 - header: int32 word ABORT_WORD is the abort word: 0, or 1 + the rank that gave up. Peers set it
   with a plain remote store (never an atomic), and every poll reads it, so one rank's failure stops
@@ -16,16 +17,26 @@ Buffer of one rank (elements of the data dtype):
   in call k + 1, after this rank's call k (its reads and re-arms included) finished on its stream.
   Every rank of a call depends on every other through that call's data (one-shot directly;
   two-shot through the owner of row 0, which needs every rank's scatter and feeds every rank).
+- tags: after each item's data a source stores its call count into the item's tag word of the
+  region it wrote; a reader takes the item only when its tag equals the reader's own count (the
+  epoch travels with the data, so ranks whose counts differ never mix calls). Never re-armed: a
+  stale tag is an older count.
+- row words: epoch-tagged int64 scalars one per row ((calls << 32) | fp32 bits), which two-shot's
+  whole-row owners push with a row's sum of squares; self-cleaning like the partials.
 
-Device state (int32, local): [calls, arrivals]. `calls` is the epoch: slot = calls % 2, and the
-norm partials below are tagged with it. The program that arrives last advances it, so CUDA-graph
-replays see the right epoch without the host.
+Device state (int32, local): STATE_WORDS epoch words, one per program: program p of a launch
+reads word p at entry (its call count: slot = calls % 2, tags and partials carry it) and writes
+calls + 1 into words p, p + G, p + 2G, ... (G the grid) before it exits, so every word holds the
+next count whatever the next grid. No atomic, and no program waits for another to advance it.
 
 Error words (int32, local): [code, ranks bitmask, row, call]. Codes: ERR_TIMEOUT (the ranks in the
 mask never delivered), ERR_ABORTED (the rank in the mask gave up first, so this call cannot
 complete), ERR_STALL (this rank's own programs did not all run within the timeout: the GPU was
-held by other work). The code is set once (compare-and-swap on local memory) and is sticky: the
-kernel of a failed workspace pushes nothing, waits for nothing and writes NaN.
+held by other work), ERR_EPOCH (the ranks in the mask delivered data of another call: their call
+counts differ from this rank's). The code is set once (compare-and-swap on local memory) and is
+sticky: the kernel of a failed workspace pushes nothing, waits for nothing and writes NaN. The
+mask only ever names ranks of the group other than the recording one. On GPUs the same words are
+mirrored into host-mapped memory, where the host reads them without a copy.
 
 Work plan: a row of H elements is cut into chunks of `chunk` elements (a power of two, 512 to
 4096 bytes, one 16-byte vector per thread); item i = (row i // num_chunks, chunk i % num_chunks)
@@ -39,11 +50,13 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 NUM_SLOTS = 2
-STATE_CALLS, STATE_ARRIVE = 0, 1
-STATE_WORDS = 8
+# Epoch words, one per program: the largest grid a launch may have (more than any GPU's SM count
+# this targets: H200 132, RTX PRO 6000 188).
+STATE_WORDS = MAX_GRID = 256
 ERR_CODE, ERR_RANKS, ERR_ROW, ERR_CALL = range(4)
 ERR_WORDS = 4
-ERR_TIMEOUT, ERR_ABORTED, ERR_STALL = 1, 2, 3
+ERR_TIMEOUT, ERR_ABORTED, ERR_STALL, ERR_EPOCH = 1, 2, 3, 4
+TAG_ALIGN_WORDS = 32  # tag rows are 128-byte aligned
 HEADER_BYTES = 128  # keeps slot 0 128-byte aligned
 ABORT_WORD = 0  # int32 index in the header
 SENTINEL_BITS = {2: -(1 << 15), 4: -(1 << 31)}  # -0.0 by element size (tpfuse.kernels.sync)
@@ -122,6 +135,51 @@ def region_elems_for(num_tokens: int, hidden: int, world_size: int, plan: Plan, 
 
 def round_region(elems: int) -> int:
     return -(-int(elems) // ALIGN_ELEMS) * ALIGN_ELEMS
+
+
+def round_tags(items: int) -> int:
+    """Tag words per region for calls of up to `items` items (also the row words per slot)."""
+    return -(-max(1, int(items)) // TAG_ALIGN_WORDS) * TAG_ALIGN_WORDS
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where the parts of one rank's buffer start, in elements of the data dtype."""
+
+    header_elems: int
+    tags_elems: int  # start of the tag words
+    rows_elems: int  # start of the row words
+    total_elems: int
+
+
+def buffer_layout(region_elems: int, num_regions: int, tag_words: int, itemsize: int) -> Layout:
+    """The buffer layout of the module docstring (region_elems from `round_region`, tag_words from
+    `round_tags`): what the workspace allocates and the kernels address (they recompute it from
+    header, region, the number of regions and tag_words, so the two must agree)."""
+    header = HEADER_BYTES // itemsize
+    tags = header + NUM_SLOTS * num_regions * region_elems
+    rows = tags + NUM_SLOTS * num_regions * tag_words * 4 // itemsize
+    return Layout(header, tags, rows, rows + NUM_SLOTS * tag_words * 8 // itemsize)
+
+
+# Tokens per rank from which two-shot's owners hold whole rows. Measured with 8 ranks emulated on
+# one H200 (benchmarks/results/peer_kernels_v3_emulated.jsonl, `rows1` / `rows0` rows): chunk
+# owners were faster at 16 and 64 tokens (2 and 8 a rank), whole rows at 256 (32 a rank).
+TWOSHOT_ROWS_PER_RANK = 32
+
+
+def twoshot_owns_rows(num_tokens: int, world_size: int) -> bool:
+    """Whether two-shot's owners hold whole rows (at least TWOSHOT_ROWS_PER_RANK rows a rank): an
+    owner then computes each row's norm itself and pushes the row's sum of squares with its sums,
+    and no rank exchanges partials; one program reduces a row chunk after chunk, which lengthens
+    the chain at small sizes. Below that, owners hold runs of chunks, so that even one token is
+    spread over every rank and many programs."""
+    return num_tokens >= TWOSHOT_ROWS_PER_RANK * world_size
+
+
+def tag_words_for(plan: Plan, num_tokens: int) -> int:
+    """Tag words one region needs for this call (items, and rows for the row words)."""
+    return max(plan.items, num_tokens)
 
 
 def partials_len(region_elems: int, itemsize: int) -> int:

@@ -23,15 +23,15 @@ with the buffers, strides and constexprs of a `QuantBuffers` (`constexprs(BLOCK_
 `tpfuse.kernels.epilogue.residual_rmsnorm_quant_kernel` does. Every rank quantizes the same
 fp32 rows with the same code, so the outputs are identical on every rank.
 
-Conversions are built from integer operations on the fp32 bit patterns (`e4m3_code`,
-`e2m1_code`), so they run wherever Triton runs: the CPU interpreter, SM80, SM90. HW_CVT (bit
+Conversions are built from integer operations on the fp32 bit patterns (`e4m3_code`; `e2m1_code`
+also rounds with one fp32 addition), so they run wherever Triton runs: the CPU interpreter, SM80, SM90. HW_CVT (bit
 flags, chosen by the launcher from the compute capability, `tpfuse.quant.conversion_path`)
 switches to the hardware instructions where they exist: bit 1, the e4m3 rounding by Triton's fp32
 -> float8e4nv cast (PTX cvt.rn.satfinite.e4m3x2.f32, sm_89 and newer); bit 2, the e2m1 pairs by
 inline cvt.rn.satfinite.e2m1x2.f32 (sm_100a-class, compute capability 10.0 and newer; never in the
 interpreter, which has no inline assembly). Same bits, fewer instructions: NaN lanes are patched
 to the software result, and both instructions round to nearest even and saturate. The e2m1 path
-is checked here only as far as it compiles and assembles for sm_100a (tests/kernels/test_quant_ptx.py);
+is checked here only as far as it compiles and assembles for sm_100a (tests/kernels/test_quant.py);
 its bits on a Blackwell GPU are checked by the GPU tier there.
 Absolute maxima are taken over the bit patterns as integers (|y| bits, NaN above inf), so NaN
 propagates identically on GPUs (where a float max drops NaN) and in the interpreter (where it
@@ -56,6 +56,7 @@ KIND_BY_NAME = {"fp8_static": KIND_FP8_STATIC, "fp8_per_token": KIND_FP8_TOKEN, 
 E4M3_MAX_BITS = tl.constexpr(0x43E00000)  # 448.0
 E2M1_MAX_BITS = tl.constexpr(0x40C00000)  # 6.0
 PAD_CHUNK = tl.constexpr(16)  # padding rows zeroed per store by zero_scale_padding
+CODE_RUN = tl.constexpr(8)  # one 128-bit access of 16-bit data: 8 elements a thread
 NVFP4_MIN_BLOCK = 64  # BLOCK >= 64 so that the 16-column blocks of a row cover align4(H / 16) scales
 
 
@@ -84,25 +85,34 @@ def round_bits(a, E_MIN32: tl.constexpr, M: tl.constexpr):
 def e4m3_code(x, HW: tl.constexpr):
     """float8_e4m3fn codes (uint32, 0..255) of fp32 `x`: RNE, saturating to +-448, NaN -> 0x7F."""
     u = x.to(tl.uint32, bitcast=True)
-    sign = (u >> 24) & 0x80
-    a = u & 0x7FFFFFFF
-    is_nan = a > 0x7F800000
-    a = tl.minimum(a, E4M3_MAX_BITS)  # inf and NaN bits compare above 448's (NaN is patched below)
     if HW:
-        clamped = (a | (sign << 24)).to(tl.float32, bitcast=True)
+        # a float clamp (min/max return the non-NaN operand; NaN is patched below) keeps the bits
+        # independent of how the cvt treats inf; the cvt rounds to nearest even and saturates
+        clamped = tl.minimum(tl.maximum(x, -448.0), 448.0)
         code = clamped.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.uint32)
     else:
-        code = round_bits(a, 121, 3) | sign
-    return tl.where(is_nan, 0x7F, code)
+        a = tl.minimum(u & 0x7FFFFFFF, E4M3_MAX_BITS)  # inf and NaN bits compare above 448's
+        code = round_bits(a, 121, 3) | ((u >> 24) & 0x80)
+    return tl.where((u & 0x7FFFFFFF) > 0x7F800000, 0x7F, code)
 
 
 @triton.jit
 def e2m1_code(x):
-    """e2m1 codes (uint32, 0..15) of fp32 `x`: RNE, saturating to +-6, NaN -> 0x7."""
+    """e2m1 codes (uint32, 0..15) of fp32 `x`: RNE, saturating to +-6, NaN -> 0x7.
+
+    One fp32 addition rounds: a = min(|x|, 6) plus c = 2^(E + 22), E = max(floor(log2 a), 0), is a
+    multiple of ulp(c) = 2^(E - 1), the e2m1 grid step of a's binade (0.5 below 2, 1 in [2, 4), 2
+    in [4, 6]), rounded to nearest even by the FPU (a < 2^22: the sum stays in c's binade). The
+    sum's bits minus c's count the grid steps k of the rounded value (k = r / 2^(E - 1)), and the
+    code of r is k + 2E. No compare chain, no variable shift; subnormal and zero a give c, code 0.
+    """
     u = x.to(tl.uint32, bitcast=True)
-    a = u & 0x7FFFFFFF
-    code = round_bits(tl.minimum(a, E2M1_MAX_BITS), 127, 1) | ((u >> 28) & 0x8)
-    return tl.where(a > 0x7F800000, 0x7, code)
+    a = tl.minimum(u & 0x7FFFFFFF, E2M1_MAX_BITS)  # inf and NaN bits compare above 6's (NaN is patched below)
+    e = tl.maximum(a >> 23, 127)  # biased exponent, at least 1.0's: below 2 the grid step is 0.5
+    c = (e + 22) << 23
+    s = a.to(tl.float32, bitcast=True) + c.to(tl.float32, bitcast=True)
+    code = (s.to(tl.uint32, bitcast=True) - c + 2 * (e - 127)) | ((u >> 28) & 0x8)
+    return tl.where((u & 0x7FFFFFFF) > 0x7F800000, 0x7, code)
 
 
 @triton.jit
@@ -198,35 +208,39 @@ def quantize_chunk(
     cols = tl.arange(0, BLOCK)
     gcols = start + cols
     mask = (gcols < H) & ((row + 0 * cols) < M)
+    qrow = q_ptr + row.to(tl.int64) * q_row_stride
     if KIND == 1:
-        inv = inverse(param)
-        q = y * inv
-        tl.store(q_ptr + row.to(tl.int64) * q_row_stride + gcols, e4m3_code(q, HW_CVT & 1).to(tl.uint8), mask=mask)
+        store_runs(qrow + start, e4m3_code(y * inverse(param), HW_CVT & 1).to(tl.uint8), H - start, row, M, BLOCK,
+                   CODE_RUN)
+    elif KIND == 2:
+        # one scale for the row: scalars, no reshape, one thread stores it
+        if ROW_AMAX:
+            amax = row_amax.to(tl.uint32).to(tl.float32, bitcast=True)
+        else:
+            amax = tl.max(abs_bits(y, mask), axis=0).to(tl.float32, bitcast=True)
+        scale = dynamic_scale(amax, scale_ub, HAS_UB)
+        store_runs(qrow + start, e4m3_code(y * inverse(scale), HW_CVT & 1).to(tl.uint8), H - start, row, M, BLOCK,
+                   CODE_RUN)
+        tl.store(s_ptr + row.to(tl.int64) * s_row_stride, scale, mask=(row < M) & (start == 0))
     else:
-        G: tl.constexpr = BLOCK if KIND == 2 else GROUP
+        G: tl.constexpr = GROUP
         NG: tl.constexpr = BLOCK // G
         gidx = start // G + tl.arange(0, NG)  # this chunk's scale blocks, numbered along the row
-        if ROW_AMAX:
-            amax = (row_amax + 0 * gidx).to(tl.uint32).to(tl.float32, bitcast=True)
-        else:
-            amax = tl.max(tl.reshape(abs_bits(y, mask), [NG, G]), axis=1).to(tl.float32, bitcast=True)
+        amax = tl.max(tl.reshape(abs_bits(y, mask), [NG, G]), axis=1).to(tl.float32, bitcast=True)
         y2 = tl.reshape(y, [NG, G])
         srow = row + 0 * gidx
         if KIND == 4:
-            gs = tl.zeros_like(amax) + param  # broadcast over the blocks
-            t = amax * 0.16666667163372040  # fp32(1/6), as FlashInfer's RECIPROCAL_6
-            sf_code = e4m3_code(gs * t, HW_CVT & 1)
+            # 0.1666...: fp32(1/6), FlashInfer's RECIPROCAL_6
+            sf_code = e4m3_code(param * (amax * 0.16666667163372040), HW_CVT & 1)
             sfv = e4m3_value(sf_code)
-            out_scale = tl.where(sfv == 0.0, 0.0, tl.math.div_rn(gs, sfv))
-            q2 = y2 * out_scale[:, None]
-            lo, hi = tl.split(tl.reshape(q2, [BLOCK // 2, 2]))
+            out_scale = tl.where(sfv == 0.0, 0.0, tl.math.div_rn(tl.zeros_like(sfv) + param, sfv))
+            q = tl.reshape(y2 * out_scale[:, None], [BLOCK])
             if HW_CVT & 2:
-                lo, hi = e2m1_pair_hw(lo, hi)
+                lo, hi = e2m1_pair_hw(*tl.split(tl.reshape(q, [BLOCK // 2, 2])))
             else:
-                lo, hi = e2m1_code(lo), e2m1_code(hi)
-            pcols = start // 2 + tl.arange(0, BLOCK // 2)
-            pmask = (pcols < H // 2) & ((row + 0 * pcols) < M)
-            tl.store(q_ptr + row.to(tl.int64) * q_row_stride + pcols, (lo | (hi << 4)).to(tl.uint8), mask=pmask)
+                lo, hi = tl.split(tl.reshape(e2m1_code(q), [BLOCK // 2, 2]))
+            store_runs(qrow + start // 2, (lo | (hi << 4)).to(tl.uint8), (H - start) // 2, row, M, BLOCK // 2,
+                       CODE_RUN // 2)
             k_real = H // 16
             value = tl.where((gidx < k_real) & (srow < M), sf_code, 0).to(tl.uint8)
             if SWIZZLED:
@@ -237,18 +251,36 @@ def quantize_chunk(
             else:
                 tl.store(s_ptr + srow.to(tl.int64) * s_row_stride + gidx, value, mask=(gidx < k_real) & (srow < M))
         else:
-            scale = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
-            if HAS_UB:
-                scale = tl.where(scale > scale_ub, scale_ub, scale)
-            # a NaN scale is the canonical quiet NaN (0x7FC00000), as the reference's: GPU division
-            # returns 0x7FFFFFFF, the interpreter the input's pattern
-            scale = tl.where(amax != amax, tl.full(amax.shape, 0x7FC00000, tl.int32).to(tl.float32, bitcast=True), scale)
-            q2 = y2 * inverse(scale)[:, None]
-            codes = tl.reshape(e4m3_code(q2, HW_CVT & 1), [BLOCK]).to(tl.uint8)
-            tl.store(q_ptr + row.to(tl.int64) * q_row_stride + gcols, codes, mask=mask)
-            # per token: G = BLOCK may exceed H, and only the row's first chunk stores its scale
-            smask = (gidx < (H + G - 1) // G) & (srow < M) & ((KIND != 2) | ((start + 0 * gidx) == 0))
+            scale = dynamic_scale(amax, scale_ub, HAS_UB)
+            codes = tl.reshape(e4m3_code(y2 * inverse(scale)[:, None], HW_CVT & 1), [BLOCK]).to(tl.uint8)
+            store_runs(qrow + start, codes, H - start, row, M, BLOCK, CODE_RUN)
+            smask = (gidx < H // G) & (srow < M)
             tl.store(s_ptr + row.to(tl.int64) * s_row_stride + gidx * s_col_stride, scale, mask=smask)
+
+
+@triton.jit
+def store_runs(ptr, values, valid, row, M, N: tl.constexpr, RUN: tl.constexpr):
+    """Store bytes `values` [N] at ptr + 0 .. N - 1, those below `valid` of a row below M, in runs
+    of RUN per thread: the offsets as (N / RUN, RUN) tell Triton that only RUN bytes are
+    contiguous (a flat uint8 store gets 16 a thread, and Triton then moves the 16-bit data's row
+    through shared memory, two barriers, to give every tensor that layout). The mask is built on
+    the 2-D offsets, so that Triton sees it constant over each run (`valid` a multiple of RUN) and
+    vectorises the store; a reshaped 1-D mask made Triton 3.6 store byte by byte."""
+    offs = tl.arange(0, N // RUN)[:, None] * RUN + tl.arange(0, RUN)[None, :]
+    mask = (offs < valid) & ((row + 0 * offs) < M)
+    tl.store(ptr + offs, tl.reshape(values, [N // RUN, RUN]), mask=mask)
+
+
+@triton.jit
+def dynamic_scale(amax, scale_ub, HAS_UB: tl.constexpr):
+    """amax / 448 (correctly rounded), bounded by scale_ub when HAS_UB; a NaN amax gives the
+    canonical quiet NaN (0x7FC00000), as the reference's: GPU division returns 0x7FFFFFFF, the
+    interpreter the input's pattern."""
+    scale = tl.math.div_rn(amax, tl.zeros_like(amax) + 448.0)
+    if HAS_UB:
+        scale = tl.where(scale > scale_ub, scale_ub, scale)
+    nan = (tl.zeros_like(amax.to(tl.int32, bitcast=True)) + 0x7FC00000).to(tl.float32, bitcast=True)
+    return tl.where(amax != amax, nan, scale)
 
 
 def pad_programs(m: int) -> int:
@@ -283,12 +315,13 @@ def quantize_rows_kernel(
     the helpers alone, for tests and as a standalone quantizer."""
     row = tl.program_id(0)
     if row < M:
+        param = load_param(param_ptr, KIND)  # issued before the row's load, so its latency overlaps it
         cols = tl.arange(0, BLOCK)
         cmask = cols < H
         y = tl.load(y_ptr + row.to(tl.int64) * H + cols, mask=cmask & ((row + 0 * cols) < M), other=0.0).to(tl.float32)
         q_stride = H // 2 if KIND == 4 else H
-        quantize_row(y, row, cols, cmask, M, H, q_ptr, q_stride, s_ptr, s_row_stride, s_col_stride, param_ptr,
-                     scale_ub, KIND, GROUP, BLOCK, SWIZZLED, HAS_UB, HW_CVT)
+        quantize_chunk(y, row, 0, M, H, q_ptr, q_stride, s_ptr, s_row_stride, s_col_stride, param, scale_ub, 0,
+                       KIND, GROUP, BLOCK, SWIZZLED, HAS_UB, HW_CVT, False)
     elif SWIZZLED:
         zero_scale_padding(s_ptr, M, H, row - M, BLOCK // 16, PAD_CHUNK)
 

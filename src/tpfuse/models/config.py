@@ -11,12 +11,18 @@ payload) does not depend on that choice; the attention time and KV-cache bytes d
 
 `--layers L` keeps the preset's ratio of dense to MoE layers (rounded), unless `dense_layers` is
 given; `--experts E` keeps top-k and the expert width.
+
+`ModelConfig.rank_memory_bytes` estimates, before any rank starts, the peak bytes one rank holds to
+build and run the model, so that a cut that cannot fit is refused with the fix instead of an
+out-of-memory kill after the weights were half drawn.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+
+from tpfuse import presets
 
 
 @dataclass(frozen=True)
@@ -86,6 +92,42 @@ class ModelConfig:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    def weight_elements(self, world_size: int) -> int:
+        """Elements of the weights one of `world_size` ranks holds (tpfuse.models.layers: the
+        embedding and the MoE routers replicated, everything else split over the ranks)."""
+        h, d, w = self.hidden, self.head_dim, world_size
+        attention = h * (self.num_heads + 2 * self.num_kv_heads) * d // w + self.num_heads * d * h // w
+        dense = 3 * h * self.dense_inter // w
+        moe = (self.num_experts * h + 3 * h * self.expert_inter * (self.num_experts // w)
+               + 3 * h * self.expert_inter * self.num_shared_experts // w)
+        norms = 2 * h * self.num_layers + h
+        return (self.vocab * h + self.vocab * h // w + norms + self.num_layers * attention
+                + self.first_dense_layers * dense + self.num_moe_layers * moe)
+
+    def kv_cache_elements(self, world_size: int, *, batch: int, context: int) -> int:
+        """Elements of one rank's KV cache for `batch` sequences of `context` slots (keys and values)."""
+        return 2 * self.num_layers * batch * (self.num_kv_heads // world_size) * context * self.head_dim
+
+    def rank_memory_bytes(self, world_size: int, *, itemsize: int, batch: int, context: int, prompt_len: int) -> int:
+        """Estimated peak bytes one rank holds for its weights, its KV cache at `batch`, the transient
+        copies made while the weights are drawn, and the prefill's activations (the bench's largest
+        step). An estimate from the shapes, not a measurement; `tpfuse.cli.preflight` adds the
+        process itself."""
+        h = self.hidden
+        # Every matrix is drawn whole in fp32, cast, then sliced and concatenated into the weight it
+        # becomes (layers.py): beyond that weight, the largest drawn matrix is held in fp32 and, for
+        # a 16-bit model, cast, for a moment.
+        drawn = max(self.vocab * h, h * (self.num_heads + 2 * self.num_kv_heads) * self.head_dim,
+                    self.num_heads * self.head_dim * h, h * max(self.dense_inter, self.expert_inter))
+        transient = drawn * (4 + (itemsize if itemsize != 4 else 0))
+        tokens = batch * prompt_len
+        # Prefill: logits (a rank's slice, every rank's pieces and their concatenation), the hidden
+        # states through a layer (a few copies: residual, normed, attention and MLP outputs, fp32
+        # sums) and the routed experts' intermediate rows.
+        activations = tokens * (3 * self.vocab + 16 * h + 3 * max(self.top_k, 1) * 2 * self.expert_inter) * 4
+        return ((self.weight_elements(world_size) + self.kv_cache_elements(world_size, batch=batch, context=context))
+                * itemsize + transient + activations)
+
 
 # GQA stand-in per preset: (num_kv_heads, head_dim, vocab). KV heads 8 / head_dim 128 follow
 # Llama-3-70B's config.json; Qwen3-235B-A22B's 4 KV heads and every vocabulary size are from the
@@ -104,9 +146,7 @@ TINY = ModelConfig(
 
 
 def preset_names() -> list[str]:
-    from tpfuse.presets import preset_names as shared
-
-    return [*shared(), "tiny"]
+    return [*presets.preset_names(), "tiny"]
 
 
 def model_config(
@@ -121,9 +161,8 @@ def model_config(
     if preset == "tiny":
         base = TINY
     else:
-        from tpfuse.presets import get_preset
 
-        p = get_preset(preset)
+        p = presets.get_preset(preset)
         kv_heads, head_dim, base_vocab = _ATTENTION[p.name]
         base = ModelConfig(
             name=p.name, hidden=p.hidden, num_heads=p.num_heads, num_kv_heads=kv_heads, head_dim=head_dim,

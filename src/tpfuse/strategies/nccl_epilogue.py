@@ -49,22 +49,32 @@ class NcclEpilogueStrategy(Strategy):
             return Verdict.yes(f"NCCL group with CUDA tensors; {admission_reason(problem.quant, caps)}")
         return Verdict.yes("NCCL group with CUDA tensors")
 
+    def __init__(self, ctx) -> None:
+        super().__init__(ctx)
+        # Imported here, not at module top: admission imports this module and must not load Triton.
+        from tpfuse.kernels.epilogue import launch_config, launch_residual_rmsnorm
+
+        self._epilogue, self._launch_config = launch_residual_rmsnorm, launch_config
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         y = x.clone()
         dist.all_reduce(y, group=self.ctx.group)  # also at world size 1, so one GPU exercises the NCCL path
         return y
 
     def all_reduce_residual_rmsnorm(self, x, residual, weight, eps, *, quant=None):
-        from tpfuse.kernels.epilogue import residual_rmsnorm
-
-        s = self.all_reduce(x)
-        return residual_rmsnorm(s, residual, weight, eps, quant=quant)
+        # The Communicator validated the arguments (and quant): the epilogue's unchecked launch,
+        # pre-bound per shape.
+        return self._epilogue(self.all_reduce(x), residual, weight, eps, quant=quant)
 
     def prepare(self, *, hidden: int, dtype: torch.dtype, max_tokens: int) -> None:
-        """Compile the epilogue kernel for this shape family before any graph capture."""
-        from tpfuse.kernels.epilogue import residual_rmsnorm
-
-        for tokens in sorted({1, min(max_tokens, 1024)}):  # the launch config changes at 1024 tokens
+        """Compile every epilogue variant that calls of up to `max_tokens` use, before any graph capture."""
+        itemsize = dtype.itemsize
+        # launch_config is piecewise constant in the token count, changing at these counts
+        configs = {}
+        for tokens in (1, 256, 1024, 2048):
+            if tokens <= max_tokens:
+                configs.setdefault(self._launch_config(hidden, itemsize, tokens), tokens)
+        for tokens in configs.values():
             x = torch.ones(tokens, hidden, dtype=dtype, device=self.ctx.device)
-            residual_rmsnorm(x, x, x[0], 1e-6)
-            residual_rmsnorm(x, None, x[0], 1e-6)
+            self._epilogue(x, x, x[0], 1e-6)
+            self._epilogue(x, None, x[0], 1e-6)

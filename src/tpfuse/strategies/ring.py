@@ -16,11 +16,13 @@ Runs wherever torch.distributed point-to-point runs: gloo on CPU, NCCL on GPUs. 
 memory only, so CUDA tensors over a gloo group are staged through the host. Not fused
 (`fused = False`): it is an unfused baseline that tune may choose on its own merits.
 
-Peer failure: over gloo every exchange waits at most `timeout_s` (Communicator option, default
-TPFUSE_TIMEOUT_S), then raises `PeerLostError` naming both neighbours; later calls
-refuse at once (`tpfuse.strategies.host_wait`). The bound is per request, not "until the peer's
-socket closes": when a rank dies, only its two neighbours see the closed socket; they raise and stop
-sending, and the ranks beyond them would otherwise wait for the group's 30-minute timeout.
+Peer failure: over gloo the exchanges run on a `HostGroup` (a private gloo group whose own timeout
+is `timeout_s`: Communicator option, default TPFUSE_TIMEOUT_S) and each waits at most that long,
+then raises `PeerLostError` naming the ranks that failed (the census of `tpfuse.strategies.host_wait`);
+later calls refuse at once, and `close()` and process exit return within the bound. The bound is per
+request, not "until the peer's socket closes": when a rank dies, only its two neighbours see the
+closed socket; they raise and stop sending, and the ranks beyond them would otherwise wait for the
+group's 30-minute timeout.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from tpfuse.quant import KINDS
 from tpfuse.reference import accumulation_dtype, residual_rmsnorm_quant_ref, residual_rmsnorm_ref
 from tpfuse.spec import Needs
 from tpfuse.strategies.base import Strategy
-from tpfuse.strategies.host_wait import PeerGuard, goes_through_host, strategy_timeout_s
+from tpfuse.strategies.host_wait import HostGroup, PeerGuard, goes_through_host, strategy_timeout_s
 
 
 class RingStrategy(Strategy):
@@ -48,11 +50,18 @@ class RingStrategy(Strategy):
         self._left = dist.get_global_rank(ctx.group, (ctx.rank - 1) % ctx.world_size)
         left, right = (ctx.rank - 1) % ctx.world_size, (ctx.rank + 1) % ctx.world_size
         self._peers = f"rank {left} (left neighbour) and rank {right} (right neighbour)"
-        self._guard = PeerGuard(self.name, ctx.rank, strategy_timeout_s(ctx.options, self.name),
-                                bounded=goes_through_host(ctx.group, ctx.device))
+        self._left_local, self._right_local = left, right
+        timeout_s = strategy_timeout_s(ctx.options, self.name)
+        bounded = goes_through_host(ctx.group, ctx.device)
+        self._host = HostGroup(ctx.group, timeout_s, self.name) if bounded and ctx.world_size > 1 else None
+        self._guard = PeerGuard(self.name, ctx.rank, timeout_s, bounded=bounded, host_group=self._host)
 
     def check(self) -> None:
         self._guard.check()
+
+    def close(self) -> None:
+        self._guard.close()
+        self._host = None
 
     def _exchange(self, send: torch.Tensor, recv: torch.Tensor) -> None:
         """Send `send` to the right neighbour while receiving `recv` from the left one."""
@@ -61,12 +70,20 @@ class RingStrategy(Strategy):
             return  # both sides know the sizes, so both skip the empty exchange
         wire_send = send.cpu() if self._stage else send
         wire_recv = torch.empty_like(recv, device="cpu") if self._stage else recv
-        ops = []
-        if wire_send.numel():
-            ops.append(dist.P2POp(dist.isend, wire_send.contiguous(), self._right, self.ctx.group))
-        if wire_recv.numel():
-            ops.append(dist.P2POp(dist.irecv, wire_recv, self._left, self.ctx.group))
-        self._guard.wait(dist.batch_isend_irecv(ops), self._peers)
+        requests = []
+        if self._host is not None:  # the private gloo group, group-local ranks
+            if wire_send.numel():
+                requests.append(self._host.pg.send([wire_send.contiguous()], self._right_local, 0))
+            if wire_recv.numel():
+                requests.append(self._host.pg.recv([wire_recv], self._left_local, 0))
+        else:
+            ops = []
+            if wire_send.numel():
+                ops.append(dist.P2POp(dist.isend, wire_send.contiguous(), self._right, self.ctx.group))
+            if wire_recv.numel():
+                ops.append(dist.P2POp(dist.irecv, wire_recv, self._left, self.ctx.group))
+            requests = dist.batch_isend_irecv(ops)
+        self._guard.wait(requests, self._peers)
         if self._stage and recv.numel():
             recv.copy_(wire_recv)
 

@@ -1,23 +1,25 @@
-"""The `twoshot` strategy: reduce-scatter by token rows, gather the sums, epilogue on every rank.
+"""The `twoshot` strategy: reduce-scatter to owners, gather the sums, epilogue on every rank.
 
 One Triton kernel (`tpfuse.kernels.twoshot`) over the same peer buffers and Lamport protocol
-as `oneshot` (`tpfuse.strategies.workspace`). Each rank reduces R = ceil(M / W) rows and pushes
-the rounded sums to every rank, so each input byte crosses the fabric about twice instead of
-W - 1 times: the better trade once messages are large. Options and workspace lifetime as in
-`tpfuse.strategies.oneshot`.
+as `oneshot` (`tpfuse.strategies.peer`: options, workspace lifetime, errors). Each input byte
+crosses the fabric about twice instead of W - 1 times: the better trade once messages are large.
+From `tpfuse.kernels.protocol.TWOSHOT_ROWS_PER_RANK` tokens a rank, owners hold whole rows and
+push each row's sum of squares with its sums, so no rank exchanges norm partials; quantized output
+is then written by the epilogue after the allreduce.
 """
 
 from __future__ import annotations
 
-from tpfuse.strategies.oneshot import PeerStrategy
+from tpfuse.strategies.peer import PeerStrategy
 
 
 class TwoShotStrategy(PeerStrategy):
     name = "twoshot"
-    description = "two-shot (reduce-scatter rows, gather sums) allreduce + residual + RMSNorm in one Triton kernel over CUDA IPC peer buffers"
-    extra_regions = 1  # the gather region of each slot
+    description = ("two-shot (reduce-scatter to owners, gather sums) allreduce + residual + RMSNorm in one Triton "
+                   "kernel over CUDA IPC peer buffers")
+    twoshot = True  # one gather region per slot beyond one per rank
 
-    def _launcher(self):
-        from tpfuse.kernels.twoshot import twoshot_launch
+    def _kernel(self):
+        from tpfuse.kernels.twoshot import twoshot_kernel
 
-        return twoshot_launch
+        return twoshot_kernel

@@ -15,16 +15,22 @@ constants, layout and the argument for two slots in tpfuse.kernels.protocol):
   then store data into peers' slots with plain remote stores; readers poll their *own* buffer with
   volatile loads until no element is the sentinel, then re-arm exactly what they read. No flags,
   no remote atomics: only posted writes cross the fabric, which PCIe P2P supports.
-- Device state (int32, local): [epoch (calls), arrivals]; the last program to arrive advances
-  the epoch, so CUDA graphs replay correctly. Split rows exchange their norm partials through
-  `partials` (int64, local), tagged with the epoch.
+- The epoch travels with the data (a tag word per item and source), so ranks whose call counts
+  differ never mix calls.
+- Device state (int32, local): one epoch word per program, advanced by each program itself, so
+  CUDA graphs replay correctly. Split rows exchange their norm partials through `partials`
+  (int64, local), tagged with the epoch.
 - Bounded waits, fail-stop: a wait gives up at a deadline (TPFUSE_TIMEOUT_S, or `timeout_s`),
   records err = [code, ranks, row, call], sets every rank's abort word and writes NaN. From then on
   this rank's kernels push nothing and wait for nothing, and every peer's wait ends as soon as it
   sees the abort word (recording which rank gave up), so a rank that was only slow cannot sum data
-  of different calls: it gets NaN and an error. The error is sticky: the workspace is unusable,
-  and the next eager call (or `check()`, which synchronises) raises PeerTimeoutError. Under CUDA
-  graph replay call `check()` yourself.
+  of different calls: it gets NaN and an error. The error is sticky: the workspace is unusable.
+
+When an error surfaces: the kernel that records it also writes its code into host-mapped memory
+(`errmap`), which every eager call reads before it launches (no copy kernel, no sync). So an eager
+call raises PeerTimeoutError once the failure has been recorded on the device: the next call
+after the failed kernel finished its wait (a call issued while that kernel still spins raises at
+a later call). `check()` synchronises and always raises; under CUDA graph replay call it yourself.
 
 Concurrency: calls on one workspace never overlap: an eager call from a stream other than the
 last one used first waits for that stream's work (`_bind_stream`). Calls being captured into a
@@ -48,23 +54,25 @@ from tpfuse.kernels.protocol import (
     ERR_ABORTED,
     ERR_CALL,
     ERR_CODE,
+    ERR_EPOCH,
     ERR_RANKS,
     ERR_ROW,
     ERR_STALL,
     ERR_WORDS,
-    HEADER_BYTES,
-    NUM_SLOTS,
     SENTINEL_BITS,
     STATE_WORDS,
+    buffer_layout,
     partials_len,
     round_region,
+    round_tags,
 )
 
 
 class PeerTimeoutError(RuntimeError):
     """A call could not complete: peers never delivered, a peer gave up first, or this rank stalled.
 
-    `ranks` are the peers waited on (ERR_TIMEOUT) or the rank that gave up (ERR_ABORTED).
+    `ranks` are the peers waited on (ERR_TIMEOUT), the rank that gave up (ERR_ABORTED) or the
+    peers that delivered another call's data (ERR_EPOCH).
     """
 
     def __init__(self, where: str, rank: int, code: int, ranks: list[int], row: int, call: int, timeout_s: float) -> None:
@@ -76,6 +84,9 @@ class PeerTimeoutError(RuntimeError):
         elif code == ERR_STALL:
             what = (f"rank {rank}'s own programs did not all run within {timeout_s:g} s (row {row}, call {call}): "
                     "other work held the GPU")
+        elif code == ERR_EPOCH:
+            what = (f"rank {rank} received data of another call from rank(s) {names} at its call {call} (row {row}): "
+                    "their call counts differ from this rank's; every rank must make the same calls in the same order")
         else:
             what = (f"rank {rank} waited {timeout_s:g} s for data from rank(s) {names} (row {row}, call {call}) "
                     "that never arrived; every rank must make the same calls in the same order")
@@ -133,35 +144,53 @@ def _shm_buffers(numel, dtype, *, group, rank, world_size) -> PeerBuffers:
     return PeerBuffers(views, rank, lambda: None)
 
 
+def fill_buffer(buf: torch.Tensor, layout) -> None:
+    """Arm a fresh buffer: the sentinel in every slot, the abort word 0, every tag and row word -1
+    (no call count: counts are >= 0)."""
+    bits = torch.int16 if buf.element_size() == 2 else torch.int32
+    buf[: layout.tags_elems].view(bits).fill_(SENTINEL_BITS[buf.element_size()])
+    buf[: layout.header_elems].view(torch.int32).zero_()
+    buf[layout.tags_elems:].view(torch.int32).fill_(-1)
+
+
 class LamportWorkspace:
     """Peer buffers + device state for one (stream, dtype); see the module docstring.
 
-    `region_elems` bounds the elements one rank contributes per region per call (tokens x hidden).
+    `region_elems` bounds the elements one rank contributes per region per call (tokens x hidden),
+    `tag_words` the items (and rows) of one call. `ranks_per_device`: how many ranks of the group
+    share this rank's GPU (the launcher's co-residency check).
     """
 
     def __init__(self, *, group, rank: int, world_size: int, device: torch.device, dtype: torch.dtype,
-                 region_elems: int, num_regions: int, timeout_s: float, where: str, shares_device: bool = False) -> None:
+                 region_elems: int, num_regions: int, tag_words: int, timeout_s: float, where: str,
+                 ranks_per_device: int = 1, peers: PeerBuffers | None = None) -> None:
         if dtype.itemsize not in SENTINEL_BITS:
             raise TypeError(f"{where}: dtype {dtype} has no sentinel; use bfloat16, float16 or float32")
         self.group, self.rank, self.world_size, self.device = group, rank, world_size, device
         self.dtype, self.timeout_s, self.where = dtype, float(timeout_s), where
         self.region_elems = round_region(region_elems)
         self.num_regions = num_regions
-        self.header_elems = HEADER_BYTES // dtype.itemsize
-        if device.type == "cuda" and shares_device:
+        self.tag_words = round_tags(tag_words)
+        self.ranks_per_device = ranks_per_device
+        layout = buffer_layout(self.region_elems, num_regions, self.tag_words, dtype.itemsize)
+        self.header_elems = layout.header_elems
+        if device.type == "cuda" and ranks_per_device > 1:
             # symmetric memory refuses two ranks on one GPU unless told that it is intended
             os.environ.setdefault("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES", "1")
-        numel = self.header_elems + NUM_SLOTS * num_regions * self.region_elems
-        self.peers = open_peer_buffers(numel, dtype, group=group, rank=rank, world_size=world_size, device=device)
-        bits = torch.int16 if dtype.itemsize == 2 else torch.int32
-        self.peers.local.view(bits).fill_(SENTINEL_BITS[dtype.itemsize])
-        self.peers.local[: self.header_elems].view(torch.int32).zero_()  # the abort word
+        if peers is None:
+            peers = open_peer_buffers(layout.total_elems, dtype, group=group, rank=rank, world_size=world_size,
+                                      device=device)
+        self.peers = peers
+        fill_buffer(self.peers.local, layout)
         # norm partials of split rows, one int64 per item, tagged with no epoch yet (-1)
         self.partials = torch.full((partials_len(self.region_elems, dtype.itemsize),), -1, dtype=torch.int64, device=device)
         self.state = torch.zeros(STATE_WORDS, dtype=torch.int32, device=device)
         self.err = torch.zeros(ERR_WORDS, dtype=torch.int32, device=device)
-        self._err_host = torch.zeros(ERR_WORDS, dtype=torch.int32, pin_memory=device.type == "cuda")
-        self._stream = None
+        # the error words' host-mapped mirror (pinned memory, which the GPU addresses directly);
+        # on CPU the words themselves
+        self.errmap = torch.zeros(ERR_WORDS, dtype=torch.int32, pin_memory=True) if device.type == "cuda" else self.err
+        self._errmap_words = self.errmap.numpy()  # host reads without a torch op
+        self._stream = None  # the raw handle of the stream of the last eager call
         self._closed = False
         self._barrier()
 
@@ -169,36 +198,43 @@ class LamportWorkspace:
     def sentinel(self) -> int:
         return SENTINEL_BITS[self.dtype.itemsize]
 
-    def fits(self, elems: int) -> bool:
-        return elems <= self.region_elems
+    def fits(self, elems: int, items: int = 0) -> bool:
+        return elems <= self.region_elems and items <= self.tag_words
 
     def before_call(self) -> None:
-        """Raise PeerTimeoutError if an earlier call on this rank timed out (reads host memory only)."""
-        if self._closed:
-            raise RuntimeError(f"{self.where}: workspace used after close(); create a new Communicator")
-        self._raise_from(self.err if self.device.type == "cpu" else self._err_host)
-        if self.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
-            self._bind_stream(torch.cuda.current_stream(self.device))
+        """Raise PeerTimeoutError if an earlier call on this rank failed (reads host memory only),
+        and order this call after the workspace's earlier eager calls on other streams."""
+        if self._errmap_words[ERR_CODE] or self._closed:
+            self._raise_recorded()
+        if self.device.type == "cuda":
+            stream = torch._C._cuda_getCurrentRawStream(self.device.index)
+            if stream != self._stream and not torch.cuda.is_current_stream_capturing():
+                self._bind_stream(stream)
 
-    def _bind_stream(self, stream) -> None:
+    def _bind_stream(self, stream: int) -> None:
         """Order this call after every earlier call on the workspace, whatever stream issued those.
 
         Two kernels on one workspace at once would mix two calls' data, so when the caller's
         stream differs from the last one used, the new stream waits for the old one's work first
         (`wait_stream` records an event there now: it covers the last launch). Nothing is added
-        while the stream stays the same.
+        while the stream stays the same. Calls being captured are not bound (a capture cannot wait
+        on work outside it; see the module docstring).
         """
-        if self._stream is not None and stream != self._stream:
-            stream.wait_stream(self._stream)
+        if self._stream is not None:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_stream(torch.cuda.ExternalStream(self._stream, device=self.device))
         self._stream = stream
 
-    def after_call(self) -> None:
-        """Queue a copy of the error words to pinned host memory (eager calls; no host sync)."""
+    def _raise_recorded(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"{self.where}: workspace used after close(); create a new Communicator")
         if self.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
-            self._err_host.copy_(self.err, non_blocking=True)
+            torch.cuda.synchronize(self.device)  # the failed kernel has finished: its record is complete
+            self._raise_from(self.err)
+        self._raise_from(self.errmap)
 
     def check(self) -> None:
-        """Synchronise this rank's device and raise PeerTimeoutError if any call timed out."""
+        """Synchronise this rank's device and raise PeerTimeoutError if any call failed."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self._raise_from(self.err)
@@ -213,7 +249,8 @@ class LamportWorkspace:
     def _barrier(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        dist.barrier(group=self.group)
+        if self.group is not None:
+            dist.barrier(group=self.group)
 
     def close(self) -> None:
         """Collective: wait until no rank's kernel can still touch the buffers, then release them."""
@@ -224,3 +261,21 @@ class LamportWorkspace:
         self.peers.release()
         self.peers = None  # type: ignore[assignment]
 
+
+
+def emulated_workspaces(world_size: int, *, device, dtype: torch.dtype, region_elems: int, num_regions: int,
+                        tag_words: int, timeout_s: float, where: str = "emulated") -> list[LamportWorkspace]:
+    """The workspaces of `world_size` ranks emulated in one process on one device: every rank's
+    buffer is a plain allocation there, mapped by all (no process group, no IPC), for W ranks run
+    as W streams (benchmarks/bench_peer_kernels.py and the one-process GPU tests). Calls of all
+    ranks must be issued so that they can run concurrently (one stream each)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    layout = buffer_layout(round_region(region_elems), num_regions, round_tags(tag_words), dtype.itemsize)
+    views = tuple(torch.empty(layout.total_elems, dtype=dtype, device=device) for _ in range(world_size))
+    return [LamportWorkspace(group=None, rank=r, world_size=world_size, device=device, dtype=dtype,
+                             region_elems=region_elems, num_regions=num_regions, tag_words=tag_words,
+                             timeout_s=timeout_s, where=where, ranks_per_device=world_size,
+                             peers=PeerBuffers(views, r, lambda: None))
+            for r in range(world_size)]

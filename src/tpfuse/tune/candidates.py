@@ -12,6 +12,8 @@ from collections.abc import Callable
 
 import torch
 
+from tpfuse.group import agree_group_facts, device_type_of
+from tpfuse.probe import probe
 from tpfuse.reference import random_inputs
 from tpfuse.spec import Op, Problem, Verdict
 from tpfuse.strategies import admission, get_strategy
@@ -33,19 +35,18 @@ class CandidatePool:
         self._prepared: set[tuple] = set()
 
     @classmethod
-    def for_group(cls, group=None, *, device=None, options: dict | None = None) -> CandidatePool:
+    def for_group(cls, group=None, *, device=None, options: dict | None = None, handshake_group=None) -> CandidatePool:
         """Collective: a pool bound to `group` (default WORLD) with its agreed facts and this rank's
-        probe. `device`: where tensors live (default: CUDA for NCCL groups, else CPU)."""
+        probe. `device`: where tensors live (default: CUDA for NCCL groups, else CPU).
+        `handshake_group`: where the facts are agreed (default `group`; an engine's gloo group)."""
         import torch.distributed as dist
 
-        from tpfuse.group import agree_group_facts, device_type_of
-        from tpfuse.probe import probe
 
         group = group if group is not None else dist.group.WORLD
         device_type = torch.device(device).type if device is not None else device_type_of(group)
         dev = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
         caps = probe()
-        facts = agree_group_facts(group, caps, device_type=device_type)
+        facts = agree_group_facts(group, caps, device_type=device_type, handshake_group=handshake_group)
         return cls(group=group, rank=dist.get_rank(group), world_size=dist.get_world_size(group), facts=facts, caps=caps,
                    device=dev, options=options)
 

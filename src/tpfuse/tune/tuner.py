@@ -16,10 +16,17 @@ Per (op, hidden, token bucket):
    beats it by `margin` (default 3%).
 All decisions use times already reduced across ranks, and rank 0's table is broadcast at the end,
 so every rank returns the identical table (same digest).
+
+With `TuneSpec.budget_s` (an engine's start-up calibration), buckets are measured smallest first
+until the budget is spent: before each bucket after the first, rank 0's clock decides (the
+decision is broadcast) whether the time spent plus twice the last bucket's duration stays within
+the budget; the table then holds only the buckets measured. `handshake_group` carries the object
+collectives (an engine's gloo group) while the data and timing run on `group`.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -49,6 +56,7 @@ class TuneSpec:
     rounds: int = 20
     confirm_rounds: int = 40
     warmup: int = 3
+    budget_s: float | None = None  # stop before a bucket that would end past this many seconds
 
     def __post_init__(self) -> None:
         if not self.hiddens or any(h < 1 for h in self.hiddens):
@@ -59,6 +67,9 @@ class TuneSpec:
             raise ValueError(f"TuneSpec: margin is a fraction in [0, 1), e.g. 0.03; got {self.margin}")
         for op in self.ops:
             Op(op)
+        if self.budget_s is not None and not self.budget_s > 0:
+            raise ValueError(f"TuneSpec: budget_s is a number of seconds > 0 (or None for no budget), "
+                             f"got {self.budget_s}")
 
     @property
     def num_steps(self) -> int:
@@ -93,37 +104,53 @@ def _leaders(medians: dict[str, float], fused: Callable[[str], bool]) -> list[st
 
 
 def tune_in_group(spec: TuneSpec, *, group=None, device=None, progress: Callable[[str], None] | None = None,
-                  options: dict | None = None) -> DispatchTable:
+                  options: dict | None = None, handshake_group=None) -> DispatchTable:
     """Collective: measure and choose per bucket (module doc); every rank returns the same table.
 
     `device`: where tensors live (default: CUDA for NCCL groups, else CPU; "cuda" over gloo for
     ranks sharing a GPU). `progress(description)` is called once per finished bucket.
+    `handshake_group` (default `group`): where the object collectives run.
     """
-    pool = CandidatePool.for_group(group, device=device, options=options)
+    pool = CandidatePool.for_group(group, device=device, options=options, handshake_group=handshake_group)
     group, rank, world_size, facts, caps, dev = pool.group, pool.rank, pool.world_size, pool.facts, pool.caps, pool.device
+    handshake = handshake_group if handshake_group is not None else group
     dtype = getattr(torch, spec.dtype)
     max_tokens = max(spec.buckets)
+    steps = [(Op(op_name), hidden, num_tokens) for op_name in spec.ops for hidden in spec.hiddens
+             for num_tokens in sorted(spec.buckets)]
     entries = []
+    started, last_s = time.perf_counter(), 0.0
     try:
-        for op_name in spec.ops:
-            op = Op(op_name)
-            for hidden in spec.hiddens:
-                for num_tokens in sorted(spec.buckets):
-                    entries.append(_tune_bucket(spec, pool, op, hidden, num_tokens, dtype, max_tokens, facts, caps,
-                                                group, rank, world_size, dev))
-                    if progress is not None:
-                        progress(f"{op_name} {num_tokens}x{hidden}: {entries[-1].choice}")
+        for op, hidden, num_tokens in steps:
+            # The next bucket holds up to twice the tokens of the last (engines capture 1, 2, 4, 8,
+            # ...), so it is predicted to take up to twice as long.
+            if entries and spec.budget_s is not None and _budget_spent(started, 2 * last_s, spec.budget_s, handshake):
+                break
+            began = time.perf_counter()
+            entries.append(_tune_bucket(spec, pool, op, hidden, num_tokens, dtype, max_tokens, facts, caps,
+                                        group, rank, world_size, dev, handshake))
+            last_s = time.perf_counter() - began
+            if progress is not None:
+                progress(f"{op.value} {num_tokens}x{hidden}: {entries[-1].choice}")
     finally:
         pool.close()
     settings = {"margin": spec.margin, "rounds": spec.rounds, "confirm_rounds": spec.confirm_rounds}
     table = DispatchTable(versions_of(caps), fingerprint(facts, caps), tuple(entries), settings, now_iso())
     # Rank 0's table on every rank: same timestamp and bits, hence the same digest everywhere.
     box = [table.to_json() if rank == 0 else None]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+    dist.broadcast_object_list(box, src=dist.get_global_rank(handshake, 0), group=handshake)
     return parse(box[0])
 
 
-def _tune_bucket(spec, pool, op, hidden, num_tokens, dtype, max_tokens, facts, caps, group, rank, world_size, dev) -> Entry:
+def _budget_spent(started: float, next_s: float, budget_s: float, group) -> bool:
+    """Collective: rank 0's answer to "would one more bucket of `next_s` seconds end past the budget?"."""
+    box = [time.perf_counter() - started + next_s > budget_s]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+    return bool(box[0])
+
+
+def _tune_bucket(spec, pool, op, hidden, num_tokens, dtype, max_tokens, facts, caps, group, rank, world_size, dev,
+                 handshake) -> Entry:
     problem = Problem(op, num_tokens, hidden, spec.dtype, facts, has_residual=op == Op.ALL_REDUCE_RESIDUAL_RMSNORM)
     names, verdicts = admitted(problem, caps, list(spec.strategies) if spec.strategies else None)
     rejected = {n: f"not admitted: {v.reason}" for n, v in verdicts.items() if not v.ok}
@@ -134,7 +161,7 @@ def _tune_bucket(spec, pool, op, hidden, num_tokens, dtype, max_tokens, facts, c
         except Exception as exc:  # reported, then agreed: a candidate missing on one rank is out everywhere
             instance, local = None, f"{type(exc).__name__}: {exc}"
         everyone: list = [None] * world_size
-        dist.all_gather_object(everyone, local, group=group)
+        dist.all_gather_object(everyone, local, group=handshake)
         if any(everyone):
             rejected[name] = "could not be created: " + "; ".join(f"rank {r}: {m}" for r, m in enumerate(everyone) if m)
             continue

@@ -1,0 +1,94 @@
+"""The start-up calibration end to end: a first start with no table on 2 ranks calibrates within the
+budget and saves the table; the second start loads it without measuring. CPU form over gloo; GPU
+form with the 2 ranks sharing one GPU (gloo group, device="cuda"; the peer strategies are
+candidates there, NCCL refuses two ranks on one GPU).
+
+    python -m pytest -q -p no:cacheprovider tests/integrations/test_calibrate.py    # both forms
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from tpfuse.env import CALIBRATE_DEFAULT_S
+from tpfuse.reference import all_reduce_residual_rmsnorm_ref, small_integer_inputs
+from tpfuse.spawn import run_ranks
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+GPU_ENV = {"TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES": "1", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+           "NCCL_NVLS_ENABLE": "0", "TPFUSE_TIMEOUT_S": "20"}
+
+
+def _start(rank, world_size, cache, device, hidden):
+    import logging
+    import os
+    import time
+
+    import torch.distributed as dist
+
+    from tpfuse.integrations import runtime
+
+    os.environ["TPFUSE_CACHE_DIR"] = cache
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    log = []
+    handler = logging.Handler()
+    handler.emit = lambda record: log.append(record.getMessage())
+    logging.getLogger("tpfuse.integrations").addHandler(handler)
+    logging.getLogger("tpfuse.integrations").setLevel(logging.INFO)
+    group = runtime.EngineGroup("tp:0", dist.new_group([0, 1]), dist.new_group([0, 1], backend="gloo"), device)
+    started = time.perf_counter()
+    served = runtime.prepare("vllm", group, hidden=hidden, dtype=torch.bfloat16, max_tokens=64, buckets=BUCKETS)
+    seconds = time.perf_counter() - started
+    comm = runtime.state("tp:0").comm
+    chosen = {t: comm.strategy_for("all_reduce_residual_rmsnorm", t, hidden, torch.bfloat16).name for t in BUCKETS}
+    x = small_integer_inputs(rank, 24, hidden, torch.bfloat16, device=device)
+    res = small_integer_inputs(100, 24, hidden, torch.bfloat16, device=device)
+    weight = small_integer_inputs(101, 1, hidden, torch.bfloat16, device=device)[0]
+    got = torch.ops.tpfuse.engine_all_reduce_residual_rmsnorm(x, res, weight, 1e-6, "tp:0")
+    comm.check()
+    dist.barrier()
+    runtime.close_all()
+    return {"served": served, "seconds": seconds, "log": log, "chosen": chosen,
+            "table_tokens": sorted(e.tokens for e in comm.table.entries) if comm.table is not None else [],
+            "out": tuple(t.cpu() for t in got)}
+
+
+def _first_and_second_start(tmp_path, device, hidden, env=None):
+    cache = str(tmp_path / "cache")
+    first = run_ranks(_start, 2, args=(cache, device, hidden), env=env, timeout_s=500)
+    (table,) = sorted((tmp_path / "cache").glob("dispatch-*.json"))
+    written = table.stat().st_mtime_ns
+    second = run_ranks(_start, 2, args=(cache, device, hidden), env=env, timeout_s=500)
+    assert table.stat().st_mtime_ns == written  # loaded, not measured again
+    xs = [small_integer_inputs(r, 24, hidden, torch.bfloat16) for r in range(2)]
+    want = all_reduce_residual_rmsnorm_ref(xs, small_integer_inputs(100, 24, hidden, torch.bfloat16),
+                                           small_integer_inputs(101, 1, hidden, torch.bfloat16)[0])
+    for out in first:
+        calibrated = [m for m in out["log"] if m.startswith("tpfuse: calibrated vllm group tp:0")]
+        assert len(calibrated) == 1, out["log"]
+        spent = float(re.search(r" in ([0-9.]+) s, saved to ", calibrated[0]).group(1))
+        assert spent <= CALIBRATE_DEFAULT_S, calibrated  # within the budget
+        assert out["served"] and out["table_tokens"], out["log"]
+    for out in second:
+        assert not [m for m in out["log"] if m.startswith("tpfuse: calibrat")], out["log"]
+        assert out["served"] and out["table_tokens"] == first[0]["table_tokens"]
+        assert out["chosen"] == first[0]["chosen"]  # the same measured choices
+    for out in first + second:  # small-integer sums are exact: every strategy gives the reference's bits
+        assert torch.equal(out["out"][0], want[0]) and torch.equal(out["out"][1], want[1])
+    return first, second
+
+
+@pytest.mark.gloo
+def test_first_start_calibrates_within_budget_and_the_second_loads_the_table_cpu(tmp_path):
+    first, _ = _first_and_second_start(tmp_path, "cpu", 64)
+    assert first[0]["table_tokens"] == list(BUCKETS)  # CPU buckets are quick: the budget reaches them all
+
+
+@pytest.mark.gpu
+def test_first_start_calibrates_within_budget_and_the_second_loads_the_table_shared_gpu(tmp_path):
+    first, _ = _first_and_second_start(tmp_path, "cuda", 4096, env=GPU_ENV)
+    assert first[0]["table_tokens"] == list(BUCKETS)[:len(first[0]["table_tokens"])]  # smallest first

@@ -1,0 +1,114 @@
+"""The one-shot kernel (`tpfuse.kernels.oneshot`) against the reference.
+
+Interpreter tier: the real kernel on CPU through TRITON_INTERPRET=1, one spawned process per rank
+over shared-memory peer buffers (x86 ordering is stronger than a GPU's: these check the protocol's
+logic, not memory ordering; shapes are tiny because the interpreter runs every program in Python).
+GPU tier: W ranks emulated as W CUDA streams in one process (`support.peer.EmulatedRanks`), under
+every launch option (programmatic dependent launch off / end trigger / entry trigger, the per-thread
+spin on and off), and captured in a CUDA graph. The processes-on-one-GPU tests of the strategy are
+in tests/strategies/test_peer.py.
+"""
+
+import pytest
+import torch
+
+from support.peer import EmulatedRanks, check_calls, check_outputs, check_split, check_split_quant
+
+# Back-to-back calls with changing M (including M < W and the slot rotation several times over),
+# changing inputs, with and without residual, and the plain allreduce.
+CALLS = [(3, "int", "res"), (5, "rand", "res"), (1, "int", "none"), (4, "int", "ar"), (2, "rand", "res"),
+         (7, "int", "res"), (1, "rand", "ar")]
+
+
+@pytest.mark.interpreter
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_two_ranks_back_to_back_calls(dtype):
+    check_calls("oneshot", 2, dtype, 64, CALLS)
+
+
+@pytest.mark.interpreter
+@pytest.mark.slow
+def test_four_ranks():
+    check_calls("oneshot", 4, torch.float16, 32, [(5, "int", "res"), (2, "rand", "res"), (9, "int", "ar"),
+                                                   (3, "int", "res")])
+
+
+@pytest.mark.interpreter
+@pytest.mark.slow
+def test_rows_split_over_chunks_match_the_reference():
+    check_split("oneshot", 40, 16)  # three chunks a row, the last one partial
+
+
+@pytest.mark.interpreter
+@pytest.mark.slow
+def test_split_rows_quantized_in_the_kernel_equal_the_reference():
+    """Rows of three 64-element chunks: per-token FP8 exchanges each row's absmax between its
+    chunks, per-group and NVFP4 scale blocks fall inside chunks, swizzled padding is zeroed."""
+    check_split_quant("oneshot")
+
+
+# ---- GPU: W streams on one GPU -----------------------------------------------------------------
+
+GPU_CALLS = [(1, "int", "res"), (1, "rand", "res"), (16, "int", "res"), (3, "int", "none"), (5, "int", "ar"),
+             (1, "int", "res")]
+
+
+# Each option is a compile of every variant the calls use, so the matrix is cut to what differs
+# (benchmarks/bench_peer_kernels.py --suite variants checks every combination at 1 token as well).
+@pytest.mark.gpu
+@pytest.mark.parametrize("world, pdl, spin", [(8, 0, 0), (8, 2, 2), (8, 1, 1), (2, 2, 2), (2, 0, 0)])
+def test_launch_options_give_the_reference_bits(world, pdl, spin):
+    from tpfuse.kernels.peer_launch import LaunchOptions
+
+    ranks = EmulatedRanks("oneshot", world, 6144, torch.bfloat16, 64, options=LaunchOptions(pdl=pdl, spin=spin))
+    outs = [ranks.call(m, kind, mode, i) for i, (m, kind, mode) in enumerate(GPU_CALLS)]
+    check_outputs(f"oneshot pdl={pdl} spin={spin}", [[o[r] for o in outs] for r in range(world)], world,
+                  torch.bfloat16, 6144, GPU_CALLS)
+    for ws in ranks.ws:
+        ws.check()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["oneshot", "twoshot"])
+def test_cuda_graph_replay_of_every_rank(name):
+    """All ranks' calls captured in one graph (one stream each), replayed with new inputs: the
+    epoch words advance on the device, so every replay gives the reference's bits."""
+    from tpfuse.kernels.peer_launch import LaunchOptions
+    from tpfuse.reference import all_reduce_residual_rmsnorm_ref, small_integer_inputs
+
+    world, m, h = 4, 24, 4096
+    ranks = EmulatedRanks(name, world, h, torch.bfloat16, m, options=LaunchOptions(pdl=1, spin=2))
+    xs = [torch.zeros(m, h, dtype=torch.bfloat16, device="cuda") for _ in range(world)]
+    res, w = torch.zeros_like(xs[0]), torch.zeros(h, dtype=torch.bfloat16, device="cuda")
+    launches = [ranks.launch_for(r, m, True, True) for r in range(world)]
+    outs = [[None] for _ in range(world)]
+
+    def issue():
+        for r in range(world):
+            with torch.cuda.stream(ranks.streams[r]):
+                outs[r][0] = launches[r](xs[r], res, w, 1e-6)
+
+    issue()  # eager first: binds every launch
+    torch.cuda.synchronize()
+    main = torch.cuda.Stream()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=main):
+        for s in ranks.streams:
+            s.wait_stream(main)
+        issue()
+        for s in ranks.streams:
+            main.wait_stream(s)
+    for step in range(4):
+        for r in range(world):
+            xs[r].copy_(small_integer_inputs(r, m, h, torch.bfloat16, seed=step))
+            outs[r][0][0].fill_(float("nan"))
+        res.copy_(small_integer_inputs(100, m, h, torch.bfloat16, seed=step))
+        w.copy_(small_integer_inputs(101, 1, h, torch.bfloat16, seed=step)[0])
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = all_reduce_residual_rmsnorm_ref([x.cpu() for x in xs], res.cpu(), w.cpu())
+        for r in range(world):
+            assert torch.equal(outs[r][0][0].cpu(), ref[0]) and torch.equal(outs[r][0][1].cpu(), ref[1]), (step, r)
+    for ws in ranks.ws:
+        ws.check()

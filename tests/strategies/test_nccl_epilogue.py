@@ -1,0 +1,48 @@
+"""The `nccl_epilogue` strategy (NCCL allreduce, then the epilogue kernel) on one GPU."""
+
+import pytest
+import torch
+
+from support.peer import GPU_ENV
+from tpfuse.reference import (
+    TOLERANCE,
+    all_reduce_residual_rmsnorm_ref,
+    random_inputs,
+    relative_error,
+    small_integer_inputs,
+)
+from tpfuse.spawn import run_ranks
+
+
+def _poison_cache(nbytes: int) -> None:
+    """Leave NaN in the caching allocator's free blocks, so fresh outputs start as NaN."""
+    torch.empty(nbytes // 4 + 1, dtype=torch.float32, device="cuda").fill_(float("nan"))
+
+
+def _nccl_epilogue_rank(rank, world_size):
+    from tpfuse import Communicator
+
+    out = []
+    with Communicator(strategy="nccl_epilogue") as comm:
+        for kind, dtype in (("int", torch.bfloat16), ("rand", torch.float16)):
+            make = small_integer_inputs if kind == "int" else random_inputs
+            x, res, w = (make(r, 9, 6144, dtype, device="cuda") for r in (rank, 100, 101))
+            _poison_cache(4 * 9 * 6144 * 4)
+            normed, new_res = comm.all_reduce_residual_rmsnorm(x, res, w[0])
+            out.append((kind, dtype, normed.cpu(), new_res.cpu()))
+    return out
+
+
+@pytest.mark.gpu
+def test_nccl_epilogue_world_size_one():
+    (out,) = run_ranks(_nccl_epilogue_rank, 1, backend="nccl", env=GPU_ENV, timeout_s=300)
+    for kind, dtype, normed, new_res in out:
+        make = small_integer_inputs if kind == "int" else random_inputs
+        x, res, w = (make(r, 9, 6144, dtype) for r in (0, 100, 101))
+        ref = all_reduce_residual_rmsnorm_ref([x], res, w[0])
+        assert torch.equal(new_res, ref[1])
+        if kind == "int":
+            assert torch.equal(normed, ref[0])
+        else:
+            ref64 = all_reduce_residual_rmsnorm_ref([x], res, w[0], acc_dtype=torch.float64)[0]
+            assert relative_error(normed, ref64) <= TOLERANCE[dtype]
