@@ -57,6 +57,28 @@ def test_an_attribute_turned_off_on_one_architecture_excludes_it_in_other_method
     assert scope == "Kernel.run" and true == [] and "sm90" not in unknown and set(unknown) == set(names(lambda a: a.major != 9))
 
 
+def test_a_class_field_default_is_not_the_value_its_methods_read(tmp_path):
+    # sglang 0.5.10 ServerArgs: `tp_size: int = 1` is what a caller overrides; read as 1, the
+    # auto-enable `... and is_sm90_supported() and self.tp_size > 1` was false everywhere and lost.
+    found = conditions(tmp_path, """
+        from dataclasses import dataclass
+
+        import torch
+
+
+        @dataclass
+        class Args:
+            tp_size: int = 1
+            fused: bool = False
+
+            def adjust(self):
+                if not self.fused and torch.cuda.get_device_capability()[0] == 9 and self.tp_size > 1:
+                    self.fused = True
+    """)
+    scope, true, unknown = found["not self.fused and torch.cuda.get_device_capability()[0] == 9 and self.tp_size > 1"]
+    assert scope == "Args.adjust" and true == [] and unknown == names(lambda a: a.major == 9)
+
+
 def test_a_value_computed_on_first_use_is_the_architecture_value(tmp_path):
     found = conditions(tmp_path, """
         import torch

@@ -523,7 +523,9 @@ class ModuleScanner:
         guards = lambda: " = ".join(ast.unparse(t) for t in targets)  # noqa: E731
         table = self._table_site(stmt.value, "table", scope, local, attrs, stmt, guards=guards)
         value = self._site(stmt.value, "assign", scope, local, attrs, stmt, guards=guards, table=table)
-        if value is UNKNOWN and isinstance(stmt.value, ast.Constant):  # a literal: `use_fast = False`, joined later
+        # A literal in a def (`use_fast = False`, joined later) is its value; in a class body it is only a
+        # default that an instance, a dataclass caller or a subclass overrides (`tp_size: int = 1`).
+        if value is UNKNOWN and isinstance(stmt.value, ast.Constant) and local is not attrs:
             value = Const(stmt.value.value)
         for target in targets:
             if isinstance(target, ast.Name) and local is not None:
