@@ -273,7 +273,7 @@ class _Run:
             error = resolver.errors.get(path.resolve(), "SyntaxError: unparsable")
             self.skipped.append({"path": rel, "reason": "unparsable", "error": error})
             return
-        if info.path.resolve() != path.resolve():  # never silently: a dropped file hides its gates
+        if info.path != path and info.path.resolve() != path.resolve():  # never silently: a dropped file hides its gates
             self.skipped.append({"path": rel, "reason": "name-clash", "error": f"module name {name} already names {info.path}"})
             return
         try:

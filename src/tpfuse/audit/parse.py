@@ -31,7 +31,6 @@ _ASSIGN_RE = re.compile(r"^([A-Za-z_]\w*(?:[ \t]*,[ \t]*[A-Za-z_]\w*)*)[ \t]*(?:
 _PARAM_RE = re.compile(r"capability|sm_version|device_sm|sm_arch|_major\b|device_arch|arch\b")
 _WORD_RE = re.compile(r"[A-Za-z_]\w*")
 _CONSTANT_NAMES = frozenset({"get_platform", "current_platform", "is_cuda", "_is_cuda", "is_cuda_alike"})
-_TRIPLE_RE = re.compile(r'"""|\'\'\'')
 # A line that compares (`arch == "sm_90a"`, `"sm100" in name`): a token in its string literal counts.
 _COMPARES_RE = re.compile(r"==|!=|<=|>=| in | not in |[<>]")
 
@@ -63,6 +62,20 @@ def split_lines(source: str, *, keepends: bool = True) -> list:
     return lines
 
 
+def _triple_quotes(source: str) -> list:
+    """[(offset, quote)] of every triple quote (double or single) in `source` in order, as
+    `re.finditer` finds them (str.find scans for one literal far faster than a regex alternation
+    tried at every position; the two quotes share no character, so their matches never overlap)."""
+    found = []
+    for quote in ('"""', "'''"):
+        i = source.find(quote)
+        while i >= 0:
+            found.append((i, quote))
+            i = source.find(quote, i + 3)
+    found.sort()
+    return found
+
+
 class TextMap:
     """Line offsets and triple-quoted string regions of a module's text (as far as the text shows).
 
@@ -73,12 +86,12 @@ class TextMap:
         self.source = source
         self.lines = split_lines(source)
         self.starts = list(itertools.accumulate(map(len, self.lines), initial=0))
-        marks, open_quote, regions = [m for m in _TRIPLE_RE.finditer(source)], None, []
-        for m in marks:
+        open_quote, regions = None, []
+        for pos, quote in _triple_quotes(source):
             if open_quote is None:
-                open_quote = m
-            elif m.group() == open_quote.group():
-                regions.append((open_quote.start(), m.end()))
+                open_quote = (pos, quote)
+            elif quote == open_quote[1]:
+                regions.append((open_quote[0], pos + 3))
                 open_quote = None
         self.regions = regions if open_quote is None else None
         self._region_starts = [a for a, _ in regions] if self.regions else []
@@ -167,8 +180,13 @@ def parse_selected(source: str, filename: str, tokens: list, name_re: re.Pattern
     texts = ["".join(lines[a:b]) for a, b, _ in chunks]
     offsets = [textmap.starts[a] for a, _, _ in chunks] + [len(source)]
     arch_chunks = {bisect.bisect_right(offsets, pos) - 1 for pos in tokens}
-    param_chunks = {bisect.bisect_right(offsets, m.start()) - 1 for m in _PARAM_RE.finditer(source)
-                    if _param_word(source, m) and textmap.is_code(m.start())}
+    param_chunks: set = set()
+    for m in _PARAM_RE.finditer(source):  # only a def chunk not already kept needs the (slower) code test
+        k = bisect.bisect_right(offsets, m.start()) - 1
+        if k in param_chunks or k in arch_chunks or not chunks[k][2]:
+            continue
+        if _param_word(source, m) and textmap.is_code(m.start()):
+            param_chunks.add(k)
     if "minor" in source:
         param_chunks |= {k for k, t in enumerate(texts) if "minor" in t and "major" in t}
     words: dict = {}
@@ -293,26 +311,29 @@ class _ClassTrim:
         self.text, self.arch_lines = text, arch_lines
         self.lines = lines = split_lines(text)
         header = next((i for i, line in enumerate(lines) if line.startswith("class")), None)
-        body = [i for i in range(header + 1, len(lines)) if lines[i].strip() and not lines[i].lstrip().startswith("#")] if header is not None else []
-        first = lines[body[0]] if body else ""
+        body = lines[header + 1:] if header is not None else []
+        first = next((line for line in body if line.strip() and not line.lstrip().startswith("#")), "")
         self.indent = indent = first[: len(first) - len(first.lstrip())]
         self.parts: list = []
         if not indent:
             return
-        # Methods start at the body's indentation with def/async def/@ (decorators join their def).
+        # Methods start at the body's indentation with def/async def/@ (decorators join their def); other
+        # code there (not a closing bracket, a quote or a comment) starts a part of class-level statements.
+        # One regex pass over the text finds those lines (a test per line was a tenth of the parse).
+        line_starts = list(itertools.accumulate(map(len, lines), initial=0))
+        at_indent = re.compile(rf"^{re.escape(indent)}(?=[^ \t\r\n\f\v)\]}}'\"#])", re.MULTILINE)
         starts, prev_deco = [], False
-        for i in body:
-            line = lines[i]
-            if not line.startswith(indent) or line[len(indent)] in " \t)]}'\"":
-                continue
-            rest = line[len(indent):]
+        for m in at_indent.finditer(text, line_starts[header + 1]):
+            i = bisect.bisect_right(line_starts, m.start()) - 1
+            rest = lines[i][len(indent):]
             is_deco = rest.startswith("@")
             if not prev_deco:
                 starts.append((i, is_deco or bool(_DEF_RE.match(rest))))
             prev_deco = is_deco
         self.parts = [(a, b, is_method) for (a, is_method), (b, _) in zip(starts, starts[1:] + [(len(lines), False)])]
         self.texts = ["".join(lines[a:b]) for a, b, _ in self.parts]
-        self.keep = [not is_method or any(i in arch_lines for i in range(a, b))
+        arch = sorted(arch_lines)
+        self.keep = [not is_method or bisect.bisect_left(arch, a) < bisect.bisect_left(arch, b)
                      or any(_param_word(chunk, m) for m in _PARAM_RE.finditer(chunk)) or ("major" in chunk and "minor" in chunk)
                      for (a, b, is_method), chunk in zip(self.parts, self.texts)]
         self.hot_words: set = set()

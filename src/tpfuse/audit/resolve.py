@@ -109,6 +109,8 @@ class Resolver:
         self.errors: dict[Path, str] = {}
         self._root_strs = [str(r) for r in self.roots]
         self._overlay_strs = {str(p) for p in self.overlay}
+        self._overlay_dirs = {os.path.dirname(p) for p in self._overlay_strs}
+        self._dirs: dict = {}  # directory -> whether it exists (path_of's probes)
         self._inlinable: dict = {}
         self.missing: list[str] = []
         # module -> names it imports that hold an architecture value elsewhere (the driver's second pass)
@@ -122,7 +124,10 @@ class Resolver:
             found = None
             within = str(self.within) + os.sep if self.within else ""
             for root in self._root_strs:
-                for cand in (os.path.join(root, rel, "__init__.py"), os.path.join(root, rel + ".py")):
+                base = os.path.join(root, rel)
+                if not self._is_dir(os.path.dirname(base)):  # most names are not under most roots
+                    continue
+                for cand in (os.path.join(base, "__init__.py"), base + ".py"):
                     if within and not cand.startswith(within):
                         continue
                     if cand in self._overlay_strs or os.path.isfile(cand):
@@ -133,14 +138,20 @@ class Resolver:
             self._paths[name] = found
         return self._paths[name]
 
+    def _is_dir(self, directory: str) -> bool:
+        if directory not in self._dirs:
+            self._dirs[directory] = directory in self._overlay_dirs or os.path.isdir(directory)
+        return self._dirs[directory]
+
     def read(self, path: Path) -> str:
         """Source text of `path` (the overlay's, else the file's, decoded as Python does); SourceSkip if unreadable."""
-        try:
-            path = path.resolve()
-        except (OSError, RuntimeError) as exc:  # RuntimeError: Path.resolve on a symlink loop (Python < 3.13)
-            raise SourceSkip("symlink-loop", f"cannot be resolved ({exc})") from None
-        if path in self.overlay:
-            return self.overlay[path]
+        if self.overlay:  # its keys are real paths (opening the file itself reports a link loop)
+            try:
+                path = path.resolve()
+            except (OSError, RuntimeError) as exc:  # RuntimeError: Path.resolve on a symlink loop (Python < 3.13)
+                raise SourceSkip("symlink-loop", f"cannot be resolved ({exc})") from None
+            if path in self.overlay:
+                return self.overlay[path]
         return read_source(path)[0]
 
     def module(self, name: str, path: Path | None = None) -> ModuleInfo | None:

@@ -56,10 +56,24 @@ _BUILTIN_NAMES = frozenset(dir(__builtins__) if isinstance(__builtins__, dict) e
 _MAX_CALLED = 8  # called functions read per site: the direct callees are where a kernel is compiled or launched
 _INIT_METHODS = ("__init__", "__post_init__", "setUp")
 _WORD_RE = re.compile(r"[A-Za-z_]\w*")
-# A ternary always spells `else`, never `else:`. No \b: leading anchors disable sre's literal-prefix scan.
-_TERNARY_RE = re.compile(r"else(?![ \t]*:)|skip")
+# After a ternary's `else` comes no colon (an else clause's does).
+_CLAUSE_COLON_RE = re.compile(r"[ \t]*:")
 _ARCH_VALUES = (ArchBool, ArchNum, Obj)
 _LOCAL_ARCH = (*_ARCH_VALUES, LazyImport)  # a local name bound to an import is resolved when read
+
+
+def _ternary_or_skip(source: str) -> list:
+    """Offsets of every `else` not followed by a colon (a ternary's) and every `skip` in `source`,
+    found with str.find (a regex alternation is tried at every position of the text: several
+    times slower on an engine)."""
+    out = []
+    for word in ("else", "skip"):
+        i = source.find(word)
+        while i >= 0:
+            if word == "skip" or not _CLAUSE_COLON_RE.match(source, i + 4):
+                out.append(i)
+            i = source.find(word, i + 4)
+    return out
 
 
 def _names(targets: list) -> list:
@@ -178,7 +192,7 @@ class ModuleScanner:
         # dominated the run time. Lines that may hold a ternary or a skip call, and lines that
         # mention an architecture-looking name, over-approximated from the text.
         textmap = self.info.textmap if self.info else None
-        self._expr_lines = {textmap.line_of(m.start()) + 1 for m in _TERNARY_RE.finditer(textmap.source)} if textmap else set()
+        self._expr_lines = {textmap.line_of(pos) + 1 for pos in _ternary_or_skip(textmap.source)} if textmap else set()
         # The resolver found the architecture tokens when it parsed the module (one pass over the text).
         self._arch_lines = {textmap.line_of(pos) + 1 for pos in self.info.arch_offsets} if textmap else set()
         self._expr_sorted = sorted(self._expr_lines)
