@@ -16,6 +16,8 @@ TPFUSE_CALIBRATE  the engine plugins' start-up calibration, when the dispatch ta
                     conservative default serves those sizes); "30s": on, within 30 s.
 TPFUSE_STRATEGIES extra strategies to register, "name=package.module:Class,..." (plugins; spawned
                     ranks inherit the environment, so they see the same registry as the parent).
+TPFUSE_AUDIT_MAX_BYTES  the audit's per-file size bound, a positive whole number of bytes
+                    (default: tpfuse.audit.target.MAX_SOURCE_BYTES).
 """
 
 from __future__ import annotations
@@ -157,3 +159,14 @@ def calibrate_budget_s() -> float | None:
         raise ValueError(f"TPFUSE_CALIBRATE={raw!r}: use 1 (on, {CALIBRATE_DEFAULT_S:g} s), 0 (off) "
                          "or a budget in seconds such as 30s")
     return value
+
+
+def audit_max_bytes() -> int | None:
+    """TPFUSE_AUDIT_MAX_BYTES as a byte count, or None when unset (the audit's default applies)."""
+    raw = os.environ.get("TPFUSE_AUDIT_MAX_BYTES", "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"TPFUSE_AUDIT_MAX_BYTES={raw!r}: give a positive whole number of bytes, "
+                         "e.g. 4194304 for 4 MiB, or unset it for the default bound")
+    return int(raw)

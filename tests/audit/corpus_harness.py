@@ -1,163 +1,231 @@
-"""The labelled corpus (tests/audit/corpus/*.txt) as a throwaway engine, audited and scored.
+"""The labelled corpus (tests/audit/corpus/*.txt): conditions quoted from real engine trees, scored.
 
-Each case is a conditional from a public engine tree (sglang, vLLM, FlashInfer, TensorRT-LLM),
-written as a function body, labelled by hand with where its feature is on (a predicate over the
-architecture, from the idiom's documented meaning) and a category (gate / inverse / none).
-`score()` writes the cases into a temporary package (Python cases as functions of one module per
-engine; C++/CUDA and CMake cases as files), audits it once and compares: recall and precision of
-gates that exclude `arch`, and the share of cases whose category and architecture set match exactly.
+A case is a condition quoted from a released engine tree (sglang 0.5.23 and 0.5.10, vLLM 0.33.0,
+FlashInfer fb28d72) with the few lines it reads: its function's signature and the statements that
+bind the names it tests, the module-level flags and imports it uses, and, where the value comes
+from another module, that module's binding (a `=== path` section). The condition's line carries a
+`#<` (or `//<`) marker. Its header says where it comes from (package, version, file:line), which
+idiom family it belongs to (FAMILIES), where the feature it guards is on (a Python expression over
+`a`, an `Arch`, written from the engine's documented meaning of the predicates it calls, never from
+the audit's output) and its category: gate, inverse, quirk or none (not an architecture gate).
+
+`score()` writes every case as a tree of its own (each directory a package), audits the tree and
+the case's file alone, and compares the verdict of the marked line with the label: recall and
+precision of gates that exclude `arch`, the share of cases whose category and architecture set
+match exactly, and whether the file and the tree gave identical verdicts. `score_trees()` scores the
+same labels on the real trees when they are on disk (`trees()` says where).
 """
 
 from __future__ import annotations
 
+import ast
+import os
 import re
-import textwrap
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tpfuse.audit.arch import ARCHS, parse_arch
-from tpfuse.audit.engine import audit
+from tpfuse.audit.driver import audit
+from tpfuse.audit.verdict import verdict
 
 CORPUS = Path(__file__).parent / "corpus"
-
-# What the cases reference and the engines define elsewhere: sglang's get_platform() (facts from
-# the seeds), FlashInfer's _match_sm_version, vLLM's module tables, cached flags.
-_PREAMBLE = '''\
-import os
-
-import pytest
-import torch
-
-
-class PlatformContext:
-    pass
-
-
-def get_platform():
-    return PlatformContext()
-
-
-def _match_sm_version(device, sm_versions):
-    major, minor = get_compute_capability(device)
-    return f"{major}{minor}" in sm_versions
-
-
-def get_device_arch():
-    major, minor = torch.cuda.get_device_capability()
-    suffix = "a" if major >= 9 else ""
-    return f"{major * 10 + minor}{suffix}"
-
-
-_SUPPORTED_CAPABILITIES = (90, 100)
-QWEN4_EXP_GEMM_PLANS_BY_CAPABILITY = {90: {"m": 1}, 100: {"m": 2}}
-_FI_ALLREDUCE_ONE_SHOT_MAX_SIZES_MB = {90: 4, 100: 8, 103: 8}
-_is_hip = is_hip()
-_is_xpu = is_xpu()
-_is_sm90_supported = is_sm90_supported()
-_is_sm100_supported = is_sm100_supported()
-_is_sm100_flag = is_sm100_supported()
-_is_sm120_flag = get_platform().is_sm120
-'''
+FAMILIES = {
+    "F1": "an integer capability in a name a helper computed, compared in ranges, by membership or negated",
+    "F2": "platform objects, and module-level constants built from them that other modules test",
+    "F3": "tables keyed by capability (a missing key turns the feature off)",
+    "F4": "tuple comparisons that refuse (followed by a raise or return)",
+    "F5": "inverse gates (a check that turns a feature off where it names an architecture)",
+    "F6": "quirks (a per-architecture tuning or workaround that enables nothing elsewhere)",
+    "F0": "the other idioms (named helpers, torch capability tuples, decorators, #if, CMake lists)",
+}
+CATEGORIES = ("gate", "inverse", "quirk", "none")
+# Where the released trees are unpacked under `trees()`' base, and where a case's Python path starts in
+# them: the wheels' packages (`pip download --no-deps`), FlashInfer's git snapshot (flashinfer/, csrc/, include/).
+TREE_DIRS = {"sglang 0.5.23": ("sglang-0.5.23/sglang", ""), "sglang 0.5.10": ("sglang-0.5.10/sglang", ""),
+             "vllm 0.33.0": ("vllm-0.33.0/vllm", ""), "flashinfer fb28d72": ("flashinfer", "flashinfer/")}
+_MARK_RE = re.compile(r"\s*(?:#<|//<)\s*$|/\*<\*/")
+_HEADER_RE = re.compile(r"^--- (?P<origin>\S+ \S+) (?P<path>\S+):(?P<line>\d+)(?: \((?P<note>[^)]*)\))?"
+                        r" \| (?P<family>F\d) \| (?P<label>.+?) \| (?P<category>\w+)\s*$")
 
 
 @dataclass
 class Case:
-    origin: str
+    origin: str  # "sglang 0.5.23"
+    path: str  # the file in that tree, under its top package ("srt/layers/...")
+    origin_line: int
+    family: str
     label: str
     category: str
-    code: str
-    start: int = 0
-    end: int = 0
+    note: str = ""
+    files: dict = field(default_factory=dict)  # path under the case's root ("sglang/srt/...") -> text
+    main: str = ""
+    line: int = 0  # the marked line in `main`
+
+    @property
+    def engine(self) -> str:
+        return self.origin.split()[0]
+
+    @property
+    def where(self) -> str:
+        return f"{self.origin} {self.path}:{self.origin_line}"
+
+    @property
+    def language(self) -> str:
+        return "python" if self.main.endswith(".py") else "native"
 
     def expected(self) -> list:
         return [a.name for a in ARCHS if eval(self.label, {}, {"a": a})]  # noqa: S307 - labels are test data
 
 
 def load(name: str) -> list:
-    cases = []
-    text = "\n".join(line for line in (CORPUS / name).read_text().splitlines() if not line.startswith("# "))
-    for block in text.split("\n---\n"):
-        block = block.strip("\n")
-        if not block:
+    """The cases of one corpus file; ValueError naming the case for a malformed one."""
+    cases, case, current = [], None, None
+    for number, line in enumerate((CORPUS / name).read_text().split("\n"), 1):
+        if line.startswith("# ") or line == "#":
             continue
-        header, _, code = block.partition("\n")
-        origin, label, category = (p.strip() for p in header.split("|"))
-        cases.append(Case(origin, label, category, code))
+        if line.startswith("--- "):
+            m = _HEADER_RE.match(line)
+            if not m:
+                raise ValueError(f"{name}:{number}: malformed case header {line!r}")
+            case = Case(m["origin"], m["path"], int(m["line"]), m["family"], m["label"], m["category"], m["note"] or "")
+            cases.append(case)
+            current = None
+            continue
+        if case is None:
+            continue
+        if line.startswith("=== "):
+            current = line[4:].strip()
+            case.files[current] = []
+            case.main = case.main or current
+            continue
+        if current is None:
+            raise ValueError(f"{name}:{number}: code before the case's first `=== path` line")
+        if _MARK_RE.search(line) and current == case.main:
+            case.line = len(case.files[current]) + 1
+        case.files[current].append(line)
+    for c in cases:
+        c.files = {p: "\n".join(lines).rstrip("\n") + "\n" for p, lines in c.files.items()}
+        if not c.line or c.category not in CATEGORIES or c.family not in FAMILIES:
+            raise ValueError(f"{name}: case {c.where} has no marked line, or an unknown category or family")
     return cases
 
 
-def _python_module(cases: list) -> str:
-    lines = _PREAMBLE.splitlines()
-    for i, case in enumerate(cases):
-        lines += ["", ""]
-        param = next((p for p in ("device_capability", "capability") if re.search(rf"\b{p}\b", case.code) and f"{p} =" not in case.code), None)
-        if param:  # a backend's supports_compute_capability(cls, capability)
-            lines += [f"class Backend{i}:", "    @classmethod", f"    def supports_compute_capability(cls, {param}):"]
-            indent = "        "
-        elif case.code.startswith("@params "):  # a function whose parameters carry the capability
-            params, _, case.code = case.code.partition("\n")
-            lines.append(f"def case_{i}({params.removeprefix('@params ')}):")
-            indent = "    "
-        else:
-            lines.append(f"def case_{i}(device, self=None):")
-            indent = "    "
-        case.start = len(lines) + 1
-        lines += textwrap.indent(case.code, indent).splitlines()
-        case.end = len(lines)
-    return "\n".join(lines) + "\n"
+def build(case: Case, root: Path) -> Path:
+    """The case's files under `root`, every directory below the top package a package; the top package."""
+    for rel, text in case.files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    top = root / case.main.split("/")[0]
+    for dirpath, _, files in os.walk(top):
+        if "__init__.py" not in files:
+            (Path(dirpath) / "__init__.py").write_text("")
+    return top
 
 
-def build(root: Path) -> tuple[list, list]:
-    pkg = root / "corpus_engine"
-    pkg.mkdir(parents=True)
-    (pkg / "__init__.py").write_text("")
-    py = load("python_cases.txt")
-    (pkg / "cases.py").write_text(_python_module(py))
-    native = load("native_cases.txt")
-    for i, case in enumerate(native):
-        name = f"csrc/case_{i}.cu" if " cu " in f" {case.origin} " else f"cmake/case_{i}/CMakeLists.txt"
-        (pkg / name).parent.mkdir(parents=True, exist_ok=True)
-        (pkg / name).write_text(case.code + "\n")
-        case.start, case.end, case.path = 1, case.code.count("\n") + 1, name
-    return py, native
+def marked_span(text: str, line: int) -> tuple:
+    """(first, last) line of the condition a marked line starts: the statement beginning there, up to its
+    body for a compound statement (an if's test, not its body); the line alone in C/C++ or CMake."""
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        return line, line
+    best = None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.stmt) and node.lineno == line:
+            end = node.test.end_lineno if isinstance(node, (ast.If, ast.While)) else node.end_lineno
+            if best is None or end > best:
+                best = end
+    return line, best or line
 
 
-def _predict(findings: list):
-    """(category, enables) the audit gives a case: its gate (the last, e.g. the `if` reading a flag), else inverse."""
-    for category in ("gate", "inverse"):
-        hits = [f for f in findings if f.category == category]
-        if hits:
-            return category, hits[-1]
-    return "none", None
+def _in_span(findings: list, span: tuple) -> list:
+    return [f for f in findings if f.line <= span[1] and f.end_line >= span[0]]
 
 
-def score(root: Path, arch_name: str = "sm120") -> dict:
-    arch = parse_arch(arch_name)
-    py, native = build(root)
-    result = audit(str(root / "corpus_engine"))
+def _prediction(findings: list, arch) -> tuple:
+    """(category, enabled architectures) the audit gives a marked line: its gate, else inverse, quirk, none."""
+    order = ("gate", "inverse", "quirk")
+    hits = sorted((f for f in findings if verdict(f, arch).category in order), key=lambda f: order.index(f.category))
+    if not hits:
+        return "none", None, None
+    f = hits[0]
+    return f.category, [e.rstrip("?") for e in f.enables], f
+
+
+def _tally(rows: list) -> dict:
     out = {}
-    for lang, cases in (("python", py), ("native", native)):
-        tp = fp = fn = exact = 0
-        misses = []
-        for case in cases:
-            path = getattr(case, "path", "cases.py")
-            found = [f for f in result.findings if f.path == path and case.start <= f.line <= case.end]
-            category, finding = _predict(found)
-            expected = case.expected()
-            positive = case.category == "gate" and arch.name not in expected
-            predicted = category == "gate" and finding.values[arch.name] is False
-            tp += positive and predicted
-            fp += predicted and not positive
-            fn += positive and not predicted
-            got = [e.rstrip("?") for e in finding.enables] if finding else None
-            ok = category == case.category and (category == "none" or got == expected)
-            exact += ok
-            if not ok or positive != predicted:
-                misses.append({"origin": case.origin, "label": case.label, "category": case.category,
-                               "got_category": category, "got": got})
+    for lang in ("python", "native"):
+        sel = [r for r in rows if r["language"] == lang]
+        tp = sum(r["positive"] and r["predicted"] for r in sel)
+        fp = sum(r["predicted"] and not r["positive"] for r in sel)
+        fn = sum(r["positive"] and not r["predicted"] for r in sel)
         out[lang] = {
-            "cases": len(cases), "positives": tp + fn, "tp": tp, "fp": fp, "fn": fn,
+            "cases": len(sel), "positives": tp + fn, "tp": tp, "fp": fp, "fn": fn,
             "recall": tp / (tp + fn) if tp + fn else 1.0, "precision": tp / (tp + fp) if tp + fp else 1.0,
-            "exact": exact / len(cases), "misses": misses,
+            "exact": sum(r["exact"] for r in sel) / len(sel) if sel else 1.0,
+            "identical": all(r.get("identical", True) for r in sel),
+            "misses": [r for r in sel if not r["exact"] or r["positive"] != r["predicted"] or not r.get("identical", True)],
         }
     return out
+
+
+def _row(case: Case, findings: list, arch) -> dict:
+    category, got, finding = _prediction(findings, arch)
+    expected = case.expected()
+    positive = case.category == "gate" and arch.name not in expected
+    predicted = category == "gate" and verdict(finding, arch).reported
+    exact = category == case.category and (category == "none" or got == expected)
+    return {"where": case.where, "family": case.family, "language": case.language, "label": case.label,
+            "category": case.category, "got_category": category, "got": got, "positive": positive,
+            "predicted": predicted, "exact": exact}
+
+
+def score(root: Path, arch_name: str = "sm120", cases: list | None = None) -> dict:
+    """Each case audited as its own tree and as its file alone (the corpus is self-contained)."""
+    arch = parse_arch(arch_name)
+    cases = cases if cases is not None else load("python_cases.txt") + load("native_cases.txt")
+    rows = []
+    for i, case in enumerate(cases):
+        top = build(case, root / f"case{i}")
+        rel = case.main.split("/", 1)[1]
+        tree = audit(str(top))
+        in_file = [f for f in tree.findings if f.path == rel]
+        span = marked_span(case.files[case.main], case.line) if case.language == "python" else (case.line, case.line)
+        row = _row(case, _in_span(in_file, span), arch)
+        if case.language == "python":
+            alone = audit(str(root / f"case{i}" / case.main), native=False).findings
+            row["identical"] = [(f.id, f.line, f.kind, f.category, f.enables) for f in alone] == [
+                (f.id, f.line, f.kind, f.category, f.enables) for f in in_file]
+        rows.append(row)
+    return _tally(rows) | {"rows": rows}
+
+
+def trees() -> dict:
+    """{origin: directory} of the released trees on disk (`$TPFUSE_AUDIT_TREES`, default ~/.cache/tpfuse-audit-trees)."""
+    base = Path(os.environ.get("TPFUSE_AUDIT_TREES") or Path.home() / ".cache" / "tpfuse-audit-trees")
+    return {origin: base / sub for origin, (sub, _) in TREE_DIRS.items() if (base / sub).is_dir()}
+
+
+def score_trees(arch_name: str = "sm120", cases: list | None = None) -> dict:
+    """The same labels scored on the real trees, each audited whole once (only the trees on disk)."""
+    arch = parse_arch(arch_name)
+    cases = cases if cases is not None else load("python_cases.txt") + load("native_cases.txt")
+    roots = trees()
+    rows = []
+    for origin, top in roots.items():
+        mine = [c for c in cases if c.origin == origin]
+        if not mine:
+            continue
+        result = audit(str(top))
+        by_path: dict = {}
+        for f in result.findings:
+            by_path.setdefault(f.path, []).append(f)
+        prefix = TREE_DIRS[origin][1]
+        for case in mine:
+            span, path = (case.origin_line, case.origin_line), case.path
+            if case.language == "python":
+                path = prefix + case.path
+                span = marked_span((top / path).read_text(encoding="utf-8"), case.origin_line)
+            rows.append(_row(case, _in_span(by_path.get(path, []), span), arch))
+    return _tally(rows) | {"rows": rows, "trees": sorted(roots)}

@@ -59,3 +59,12 @@ def test_compare_lifts_over_archs():
     got = compare("In", sm, [100, 103])
     assert [a.name for a, v in zip(ARCHS, got.values) if v] == ["sm100", "sm103"]
     assert compare("Lt", cap, "x") is None  # tuple < str: undecidable, never a crash
+
+
+def test_a_capability_is_in_a_set_of_any_of_its_integer_forms():
+    # A parameter named `compute_capability` compares equal to 90, (9, 0) and 9; a frozenset finds it
+    # by equality, not by hash (vLLM: `compute_capability in frozenset({90})`).
+    from tpfuse.audit.predicates import CAP_ANY
+
+    assert compare("In", CAP_ANY, frozenset({90})).values == tuple(a.name == "sm90" for a in ARCHS)
+    assert compare("NotIn", CAP_ANY, {100: "x", 103: "y"}).values == tuple(a.name not in ("sm100", "sm103") for a in ARCHS)

@@ -12,7 +12,7 @@ import json
 import pytest
 
 from tpfuse.audit import manifest
-from tpfuse.audit.engine import audit
+from tpfuse.audit.driver import audit
 from tpfuse.cli.main import main
 
 RUNTIME_GATE = "allreduce_fusion_applies() result"  # adds an import, a statement and a disjunct

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tpfuse.audit.arch import ARCHS, parse_arch
-from tpfuse.audit.engine import audit
+from tpfuse.audit.driver import audit
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

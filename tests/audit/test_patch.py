@@ -11,7 +11,7 @@ import pytest
 
 from tpfuse.audit import manifest
 from tpfuse.audit.arch import parse_arch
-from tpfuse.audit.engine import audit
+from tpfuse.audit.driver import audit
 from tpfuse.cli.main import main
 
 RUNTIME_GATE = "allreduce_fusion_applies() result"
@@ -122,10 +122,10 @@ def test_read_only_file_nothing_half_written(capsys, engine, state_dir):
 def test_failure_midway_restores_written_files(engine, state_dir, monkeypatch):
     before = snapshot(engine)
     result = audit(str(engine))
-    from tpfuse.audit.patch import build_changes
+    from tpfuse.audit.patch import propose_patch
 
     findings = result.selected(parse_arch("sm120"), parse_arch("sm100"))
-    changes, _, _ = build_changes(result, findings, parse_arch("sm120"), parse_arch("sm100"))
+    changes = propose_patch(result, findings, parse_arch("sm120"), parse_arch("sm100")).changes
     assert len(changes) >= 2
     real_replace, calls = os.replace, []
 
@@ -178,7 +178,7 @@ def test_unknown_only_id(capsys, engine):
 
 
 def test_refuses_explicit_exclusion(capsys, engine):
-    # `not ...[0] == 9 and not ... == 10` is true on sm120 already; its negation is the exclusion to refuse.
+    # `is_blackwell and not is_sm120` names SM12x to turn the path off there: an inverse gate, never opened.
     (engine / "layers/excl.py").write_text(
         "from fakeengine.runtime_context import get_platform\n\n\n"
         "def fused_ok(x):\n    return x and get_platform().is_blackwell and not get_platform().is_sm120\n"
@@ -186,4 +186,25 @@ def test_refuses_explicit_exclusion(capsys, engine):
     gid = gate_id(engine, "fused_ok() result")
     code, out, _ = run(capsys, "patch", str(engine), "--arch", "sm120", "--only", gid, "--json")
     data = json.loads(out)
-    assert code == 1 and "excludes sm120 explicitly" in data["errors"][0]["error"]
+    assert code == 1 and "inverse gate" in data["errors"][0]["error"] and not data["diff"]
+
+
+def test_a_gate_opened_through_the_helper_the_same_patch_edits_is_not_left_to_the_user(capsys, tmp_path):
+    root = tmp_path / "eng"
+    root.mkdir()
+    (root / "__init__.py").write_text("")
+    (root / "utils.py").write_text("import torch\n\n\ndef is_sm100_supported():\n    return torch.cuda.get_device_capability()[0] == 10\n\n\n"
+                                   "def is_sm120_supported():\n    return torch.cuda.get_device_capability()[0] == 12\n")
+    (root / "flags.py").write_text("from eng.utils import is_sm100_supported, is_sm120_supported\n\n\n"
+                                   "def use_fused_path():\n    return is_sm100_supported()\n")
+    (root / "layer.py").write_text("from eng.flags import use_fused_path\n\n\ndef forward(x):\n    if use_fused_path():\n"
+                                   "        return 'fused'\n    return 'unfused'\n")
+    argv = ["patch", str(root), "--arch", "sm120", "--like", "sm100", "--json"]
+    code, out, err = run(capsys, *argv)
+    data = json.loads(out)
+    assert code == 0 and data["errors"] == [], data["errors"]  # not "add the sm120 condition by hand"
+    assert [row["path"] for row in data["opened_by_other_edits"]] == ["layer.py"]
+    assert list(data["diff"]) == ["flags.py"]
+    code, out, _ = run(capsys, *argv, "--apply", "--state-dir", str(tmp_path / "state"))
+    assert code == 0 and json.loads(out)["applied"]
+    assert audit(str(root)).selected(parse_arch("sm120"), parse_arch("sm100")) == []  # a re-run finds nothing left

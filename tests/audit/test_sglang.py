@@ -13,8 +13,8 @@ import pytest
 
 from tpfuse.audit import manifest
 from tpfuse.audit.arch import parse_arch
-from tpfuse.audit.engine import audit
-from tpfuse.audit.patch import build_changes
+from tpfuse.audit.driver import audit
+from tpfuse.audit.patch import propose_patch
 
 from .sglang_source import SGLANG_VERSION, sglang_source
 
@@ -66,8 +66,9 @@ def test_patch_reaudit_revert(source, tmp_path):
     original = (root / ADD_NORM).read_bytes()
     before = audit(str(root), native=False, only={ADD_NORM})
     gate = runtime_gate(before)
-    changes, plans, errors = build_changes(before, [gate], SM120, SM100)
-    assert not errors and list(changes) == [ADD_NORM]
+    proposal = propose_patch(before, [gate], SM120, SM100)
+    changes = proposal.changes
+    assert not proposal.errors and list(changes) == [ADD_NORM]
     new = changes[ADD_NORM][1]
     assert "_is_sm120_supported = _is_cuda and get_platform().is_sm120\n" in new
     assert "(_is_sm90_supported or _is_sm100_supported or _is_sm120_supported)" in new
@@ -121,8 +122,8 @@ def test_all_six_story_gates_found_excluding_sm120_and_patchable(release):
     for gate in gates:
         assert gate.category == "gate" and gate.values["sm120"] is False and gate.values["sm100"] is not False
         assert gate in selected
-    changes, plans, errors = build_changes(result, gates, SM120, SM100)
-    assert not errors and sorted(plans) == sorted(g.id for g in gates)
+    proposal = propose_patch(result, gates, SM120, SM100)
+    assert not proposal.errors and sorted(proposal.plans) == sorted(g.id for g in gates)
 
 
 def test_tree_and_single_file_audits_agree(release):

@@ -13,7 +13,7 @@ import pytest
 
 from tpfuse.audit import patch as patch_mod
 from tpfuse.audit.arch import ARCHS, parse_arch
-from tpfuse.audit.engine import audit
+from tpfuse.audit.driver import audit
 from tpfuse.audit.hardware import gate_class
 
 from .test_patch import run, snapshot
@@ -54,7 +54,6 @@ V2 = [
     ("sm in (100, 103, 120, 121)", "return", ["sm100", "sm103", "sm120", "sm121"]),
     # parameters named as the device's capability (FlashInfer's _compile_hca_kernel, green_ctx)
     ("compute_capability not in ((10, 0), (10, 3))", "guard", ["sm100", "sm103"]),
-    ("major >= 10", "if", names(lambda a: a.major >= 10)),
     ('get_device_arch() == "90a"', "if", ["sm90"]),  # f"{major * 10 + minor}{suffix}" with a ternary suffix
 ]
 
@@ -63,6 +62,11 @@ V2 = [
 def test_v2_idiom(result, part, kind, expected):
     f = find(result, "v2/idioms.py", part)
     assert (f.kind, f.category, f.enables) == (kind, "gate", expected)
+
+
+def test_a_branch_that_only_returns_tuning_numbers_is_a_quirk(result):
+    f = find(result, "v2/idioms.py", "major >= 10")  # `return (8, 8)`: a tuned default, nothing enabled
+    assert (f.kind, f.category, f.enables) == ("if", "quirk", names(lambda a: a.major >= 10))
 
 
 INVERSE = [
@@ -123,28 +127,42 @@ def test_harm_rule():
     assert "sm80" in patch_mod.harm(before, F(**{a.name: True for a in ARCHS}), SM120, SM100)
 
 
-def test_apply_refuses_an_edit_that_reaudits_as_excluding(capsys, engine, state_dir, monkeypatch, result):
-    gid = find(result, "v2/idioms.py", "cap in SUPPORTED_CAPS").id
+def test_apply_patch_never_writes_an_edit_that_fails_its_reaudit(engine, state_dir):
+    # The harm rule is the library's: a caller of apply_patch (not only the CLI) cannot write an edit
+    # that re-audits as still excluding --arch, whatever the proposal it passes says.
+    result = audit(str(engine))
+    gate = find(result, "v2/idioms.py", "cap in SUPPORTED_CAPS")
+    proposal = patch_mod.propose_patch(result, [gate], SM120, SM100)
+    assert proposal.complete and list(proposal.plans) == [gate.id]
     before = snapshot(engine)
-    real = patch_mod.verify
+    rel, (old, new) = next(iter(proposal.changes.items()))
+    assert "cap in SUPPORTED_CAPS or cap == 120" in new
+    proposal.changes[rel] = (old, new.replace("cap in SUPPORTED_CAPS or cap == 120", "cap in SUPPORTED_CAPS or cap == 121"))
+    with pytest.raises(patch_mod.PatchRefused, match=rf"nothing written.*{gate.id} re-audits as still excluding sm120"):
+        patch_mod.apply_patch(proposal, state_dir=state_dir)
+    assert snapshot(engine) == before and not state_dir.exists()
+    proposal.changes[rel] = (old, new)  # the edit as proposed is written
+    written, rows = patch_mod.apply_patch(proposal, state_dir=state_dir)
+    assert written.is_file() and [r["includes_arch"] for r in rows] == [True]
 
-    def still_excluding(*args, **kwargs):
-        rows = real(*args, **kwargs)
-        return [{**r, "includes_arch": False, "harm": "still excluding sm120"} for r in rows]
 
-    monkeypatch.setattr(patch_mod, "verify", still_excluding)
-    code, _, err = run(capsys, "patch", str(engine), "--arch", "sm120", "--like", "sm100", "--only", gid, "--apply", "--state-dir", str(state_dir))
-    assert code == 1 and "nothing written" in err
-    assert snapshot(engine) == before and not (state_dir.exists() and any(state_dir.rglob("manifest.json")))
-
-
-def test_whole_tree_apply_then_revert_exit_zero(capsys, engine, state_dir):
+def test_dry_run_and_apply_of_one_plan_exit_alike_then_revert(capsys, engine, state_dir):
+    # Some fixture gates stay closed (hardware, explicit exclusions): 1 for the dry run and for --apply,
+    # which still writes the others; a plan whose every gate opens exits 0 both ways.
     before = snapshot(engine)
-    code, _, err = run(capsys, "patch", str(engine), "--arch", "sm120", "--like", "sm100", "--apply", "--state-dir", str(state_dir))
-    assert code == 0, err  # refused gates are reported; the apply itself succeeded
+    argv = ["patch", str(engine), "--arch", "sm120", "--like", "sm100", "--json"]
+    dry_code, out, _ = run(capsys, *argv)
+    assert dry_code == 1 and json.loads(out)["errors"] and not json.loads(out)["applied"]
+    code, out, err = run(capsys, *argv, "--apply", "--state-dir", str(state_dir))
+    data = json.loads(out)
+    assert code == dry_code and data["applied"] and f"--state-dir {state_dir}" in data["undo"]
     assert snapshot(engine) != before
     assert run(capsys, "revert", str(engine), "--state-dir", str(state_dir))[0] == 0
     assert snapshot(engine) == before
+    gid = find(audit(str(engine)), "v2/idioms.py", "cap in SUPPORTED_CAPS").id
+    assert run(capsys, *argv, "--only", gid)[0] == 0
+    assert run(capsys, *argv, "--only", gid, "--apply", "--state-dir", str(state_dir))[0] == 0
+    assert run(capsys, "revert", str(engine), "--state-dir", str(state_dir))[0] == 0 and snapshot(engine) == before
 
 
 def test_cpp_runtime_capability_comparisons(result):
@@ -238,15 +256,18 @@ class Unrelated:
 
 
 def test_selective_parse_keeps_every_condition(tmp_path):
-    from tpfuse.audit.parse import parse_selected
-    from tpfuse.audit.resolve import _CHUNK_RE, ARCH_RE
+    from tpfuse.audit.parse import TextMap, parse_selected
+    from tpfuse.audit.resolve import ARCH_RE, arch_tokens
 
     (tmp_path / "m.py").write_text(SELECTIVE)
-    tree, skipped, hot = parse_selected(SELECTIVE, "m.py", _CHUNK_RE, ARCH_RE)
+    textmap = TextMap(SELECTIVE)
+    tree, skipped, hot, hidden = parse_selected(SELECTIVE, "m.py", arch_tokens(textmap)[1], ARCH_RE, textmap=textmap)
     assert {"_MAJOR", "_USE_FMA", "_sm90"} <= hot
     kept = {n.name for n in tree.body if hasattr(n, "name")}
     assert {"reads_flag", "calls_helper", "_sm90"} <= kept  # a hot flag, a same-module arch helper
     assert set(skipped) == {"plain", "Unrelated"}
+    left_out = {line for a, b in hidden for line in SELECTIVE.split("\n")[a:b]}
+    assert any("def plain" in line for line in left_out) and any("class Unrelated" in line for line in left_out)
     found = {(f.scope, f.enables[0]) for f in audit(str(tmp_path / "m.py")).findings if f.category == "gate"}
     assert {("reads_flag", "sm100"), ("calls_helper", "sm90")} <= found  # and the flag and helper themselves
     assert not [f for f in audit(str(tmp_path / "m.py")).findings if f.line <= 4]  # the docstring holds no code
@@ -270,13 +291,15 @@ def test_audit_objects_are_frozen_so_exit_does_not_rescan_them():
     gc.unfreeze()
 
 
-def test_explicit_inequality_exclusion_is_refused_not_undone(capsys, engine, result):
-    # `major > 9 and major != 12` (sglang attn_residual.py: `major >= 10 and major != 12`): `or major == 12` would undo the author's exclusion.
+def test_explicit_inequality_exclusion_is_an_inverse_gate_never_undone(capsys, engine, result):
+    # `major > 9 and major != 12` (sglang attn_residual.py: `major >= 10 and major != 12`) names SM12x to
+    # exclude it: an inverse gate (`or major == 12` would undo the author's exclusion).
     f = find(result, "v2/idioms.py", "major != 12")
-    assert f.category == "gate" and f.enables == names(lambda a: a.major in (10, 11))
+    assert f.category == "inverse" and f.enables == names(lambda a: a.major in (10, 11))
+    assert f in result.inverse(SM120)
     code, out, _ = run(capsys, "patch", str(engine), "--arch", "sm120", "--like", "sm100", "--only", f.id, "--json")
     data = json.loads(out)
-    assert code == 1 and not data["diff"] and "explicitly" in data["errors"][0]["error"]
+    assert code == 1 and not data["diff"] and "inverse gate" in data["errors"][0]["error"]
 
 
 def test_class_methods_without_architecture_text_are_trimmed_not_lost(tmp_path):
@@ -295,7 +318,9 @@ def test_class_methods_without_architecture_text_are_trimmed_not_lost(tmp_path):
         "            return 1\n"
         "        return 0\n"
     )
-    trimmed = _trim_class(cls, {2}, set())
+    trimmed, ranges, exports = _trim_class(cls, {2}, set())
+    assert [cls.split("\n")[a] for a, _ in ranges] == ["    def plain(self, x):"]
+    assert exports == {"sm", "fast"}  # what other code reads the architecture through: `self.sm`, `x.fast()`
     assert trimmed.count("\n") == cls.count("\n")  # every position stays the real one
     assert "return x + 1" not in trimmed and "self.sm >= 100" in trimmed  # `self.sm` ties `fast` to __init__
     (tmp_path / "r.py").write_text("from eng.utils import get_device_sm\n\n\n" + cls)

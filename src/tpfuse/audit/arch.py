@@ -130,20 +130,22 @@ class ArchBool:
 
 @dataclass(frozen=True)
 class ArchNum:
-    """A concrete value per architecture (tuple, int, str) derived from the device capability."""
+    """A concrete value per architecture (tuple, int, str) derived from the device capability;
+    `weak` marks a value whose source was recognised by its name only."""
 
     values: tuple
+    weak: bool = False
 
     @classmethod
-    def of(cls, fn) -> ArchNum:
-        return cls(tuple(fn(a) for a in ARCHS))
+    def of(cls, fn, *, weak: bool = False) -> ArchNum:
+        return cls(tuple(fn(a) for a in ARCHS), weak)
 
     def at(self, arch: Arch):
         return self.values[_INDEX[arch.name]]
 
     def map(self, fn) -> ArchNum | None:
         try:
-            return ArchNum(tuple(fn(v) for v in self.values))
+            return ArchNum(tuple(fn(v) for v in self.values), self.weak)
         except (TypeError, ValueError, IndexError, ZeroDivisionError, AttributeError):
             return None
 
@@ -151,7 +153,7 @@ class ArchNum:
 _CMP = {
     "Eq": operator.eq, "NotEq": operator.ne, "Lt": operator.lt, "LtE": operator.le,
     "Gt": operator.gt, "GtE": operator.ge,
-    "In": lambda a, b: a in b, "NotIn": lambda a, b: a not in b,
+    "In": lambda a, b: _member(a, b), "NotIn": lambda a, b: not _member(a, b),
 }
 
 
@@ -162,10 +164,19 @@ def compare(op: str, left, right) -> ArchBool | None:
     fn = _CMP[op]
     lvals = left.values if isinstance(left, ArchNum) else (left,) * len(ARCHS)
     rvals = right.values if isinstance(right, ArchNum) else (right,) * len(ARCHS)
+    weak = any(isinstance(side, ArchNum) and side.weak for side in (left, right))
     try:
-        return ArchBool(tuple(bool(fn(_norm(a), _norm(b))) for a, b in zip(lvals, rvals)))
+        return ArchBool(tuple(bool(fn(_norm(a), _norm(b))) for a, b in zip(lvals, rvals)), weak)
     except TypeError:
         return None
+
+
+def _member(a, container) -> bool:
+    """`a in container` by equality, not hash: a capability that compares equal to 90, (9, 0) and 9
+    (predicates.Capability) is in `frozenset({90})`."""
+    if isinstance(container, (set, frozenset, dict)):
+        return any(a == k for k in container)
+    return a in container
 
 
 def _norm(v):

@@ -15,8 +15,8 @@ import ast
 import operator
 
 from tpfuse.audit.arch import ArchBool, ArchNum, compare
-from tpfuse.audit.predicates import ALWAYS, ASSUMED_CUDA_VERSION, SEED_GLOBALS, fallback
-from tpfuse.audit.values import UNKNOWN, Const, External, ModuleRef, Obj, Partial, SeedFn, UserFunc
+from tpfuse.audit.predicates import ALWAYS, ASSUMED_CUDA_VERSION, SEED_GLOBALS, VLLM_PLATFORM, fallback, getter_guess
+from tpfuse.audit.values import UNKNOWN, Const, External, LazyImport, ModuleRef, Obj, Partial, SeedFn, UserClass, UserFunc
 
 _BINOPS = {
     ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
@@ -54,6 +54,10 @@ def to_bool(value) -> ArchBool:
     return ArchBool.const(None)
 
 
+def _device_value(value) -> bool:
+    return isinstance(value, (ArchNum, Obj))
+
+
 def ite(test: ArchBool, a, b):
     """`a if test else b` for abstract values."""
     if all(v is True for v in test.values):
@@ -62,12 +66,30 @@ def ite(test: ArchBool, a, b):
         return b
     if a == b:
         return a
+    if all(v is None for v in test.values):
+        # `cap = get_device_capability() if torch.cuda.is_available() else None`: where the code
+        # runs on a GPU, the value is the device's; the None branch is "no GPU".
+        if _device_value(a) and isinstance(b, Const) and b.value is None:
+            return a
+        if _device_value(b) and isinstance(a, Const) and a.value is None:
+            return b
     if isinstance(a, Const) and isinstance(b, Const) and None not in test.values and not isinstance(a.value, bool) and not isinstance(b.value, bool):
         # `"a" if major >= 9 else ""`: a value per architecture, e.g. for f"{sm}{suffix}" == "90a"
         return ArchNum(tuple(a.value if t else b.value for t in test.values))
     if isinstance(a, (ArchBool, Const)) and isinstance(b, (ArchBool, Const)):
         return test.and_(to_bool(a)).or_(test.not_().and_(to_bool(b)))
     return UNKNOWN
+
+
+def atoms(node: ast.expr, polarity: int, parent_or: bool = False):
+    """(atom, polarity, parent_is_or) for the leaves of and/or/not trees."""
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
+        yield from atoms(node.operand, -polarity)
+    elif isinstance(node, ast.BoolOp):
+        for value in node.values:
+            yield from atoms(value, polarity, isinstance(node.op, ast.Or))
+    else:
+        yield node, polarity, parent_or
 
 
 def seed_for(name: str):
@@ -82,13 +104,15 @@ def seed_for(name: str):
 class Evaluator:
     """Evaluates expressions of module `module` with local bindings `local` and `self.` attributes `attrs`."""
 
-    def __init__(self, resolver, module: str, local: dict | None = None, attrs: dict | None = None, depth: int = 0, overrides: dict | None = None):
+    def __init__(self, resolver, module: str, local: dict | None = None, attrs: dict | None = None, depth: int = 0,
+                 overrides: dict | None = None, class_name: str | None = None):
         self.overrides = overrides or {}
         self.resolver = resolver
         self.module = module
         self.local = local
         self.attrs = attrs
         self.depth = depth
+        self.class_name = class_name  # the class whose methods are being read (`cls.X` where X is inherited)
 
     def eval(self, node):
         if self.overrides and id(node) in self.overrides:
@@ -105,20 +129,23 @@ class Evaluator:
         if all(isinstance(i, Const) for i in items):
             return Const(tuple(i.value for i in items))
         if all(isinstance(i, (Const, ArchNum)) for i in items):  # (major, minor) after unpacking
-            return ArchNum.of(lambda a: tuple(i.at(a) if isinstance(i, ArchNum) else i.value for i in items))
+            weak = any(isinstance(i, ArchNum) and i.weak for i in items)
+            return ArchNum.of(lambda a: tuple(i.at(a) if isinstance(i, ArchNum) else i.value for i in items), weak=weak)
         return UNKNOWN
 
     _List = _Set = _Tuple
 
     def _Dict(self, node):
         keys = [self.eval(k) if k is not None else UNKNOWN for k in node.keys]
+        if not all(isinstance(k, Const) for k in keys):
+            return UNKNOWN
+        # A table keyed by capability is a gate through its keys; a value that cannot be read
+        # (`64 * MiB` of an unread name, a kernel class) stands as `...`, which is truthy.
         values = [self.eval(v) for v in node.values]
-        if all(isinstance(x, Const) for x in keys + values):
-            try:
-                return Const({k.value: v.value for k, v in zip(keys, values)})
-            except TypeError:
-                return UNKNOWN
-        return UNKNOWN
+        try:
+            return Const({k.value: v.value if isinstance(v, Const) else ... for k, v in zip(keys, values)})
+        except TypeError:
+            return UNKNOWN
 
     def _JoinedStr(self, node):
         """f"{major}{minor}" (FlashInfer's _match_sm_version) -> a string per architecture."""
@@ -139,7 +166,10 @@ class Evaluator:
 
     def _Name(self, node):
         if self.local is not None and node.id in self.local:
-            return self.local[node.id]
+            value = self.local[node.id]
+            if isinstance(value, LazyImport):
+                value = self.local[node.id] = self.resolver.import_value(self.module, value.module, value.level, value.name)
+            return value
         return self.resolver.global_value(self.module, node.id)
 
     def _Attribute(self, node):
@@ -156,6 +186,8 @@ class Evaluator:
             return seed_for(attr) or External(f"{base.dotted}.{attr}")
         if isinstance(base, Obj):
             return base.attr(attr)
+        if isinstance(base, UserClass):
+            return base.method(attr) or UNKNOWN
         if isinstance(base, ArchNum) and attr in ("major", "minor"):
             return base.map(lambda v: v[0 if attr == "major" else 1]) or UNKNOWN
         return UNKNOWN
@@ -192,7 +224,7 @@ class Evaluator:
             return right.map(lambda v: fn(left.value, v)) or UNKNOWN
         if isinstance(left, ArchNum) and isinstance(right, ArchNum):
             try:
-                return ArchNum(tuple(fn(a, b) for a, b in zip(left.values, right.values)))
+                return ArchNum(tuple(fn(a, b) for a, b in zip(left.values, right.values)), left.weak or right.weak)
             except Exception:  # noqa: BLE001
                 return UNKNOWN
         return UNKNOWN
@@ -227,6 +259,10 @@ class Evaluator:
 
     def _compare_pair(self, op: str, left, right) -> ArchBool:
         if op in ("Is", "IsNot"):
+            # `cap is None` / `cap is not None` for the device's capability: it exists on every audited GPU.
+            if (_device_value(left) and isinstance(right, Const) and right.value is None
+                    or _device_value(right) and isinstance(left, Const) and left.value is None):
+                return ArchBool.const(op == "IsNot")
             return ArchBool.const(None)
         if isinstance(left, ArchBool) and isinstance(right, Const) and op in ("Eq", "NotEq"):
             same = left if bool(right.value) else left.not_()
@@ -243,8 +279,16 @@ class Evaluator:
     # -- calls --------------------------------------------------------------------------
     def _Call(self, node):
         func_node = node.func
-        if isinstance(func_node, ast.Attribute):
-            base = self.eval(func_node.value) if not (isinstance(func_node.value, ast.Name) and func_node.value.id in ("self", "cls")) else UNKNOWN
+        if isinstance(func_node, ast.Attribute) and isinstance(func_node.value, ast.Name) and func_node.value.id in ("self", "cls"):
+            # a method of the class being scanned (`cls.is_sm120()`, `self._use_fast()`): bound in its attributes;
+            # one it inherits from a platform class means what a platform's method of that name means
+            func = self.attrs.get(func_node.attr, UNKNOWN) if self.attrs is not None else UNKNOWN
+            if not isinstance(func, UserFunc) and self.class_name and "platform" in self.class_name.lower():
+                func = VLLM_PLATFORM.attr(func_node.attr)
+            if not isinstance(func, (UserFunc, SeedFn)):
+                return UNKNOWN
+        elif isinstance(func_node, ast.Attribute):
+            base = self.eval(func_node.value)
             if isinstance(base, Const) and isinstance(base.value, str) and func_node.attr == "split":
                 args = [self.eval(a) for a in node.args]
                 if all(isinstance(a, Const) for a in args):
@@ -261,6 +305,11 @@ class Evaluator:
             func = self.attribute(base, func_node.attr) if base is not UNKNOWN else UNKNOWN
         else:
             func = self.eval(func_node)
+        if func is UNKNOWN and isinstance(func_node, (ast.Name, ast.Attribute)):
+            # an undefined or unreadable getter named as one (`get_jit_cuda_arch()`): the capability, guessed
+            guess = getter_guess(func_node.id if isinstance(func_node, ast.Name) else func_node.attr)
+            if guess is not None:
+                return guess
         if func is UNKNOWN:
             return UNKNOWN
         args = [UNKNOWN if isinstance(a, ast.Starred) else self.eval(a) for a in node.args]
@@ -273,11 +322,17 @@ class Evaluator:
         if isinstance(func, Partial):
             return self.call(func.func, list(func.args) + args, {**func.kwargs, **kwargs})
         if isinstance(func, UserFunc):
-            return self.resolver.call_user(func, args, kwargs, self.depth + 1)
+            value = self.resolver.call_user(func, args, kwargs, self.depth + 1)
+            if value is UNKNOWN or isinstance(value, External):  # External: a name it returns is bound nowhere readable
+                return getter_guess(func.name) or value
+            return value
         if isinstance(func, External):
             seed = seed_for(func.last)
             if seed is not None:
                 return self.call(seed, args, kwargs)
+            guess = getter_guess(func.last)
+            if guess is not None:
+                return guess
             if func.last in ("tuple", "int") and args and isinstance(args[0], ArchNum):
                 return args[0]
             if func.last == "str" and args and isinstance(args[0], ArchNum):

@@ -26,7 +26,9 @@ class ModuleInfo:
     source: str
     tree: ast.Module
     is_package: bool
-    arch_offsets: list = field(default_factory=list)  # where ARCH_RE tokens start in `source` (characters)
+    arch_offsets: list = field(default_factory=list)  # where ARCH_RE tokens start in `source`'s code (characters)
+    textmap: object = None  # parse.TextMap of `source` (line offsets), dropped with the tree
+    hidden: list = field(default_factory=list)  # [first, last) 0-based line ranges the selective parse left out
     hot: set = field(default_factory=set)  # top-level names tied to the architecture (parse.py)
     bindings: dict = field(default_factory=dict)
     stars: list = field(default_factory=list)
@@ -35,8 +37,17 @@ class ModuleInfo:
 
     def text_of(self, node: ast.AST) -> str:
         if self._lines is None:
-            self._lines = self.source.splitlines()
+            self._lines = self.source.split("\n")
         return "\n".join(self._lines[node.lineno - 1: getattr(node, "end_lineno", node.lineno)])
+
+    def release_lines(self) -> None:
+        self._lines = None
+
+    def hides(self, names: set) -> bool:
+        """Does a part the selective parse left out mention one of `names`?"""
+        if self._lines is None:
+            self._lines = self.source.split("\n")
+        return any(name in line for a, b in self.hidden for line in self._lines[a:b] for name in names)
 
 
 def module_name_for(path: Path, heads=None) -> tuple[str, Path]:
@@ -90,7 +101,8 @@ def collect_bindings(info: ModuleInfo, body: list) -> None:
         elif isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             info.bindings.setdefault(stmt.name, ("def", stmt))
         elif isinstance(stmt, ast.If):
-            collect_bindings(info, stmt.body)
+            if not (isinstance(stmt.test, (ast.Name, ast.Attribute)) and ast.unparse(stmt.test).endswith("TYPE_CHECKING")):
+                collect_bindings(info, stmt.body)  # `if TYPE_CHECKING:` declares types, and defaults that are not what runs
             collect_bindings(info, stmt.orelse)
         elif isinstance(stmt, ast.Try):
             collect_bindings(info, stmt.body)

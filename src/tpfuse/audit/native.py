@@ -14,10 +14,10 @@ is compiled for is a build decision, reported so the reader knows the Python gat
 from __future__ import annotations
 
 import ast
-import hashlib
 import re
 
-from tpfuse.audit.arch import ARCHS, ArchBool, ArchNum
+from tpfuse.audit.arch import ARCHS, ArchBool, ArchNum, compare
+from tpfuse.audit.verdict import ArchCondition, number_repeats, stable_id
 
 _PP_RE = re.compile(r"^\s*#\s*(if|elif)\b(.*)$")
 _FEAT_RE = re.compile(r"__CUDA_ARCH_FEAT_SM(\d+)_ALL")
@@ -26,51 +26,14 @@ _CMAKE_CONTEXT_RE = re.compile(r"arch|CUDA_ARCHS|ARCHITECTURES", re.IGNORECASE)
 
 
 def _translate(expr: str) -> str:
+    """A C/C++ condition as Python expression text: `defined(X)` -> `__defined__X`, &&/||/! -> and/or/not."""
     expr = re.sub(r"//.*$|/\*.*?\*/", "", expr)
     expr = re.sub(r"defined\s*\(\s*(\w+)\s*\)|defined\s+(\w+)", lambda m: f"__defined__{m.group(1) or m.group(2)}", expr)
+    # C++ spellings Python cannot parse, as opaque names: `ns::f<T, W>()` -> `ns__f()`, `p->x` -> `p.x`
+    expr = re.sub(r"<[\w\s,:*&]*>(?=\s*(?:\(|::))", "", expr).replace("::", "__").replace("->", ".")
     expr = expr.replace("&&", " and ").replace("||", " or ")
     expr = re.sub(r"!(?!=)", " not ", expr)
     return expr
-
-
-def _evaluate(expr: str) -> ArchBool | None:
-    try:
-        tree = ast.parse(_translate(expr).strip(), mode="eval")
-    except SyntaxError:
-        return None
-    arch_num = ArchNum.of(lambda a: a.cuda_arch)
-
-    def ev(node):
-        if isinstance(node, ast.Constant):
-            return node.value
-        if isinstance(node, ast.Name):
-            name = node.id
-            if name == "__CUDA_ARCH__":
-                return arch_num
-            if name in ("__defined____CUDA_ARCH__",):
-                return ArchBool.const(True)
-            m = _FEAT_RE.search(name)
-            if m:
-                return ArchBool.where(lambda a: a.cc_int == int(m.group(1)))
-            return None
-        if isinstance(node, ast.BoolOp):
-            vals = [_bool(ev(v)) for v in node.values]
-            out = vals[0]
-            for v in vals[1:]:
-                out = out.and_(v) if isinstance(node.op, ast.And) else out.or_(v)
-            return out
-        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
-            return _bool(ev(node.operand)).not_()
-        if isinstance(node, ast.Compare) and len(node.ops) == 1:
-            left, right = ev(node.left), ev(node.comparators[0])
-            from tpfuse.audit.arch import compare
-
-            if isinstance(left, ArchNum) and isinstance(right, int) or isinstance(right, ArchNum) and isinstance(left, int):
-                return compare(type(node.ops[0]).__name__, left, right)
-            return None
-        return None
-
-    return _bool(ev(tree.body))
 
 
 def _bool(v) -> ArchBool:
@@ -79,6 +42,56 @@ def _bool(v) -> ArchBool:
     if isinstance(v, int) and not isinstance(v, bool):
         return ArchBool.const(bool(v))
     return ArchBool.const(None)
+
+
+def evaluate(expr: str, name_value, number_ok=lambda n: True) -> ArchBool | None:
+    """The one C++ mini-evaluator: `expr` per architecture, or None if it does not parse.
+
+    `name_value(identifier)` gives an identifier's value (an `ArchNum`, an `ArchBool`, or None for
+    unknown); a comparison of an `ArchNum` with an integer is decided when `number_ok(integer)`
+    (the runtime form accepts only SM integers), anything else is unknown (Kleene logic)."""
+    try:
+        tree = ast.parse(_translate(expr).strip(), mode="eval")
+    except SyntaxError:
+        return None
+
+    def ev(node):
+        if isinstance(node, ast.Constant):
+            return node.value
+        if isinstance(node, ast.Name):
+            return name_value(node.id)
+        if isinstance(node, ast.BoolOp):
+            out = _bool(ev(node.values[0]))
+            for v in node.values[1:]:
+                out = out.and_(_bool(ev(v))) if isinstance(node.op, ast.And) else out.or_(_bool(ev(v)))
+            return out
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
+            return _bool(ev(node.operand)).not_()
+        if isinstance(node, ast.Compare) and len(node.ops) == 1:
+            left, right = ev(node.left), ev(node.comparators[0])
+            number = right if isinstance(left, ArchNum) else left if isinstance(right, ArchNum) else None
+            if isinstance(number, int) and not isinstance(number, bool) and number_ok(number):
+                return compare(type(node.ops[0]).__name__, left, right)
+        return None
+
+    return _bool(ev(tree.body))
+
+
+_CUDA_ARCH = ArchNum.of(lambda a: a.cuda_arch)
+
+
+def _preprocessor_name(name: str):
+    """`__CUDA_ARCH__` is major*100+minor*10 and defined; `__CUDA_ARCH_FEAT_SM<N>_ALL` holds on sm<N> only."""
+    if name == "__CUDA_ARCH__":
+        return _CUDA_ARCH
+    if name == "__defined____CUDA_ARCH__":
+        return ArchBool.const(True)
+    m = _FEAT_RE.search(name)
+    if m:
+        return ArchBool.where(lambda a: a.cc_int == int(m.group(1)))
+    if name.startswith("__defined__") and name.endswith("_IDE__"):
+        return ArchBool.const(False)  # __CLION_IDE__, __VSCODE_IDE__: defined by editors, never by a compiler
+    return None
 
 
 def _cmake_set(text: str) -> ArchBool:
@@ -93,13 +106,10 @@ def _cmake_set(text: str) -> ArchBool:
 
 
 def _finding(rel, line, kind, condition, value: ArchBool, language, guards):
-    from tpfuse.audit.engine import Finding
-
-    digest = hashlib.sha1(f"{rel}\0{kind}\0{condition}".encode()).hexdigest()[:8]
-    return Finding(
-        id=digest, path=rel, line=line, end_line=line, column=1, scope="<file>", kind=kind, category="gate",
-        condition=condition, guards=guards, values={a.name: value.at(a) for a in ARCHS},
-        enables=value.enabled_names(), confidence="medium", language=language, report_only=True,
+    return ArchCondition(
+        id=stable_id(rel, kind, condition), path=rel, line=line, end_line=line, column=1, scope="<file>", kind=kind,
+        condition=condition, guards=guards, values={a.name: value.at(a) for a in ARCHS}, weak=True,
+        language=language, report_only=True,
     )
 
 
@@ -110,69 +120,59 @@ _CAP_CALL_RE = re.compile(r"\b(?:getSMVersion|get_sm_version|GetCudaComputeCapab
 _RUNTIME_RE = re.compile(
     r"^\s*(?:\}\s*else\s+)?(?:if|while)\s*\((.*)\)\s*\{?\s*$|^\s*return\s+(.*);\s*$|^\s*\w*CHECK\w*\s*\((.*)\)\s*;?\s*$"
 )
+_CC = ArchNum.of(lambda a: a.cc_int)
 _CAP_CMP_RE = re.compile(rf"\b{_CAP_NAME}\b\s*(?:==|!=|>=|<=|>|<)\s*\d+|\d+\s*(?:==|!=|>=|<=|>|<)\s*\b{_CAP_NAME}\b")
 
 
 def _runtime_value(expr: str) -> ArchBool | None:
     """A C++ condition over an integer capability: `sm` is major*10+minor (90, 100, 120)."""
-    from tpfuse.audit.arch import compare
-
     expr = _CAP_CALL_RE.sub(" sm ", expr)
+    expr = re.sub(rf"[\w.>-]*?(?:\.|->)({_CAP_NAME})\b", r"\1", expr)  # `gemm_config.sm_version`, `cfg->sm`
     names = set(re.findall(rf"\b{_CAP_NAME}\b", expr))
-    try:
-        tree = ast.parse(_translate(expr).strip(), mode="eval")
-    except SyntaxError:
-        return None
-    cc = ArchNum.of(lambda a: a.cc_int)
+    # 70..199: an SM integer (major*10+minor); other numbers compared with such a name are not one.
+    return evaluate(expr, lambda n: _CC if n in names else None, lambda n: 70 <= n < 200)
 
-    def ev(node):
-        if isinstance(node, ast.Constant):
-            return node.value
-        if isinstance(node, ast.Name):
-            return cc if node.id in names else None
-        if isinstance(node, ast.BoolOp):
-            out = _bool(ev(node.values[0]))
-            for v in node.values[1:]:
-                out = out.and_(_bool(ev(v))) if isinstance(node.op, ast.And) else out.or_(_bool(ev(v)))
-            return out
-        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
-            return _bool(ev(node.operand)).not_()
-        if isinstance(node, ast.Compare) and len(node.ops) == 1:
-            left, right = ev(node.left), ev(node.comparators[0])
-            # 70..199: an SM integer (major*10+minor); other numbers compared with such a name are not one.
-            if isinstance(left, ArchNum) and isinstance(right, int) and 70 <= right < 200:
-                return compare(type(node.ops[0]).__name__, left, right)
-            if isinstance(right, ArchNum) and isinstance(left, int) and 70 <= left < 200:
-                return compare(type(node.ops[0]).__name__, left, right)
-        return None
 
-    return _bool(ev(tree.body))
+_COMMENT_RE = re.compile(r"//.*$|/\*.*?\*/")
+_STATEMENT_START_RE = re.compile(r"^\s*(?:\}\s*else\s+)?(?:if|while)\s*\(|^\s*return\b|^\s*\w*CHECK\w*\s*\(")
+_MAX_JOINED = 6  # lines of one runtime condition read together (a long `if (...` split over lines)
+
+
+def _statement(lines: list, i: int) -> str:
+    """Line `i` without comments, joined with the lines that close its parentheses (or end its return)."""
+    text = _COMMENT_RE.sub("", lines[i])
+    j = i
+    while j + 1 < len(lines) and j - i < _MAX_JOINED and (
+            text.count("(") > text.count(")") or text.lstrip().startswith("return") and not text.rstrip().endswith(";")):
+        j += 1
+        text += " " + _COMMENT_RE.sub("", lines[j]).strip()
+    return text
 
 
 def _runtime_findings(rel: str, lines: list) -> list:
-    out, seen = [], {}
+    out = []
     for i, line in enumerate(lines):
-        if not (_CAP_CMP_RE.search(line) or _CAP_CALL_RE.search(line)):
+        if not _STATEMENT_START_RE.match(line):
             continue
-        m = _RUNTIME_RE.match(line)
+        text = _statement(lines, i)
+        if not (_CAP_CMP_RE.search(text) or _CAP_CALL_RE.search(text)):
+            continue
+        m = _RUNTIME_RE.match(text)
         if not m:
             continue
         expr = next(g for g in m.groups() if g is not None)
         value = _runtime_value(expr)
         if value is None or not value.depends_on_arch:
             continue
-        f = _finding(rel, i + 1, "runtime-cpp", " ".join(expr.split()), value, "cuda", "code run under this condition")
-        seen[f.id] = seen.get(f.id, 0) + 1
-        if seen[f.id] > 1:
-            f.id = f"{f.id}-{seen[f.id]}"
-        out.append(f)
+        out.append(_finding(rel, i + 1, "runtime-cpp", " ".join(expr.split()), value, "cuda", "code run under this condition"))
+    number_repeats(out)
     return out
 
 
 def scan_native(rel: str, text: str) -> list:
     """Report-only findings of one C/C++/CUDA or CMake file."""
-    lines = text.splitlines()
-    out, seen = [], {}
+    lines = text.split("\n")
+    out = []
     is_cmake = rel.endswith(("CMakeLists.txt", ".cmake"))
     i = 0
     while i < len(lines):
@@ -193,15 +193,12 @@ def scan_native(rel: str, text: str) -> list:
         m = _PP_RE.match(line)
         if not m or "__CUDA_ARCH" not in m.group(2):
             continue
-        value = _evaluate(m.group(2))
+        value = evaluate(m.group(2), _preprocessor_name)
         if value is None or not value.depends_on_arch:
             continue
-        cond = " ".join(m.group(2).split())
-        f = _finding(rel, start + 1, "preprocessor", cond, value, "cuda", "code compiled under this #if")
-        seen[f.id] = seen.get(f.id, 0) + 1
-        if seen[f.id] > 1:
-            f.id = f"{f.id}-{seen[f.id]}"
-        out.append(f)
+        cond = " ".join(_COMMENT_RE.sub("", m.group(2)).split())
+        out.append(_finding(rel, start + 1, "preprocessor", cond, value, "cuda", "code compiled under this #if"))
+    number_repeats(out)
     if not is_cmake:
         out.extend(_runtime_findings(rel, lines))
     return out

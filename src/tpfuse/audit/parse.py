@@ -1,17 +1,19 @@
 """Parse only the parts of a module an audit can need: top-level statements and arch-related defs.
 
-`ast.parse` of every module a whole-engine audit touches was most of its run time and memory
-(sglang 0.5.23: 840 modules, 9 s of `compile`, 0.8 GB of trees). A module is cut at its top-level
-`def` / `class` / decorator lines (column 0, outside brackets and strings as far as the text
-shows). Every chunk of ordinary top-level statements is parsed (imports, flags, tables); a
-`def` or `class` chunk only when its text can hold an architecture condition: it mentions an
-architecture token (`arch_text`), is named like an arch helper (`name_re`: `get_platform`,
-`is_cuda`), mentions a name the module binds at top level to such an
-expression, or a parameter named as a capability. Each skipped `def`/`class` is still bound, to
-an opaque value (`Skipped`), so name resolution does not fall back to a seed for it. Inside a
-kept class, methods are chosen the same way (`_trim_class`; `self.` attributes tie them). A chunk
-that is left out becomes blank lines (positions stay the real ones); if the text then does not parse (a
-cut fell inside a string or brackets), the module is parsed whole, so errors are reported as before.
+Parsing every module a whole-engine audit touches was most of its run time and memory, so a
+module is cut at its top-level `def` / `class` / decorator lines (column 0, outside brackets and
+triple-quoted strings as far as the text shows). Every chunk of ordinary top-level statements is
+parsed (imports, flags, tables); a `def` or `class` chunk only when its text can hold an
+architecture condition: an architecture token in code (`code_tokens`: not in a comment or a
+docstring, nor in a string literal unless the line compares something), a name like an arch
+helper (`name_re`: `get_platform`, `is_cuda`), a name the module binds at top level to such an
+expression (transitively), a name the caller says is architecture-valued (`extra_hot`: names
+imported from modules where they hold an architecture value), or a parameter named as a
+capability. Each skipped `def`/`class` is still bound, to an opaque value (`Skipped`), so name
+resolution does not fall back to a seed for it. Inside a kept class, methods are chosen the same
+way (`_trim_class`; `self.` attributes tie them). A chunk that is left out becomes blank lines
+(positions stay the real ones); if the text then does not parse (a cut fell inside a string or
+brackets), the module is parsed whole, so errors are reported as before.
 """
 
 from __future__ import annotations
@@ -24,20 +26,19 @@ import re
 # A top-level def/class/decorator line starts a chunk; other column-0 code lines start one too.
 _DEF_RE = re.compile(r"(?:async\s+def|def|class)\b")
 _ASSIGN_RE = re.compile(r"^([A-Za-z_]\w*(?:[ \t]*,[ \t]*[A-Za-z_]\w*)*)[ \t]*(?::[^=\n]*)?=(?!=)", re.MULTILINE)
-# Capability parameter names (scan.py's _capability_params), without a leading \b so that sre's
+# Capability parameter names (predicates.capability_params), without a leading \b so that sre's
 # literal scan applies; `major`/`minor` pairs are found with substring tests.
-_PARAM_RE = re.compile(r"capability|sm_version|device_sm|sm_arch|arch_major")
-_TOKEN_WORDS: dict = {}
-
-
-def _token_words(name_re: re.Pattern) -> re.Pattern:
-    """Whole identifiers that contain a `name_re` token (`is_cuda_sm_at_least`), found in one pass."""
-    if name_re.pattern not in _TOKEN_WORDS:
-        tokens = name_re.pattern.replace("^_?", "")
-        _TOKEN_WORDS[name_re.pattern] = re.compile(rf"\b\w*?(?:{tokens})\w*", name_re.flags)
-    return _TOKEN_WORDS[name_re.pattern]
+_PARAM_RE = re.compile(r"capability|sm_version|device_sm|sm_arch|_major\b|device_arch|arch\b")
 _WORD_RE = re.compile(r"[A-Za-z_]\w*")
 _CONSTANT_NAMES = frozenset({"get_platform", "current_platform", "is_cuda", "_is_cuda", "is_cuda_alike"})
+# A line that compares (`arch == "sm_90a"`, `"sm100" in name`): a token in its string literal counts.
+_COMPARES_RE = re.compile(r"==|!=|<=|>=| in | not in |[<>]")
+
+
+def _param_word(text: str, m: re.Match) -> bool:
+    """A `_PARAM_RE` match that can name a capability: `arch` only as a whole word (a parameter
+    `arch` that a caller passes the device's `major * 10 + minor` to), not `model_arch`."""
+    return m.group() != "arch" or m.start() == 0 or not (text[m.start() - 1].isalnum() or text[m.start() - 1] == "_")
 
 
 class Skipped:
@@ -49,13 +50,100 @@ class Skipped:
         self.name = name
 
 
-def _chunks(lines: list) -> list:
+def split_lines(source: str, *, keepends: bool = True) -> list:
+    """The lines of `source` as `ast` counts them (at "\n"; `str.splitlines` also cuts at form feeds
+    and other separators, which would shift every later line)."""
+    parts = source.split("\n")
+    if not keepends:
+        return parts[:-1] if parts and parts[-1] == "" else parts
+    lines = [part + "\n" for part in parts[:-1]]
+    if parts[-1]:
+        lines.append(parts[-1])
+    return lines
+
+
+def _triple_quotes(source: str) -> list:
+    """[(offset, quote)] of every triple quote (double or single) in `source` in order, as
+    `re.finditer` finds them (str.find scans for one literal far faster than a regex alternation
+    tried at every position; the two quotes share no character, so their matches never overlap)."""
+    found = []
+    for quote in ('"""', "'''"):
+        i = source.find(quote)
+        while i >= 0:
+            found.append((i, quote))
+            i = source.find(quote, i + 3)
+    found.sort()
+    return found
+
+
+class TextMap:
+    """Line offsets and triple-quoted string regions of a module's text (as far as the text shows).
+
+    `regions` is None when the triple quotes do not pair up (a `'''` inside a string, say): then
+    nothing is taken for a docstring and every token counts as code."""
+
+    def __init__(self, source: str):
+        self.source = source
+        self.lines = split_lines(source)
+        self.starts = list(itertools.accumulate(map(len, self.lines), initial=0))
+        open_quote, regions = None, []
+        for pos, quote in _triple_quotes(source):
+            if open_quote is None:
+                open_quote = (pos, quote)
+            elif quote == open_quote[1]:
+                regions.append((open_quote[0], pos + 3))
+                open_quote = None
+        self.regions = regions if open_quote is None else None
+        self._region_starts = [a for a, _ in regions] if self.regions else []
+
+    def line_of(self, pos: int) -> int:
+        """0-based line index of character offset `pos`."""
+        return bisect.bisect_right(self.starts, pos) - 1
+
+    def in_triple_string(self, pos: int) -> bool:
+        if not self.regions:
+            return False
+        i = bisect.bisect_right(self._region_starts, pos) - 1
+        return i >= 0 and pos < self.regions[i][1]
+
+    def is_code(self, pos: int) -> bool:
+        """Is the token at `pos` code: not in a docstring or comment, nor in a string literal of a
+        line that compares nothing?"""
+        if self.in_triple_string(pos):
+            return False
+        i = self.line_of(pos)
+        before = self.source[self.starts[i]:pos]
+        if "#" in before or '"' in before or "'" in before:
+            quote, escaped = None, False
+            for ch in before:
+                if escaped:
+                    escaped = False
+                elif quote is None:
+                    if ch in "\"'":
+                        quote = ch
+                    elif ch == "#":
+                        return False  # a comment
+                elif ch == "\\":
+                    escaped = True
+                elif ch == quote:
+                    quote = None
+            if quote is not None:  # inside a one-line string literal
+                return bool(_COMPARES_RE.search(self.lines[i]))
+        return True
+
+
+def code_tokens(textmap: TextMap, offsets: list) -> list:
+    """The token offsets that are code (`TextMap.is_code`)."""
+    return [pos for pos in offsets if textmap.is_code(pos)]
+
+
+def _chunks(textmap: TextMap) -> list:
     """[(first line index, last line index + 1, is_def)] of the module's top-level pieces."""
     starts, kinds = [], []
     prev_deco = False
-    for i, line in enumerate(lines):
+    for i, line in enumerate(textmap.lines):
         c = line[:1]
-        if not c or c in " \t\r\n#)]}'\"" or not line.strip():
+        if not c or c in " \t\r\n#)]}'\"" or not line.strip() or textmap.in_triple_string(textmap.starts[i]):
             continue
         is_deco = c == "@"
         is_def = is_deco or bool(_DEF_RE.match(line))
@@ -66,26 +154,39 @@ def _chunks(lines: list) -> list:
     if not starts or starts[0] != 0:
         starts.insert(0, 0)
         kinds.insert(0, False)
-    ends = starts[1:] + [len(lines)]
+    ends = starts[1:] + [len(textmap.lines)]
     return list(zip(starts, ends, kinds))
 
 
-def parse_selected(source: str, filename: str, arch_text: re.Pattern | list, name_re: re.Pattern) -> tuple[ast.Module, dict, set]:
-    """(module tree of the parsed chunks, {name: Skipped} of the defs/classes left out, the hot
-    names: top-level names bound to, defining or importing something architecture-related).
+def _identifier_at(source: str, pos: int) -> str:
+    a = b = pos
+    while a > 0 and (source[a - 1].isalnum() or source[a - 1] == "_"):
+        a -= 1
+    while b < len(source) and (source[b].isalnum() or source[b] == "_"):
+        b += 1
+    return source[a:b]
 
-    `arch_text` is the pattern of architecture tokens, or the character offsets where the
-    caller already found them in `source` (one pass shared with the scanner)."""
-    lines = source.splitlines(keepends=True)
-    chunks = _chunks(lines)
+
+def parse_selected(source: str, filename: str, tokens: list, name_re: re.Pattern, *, textmap: TextMap | None = None,
+                   extra_hot: frozenset = frozenset()) -> tuple[ast.Module, dict, set, list]:
+    """(module tree of the parsed chunks, {name: Skipped} of the defs/classes left out, the hot
+    names: top-level names bound to, defining or importing something architecture-related, and the
+    [first, last) 0-based line ranges that were left out, defs and methods).
+
+    `tokens` are the sorted character offsets of the architecture tokens in code (`code_tokens`)."""
+    textmap = textmap or TextMap(source)
+    lines = textmap.lines
+    chunks = _chunks(textmap)
     texts = ["".join(lines[a:b]) for a, b, _ in chunks]
-    # Whole-text searches mapped to chunks (one regex pass instead of one per chunk).
-    offsets = list(itertools.accumulate((len(t) for t in texts), initial=0))
-    if isinstance(arch_text, list):
-        arch_chunks = {bisect.bisect_right(offsets, pos) - 1 for pos in arch_text}
-    else:
-        arch_chunks = _chunks_matching(arch_text, source.lower(), offsets)
-    param_chunks = _chunks_matching(_PARAM_RE, source, offsets)
+    offsets = [textmap.starts[a] for a, _, _ in chunks] + [len(source)]
+    arch_chunks = {bisect.bisect_right(offsets, pos) - 1 for pos in tokens}
+    param_chunks: set = set()
+    for m in _PARAM_RE.finditer(source):  # only a def chunk not already kept needs the (slower) code test
+        k = bisect.bisect_right(offsets, m.start()) - 1
+        if k in param_chunks or k in arch_chunks or not chunks[k][2]:
+            continue
+        if _param_word(source, m) and textmap.is_code(m.start()):
+            param_chunks.add(k)
     if "minor" in source:
         param_chunks |= {k for k, t in enumerate(texts) if "minor" in t and "major" in t}
     words: dict = {}
@@ -95,12 +196,28 @@ def parse_selected(source: str, filename: str, arch_text: re.Pattern | list, nam
             words[k] = set(_WORD_RE.findall(texts[k]))
         return words[k]
 
-    # Names the top-level statements bind to architecture expressions, transitively
-    # (`_GPU_MAJOR = get_device_capability()[0]` then `_USE_FMA = _GPU_MAJOR >= 10`).
-    hot: set = set()
+    hot: set = set(extra_hot)
+    # Imported helpers named like arch predicates (`is_cuda_sm_at_least`), found at the tokens; not the
+    # platform objects and `is_cuda`, constant on every audited arch unless an arch token follows them.
+    for pos in tokens:
+        k = bisect.bisect_right(offsets, pos) - 1
+        if not chunks[k][2] and "import" in texts[k]:
+            word = _identifier_at(source, pos)
+            if word and word not in _CONSTANT_NAMES:
+                hot.add(word)
+    names = [_name_of(t) if is_def else None for t, (_, _, is_def) in zip(texts, chunks)]
+    wanted = [not is_def or k in arch_chunks or k in param_chunks or bool(names[k] and name_re.search(names[k]))
+              for k, (_, _, is_def) in enumerate(chunks)]
+    classes = {k for k, (_, _, is_def) in enumerate(chunks) if is_def and _CLASS_RE.search(texts[k])}
+    # What makes a name hot, to a fixpoint: a top-level assignment from architecture text or a hot name
+    # (`_GPU_MAJOR = get_device_capability()[0]`, `_USE_FMA = _GPU_MAJOR >= 10`, `_FLAG = _helper()`);
+    # a function that holds architecture text and returns a value (its callers read the architecture);
+    # what a kept class exports (its methods returning architecture values, attributes set from it).
     pending = [(k, {n.strip() for targets in _ASSIGN_RE.findall(texts[k]) for n in targets.split(",")})
                for k, (_, _, is_def) in enumerate(chunks) if not is_def]
     pending = [(k, bound) for k, bound in pending if bound]
+    trims: dict = {}  # class chunk -> [len(hot) it was last trimmed with, its _ClassTrim, text, ranges]
+    flows: dict = {}  # def chunk -> its `_statements`
     grew = True
     while grew:
         grew = False
@@ -108,32 +225,53 @@ def parse_selected(source: str, filename: str, arch_text: re.Pattern | list, nam
             if not bound <= hot and (k in arch_chunks or hot and not hot.isdisjoint(words_of(k))):
                 hot |= bound
                 grew = True
-    # Imported helpers named like arch predicates (`is_cuda_sm_at_least`); not the platform
-    # objects and `is_cuda`, constant on every audited arch unless an arch token follows them.
-    for k, (_, _, is_def) in enumerate(chunks):
-        if not is_def and "import" in texts[k]:
-            hot.update(w for w in _token_words(name_re).findall(texts[k]) if w not in _CONSTANT_NAMES)
-    names = [_name_of(t) if is_def else None for t, (_, _, is_def) in zip(texts, chunks)]
-    wanted = [not is_def or k in arch_chunks or k in param_chunks or bool(names[k] and name_re.search(names[k]))
-              for k, (_, _, is_def) in enumerate(chunks)]
-    # Defs of this module that hold an architecture condition are hot too: a def calling one is kept.
-    hot.update(n for n, w, (_, _, is_def) in zip(names, wanted, chunks) if w and is_def and n)
-    grew = True
-    while grew and hot:
-        grew = False
-        for k in range(len(chunks)):
-            if not wanted[k] and not hot.isdisjoint(words_of(k)):
+        for k, (_, _, is_def) in enumerate(chunks):
+            if not is_def:
+                continue
+            if not wanted[k] and hot and not hot.isdisjoint(words_of(k)):
                 wanted[k] = grew = True
-                if names[k]:
+            if not wanted[k]:
+                continue
+            if k in classes:
+                if k not in trims:
+                    arch_lines = {textmap.line_of(pos) - chunks[k][0] for pos in
+                                  tokens[bisect.bisect_left(tokens, offsets[k]):bisect.bisect_left(tokens, offsets[k + 1])]}
+                    trims[k] = [None, _ClassTrim(texts[k], arch_lines), None, None]
+                if trims[k][0] != len(hot):
+                    trimmed, ranges, exports = trims[k][1].trim(hot)
+                    if not exports <= hot:
+                        hot |= exports
+                        grew = True
+                    trims[k][0], trims[k][2], trims[k][3] = len(hot), trimmed, ranges
+            elif names[k] and names[k] not in hot:
+                if k not in flows:
+                    arch_lines = {textmap.line_of(pos) for pos in
+                                  tokens[bisect.bisect_left(tokens, offsets[k]):bisect.bisect_left(tokens, offsets[k + 1])]}
+                    flows[k] = _statements(lines, chunks[k][0], chunks[k][1], arch_lines)
+                if _flow(flows[k], hot)[0]:
                     hot.add(names[k])
+                    grew = True
+    # A class that exports something is hot itself: other modules read it (`Cls.supported(arch)`), and
+    # its tree is kept for them after the module is scanned (resolve.Resolver.release).
+    hot.update(names[k] for k in trims if trims[k][1].exports and names[k])
     # One parse of the text with the skipped chunks blanked (their lines kept as empty lines, so
     # every position is the real one): a cut inside a string or brackets shows as a SyntaxError.
-    kept, skipped = [], {}
-    low = source.lower() if not isinstance(arch_text, list) else None
+    kept, skipped, hidden = [], {}, []
     for k, ((a, b, is_def), text, need, name) in enumerate(zip(chunks, texts, wanted, names)):
-        if need and is_def and _CLASS_RE.search(text):
-            arch_lines = _arch_lines_in(arch_text, low, source, offsets[k], offsets[k + 1], text)
-            kept.append(_trim_class(text, arch_lines, hot))
+        if need and k in classes:
+            _, _, trimmed, ranges = trims[k]
+            kept.append(trimmed)
+            hidden += [(a + i, a + j) for i, j in ranges]
+            continue
+        if need and is_def and b - a >= _THIN_MIN_LINES and name not in hot:  # a hot def is inlined whole
+            arch_lines = {textmap.line_of(pos) for pos in
+                          tokens[bisect.bisect_left(tokens, offsets[k]):bisect.bisect_left(tokens, offsets[k + 1])]}
+            statements = flows.get(k) or _statements(lines, a, b, arch_lines)
+            drops = _thin(statements, _relevant(statements, hot))
+            part = lines[a:b]
+            _apply_drops(part, drops, a)
+            kept.append("".join(part))
+            hidden += [r for r, _ in drops]
             continue
         if need:
             kept.append(text)
@@ -141,90 +279,393 @@ def parse_selected(source: str, filename: str, arch_text: re.Pattern | list, nam
         if name:
             skipped.setdefault(name, Skipped(name))
         kept.append("\n" * (b - a))
+        hidden.append((a, b))
+    if not hidden:
+        return ast.parse(source, filename=filename), {}, hot, []
     try:
-        return ast.parse("".join(kept), filename=filename), skipped, hot
+        return ast.parse("".join(kept), filename=filename), skipped, hot, hidden
     except SyntaxError:
-        return ast.parse(source, filename=filename), {}, hot  # raises the real error, or parses whole
+        return ast.parse(source, filename=filename), {}, hot, []  # raises the real error, or parses whole
 
 
 _CLASS_RE = re.compile(r"^class\s", re.MULTILINE)
-_SELF_ATTR_RE = re.compile(r"\b(?:self|cls)\.([A-Za-z_]\w*)\s*(?::[^=\n]*)?=(?!=)")
 
 
-def _arch_lines_in(arch_text, low, source: str, start: int, end: int, text: str) -> set:
-    """0-based line numbers, within one chunk, that hold an architecture token."""
-    if isinstance(arch_text, list):
-        positions = [p - start for p in arch_text[bisect.bisect_left(arch_text, start): bisect.bisect_left(arch_text, end)]]
-    else:
-        positions = [m.start() for m in arch_text.finditer(low, start, end)]
-        positions = [p - start for p in positions]
-    line_starts = list(itertools.accumulate((len(x) for x in text.splitlines(keepends=True)), initial=0))
-    return {bisect.bisect_right(line_starts, p) - 1 for p in positions}
+def _trim_class(text: str, arch_lines: set, hot: set) -> tuple[str, list, set]:
+    """`_ClassTrim(text, arch_lines).trim(hot)`."""
+    return _ClassTrim(text, arch_lines).trim(hot)
 
 
-def _trim_class(text: str, arch_lines: set, hot: set) -> str:
-    """A class chunk with the methods that cannot hold an architecture condition replaced by
-    `pass` and blank lines (same line count): a method is kept when it holds an architecture
-    token, a capability parameter, or a name or `self.` attribute tied to one (transitively)."""
-    lines = text.splitlines(keepends=True)
-    header = next((i for i, line in enumerate(lines) if line.startswith("class")), None)
-    body = [i for i in range(header + 1, len(lines)) if lines[i].strip() and not lines[i].lstrip().startswith("#")] if header is not None else []
-    if not body:
-        return text
-    indent = lines[body[0]][: len(lines[body[0]]) - len(lines[body[0]].lstrip())]
-    if not indent:
-        return text
-    # Methods start at the body's indentation with def/async def/@ (decorators join their def).
-    starts, prev_deco = [], False
-    for i in body:
-        line = lines[i]
-        if not line.startswith(indent) or line[len(indent)] in " \t)]}'\"":
+class _ClassTrim:
+    """A class chunk with the methods that cannot hold an architecture condition replaced by `pass`
+    and blank lines (same line count).
+
+    A method is kept when it holds an architecture token, a capability parameter, or reads a name
+    tied to one: a hot name, a kept method's name that returns a value (`self._use_fp8()`), or an
+    attribute or class attribute assigned from architecture text (`self.sm = get_device_sm()`, also
+    through a local name of the same method: `major = ...; self.fast = major >= 10`), transitively.
+    `trim` may be called again with more hot names (the module's grow as classes export theirs): it
+    goes on from where it stopped."""
+
+    def __init__(self, text: str, arch_lines: set):
+        self.text, self.arch_lines = text, arch_lines
+        self.lines = lines = split_lines(text)
+        header = next((i for i, line in enumerate(lines) if line.startswith("class")), None)
+        body = lines[header + 1:] if header is not None else []
+        first = next((line for line in body if line.strip() and not line.lstrip().startswith("#")), "")
+        self.indent = indent = first[: len(first) - len(first.lstrip())]
+        self.parts: list = []
+        if not indent:
+            return
+        # Methods start at the body's indentation with def/async def/@ (decorators join their def); other
+        # code there (not a closing bracket, a quote or a comment) starts a part of class-level statements.
+        # One regex pass over the text finds those lines (a test per line was a tenth of the parse).
+        line_starts = list(itertools.accumulate(map(len, lines), initial=0))
+        at_indent = re.compile(rf"^{re.escape(indent)}(?=[^ \t\r\n\f\v)\]}}'\"#])", re.MULTILINE)
+        starts, prev_deco = [], False
+        for m in at_indent.finditer(text, line_starts[header + 1]):
+            i = bisect.bisect_right(line_starts, m.start()) - 1
+            rest = lines[i][len(indent):]
+            is_deco = rest.startswith("@")
+            if not prev_deco:
+                starts.append((i, is_deco or bool(_DEF_RE.match(rest))))
+            prev_deco = is_deco
+        self.parts = [(a, b, is_method) for (a, is_method), (b, _) in zip(starts, starts[1:] + [(len(lines), False)])]
+        self.texts = ["".join(lines[a:b]) for a, b, _ in self.parts]
+        arch = sorted(arch_lines)
+        self.keep = [not is_method or bisect.bisect_left(arch, a) < bisect.bisect_left(arch, b)
+                     or any(_param_word(chunk, m) for m in _PARAM_RE.finditer(chunk)) or ("major" in chunk and "minor" in chunk)
+                     for (a, b, is_method), chunk in zip(self.parts, self.texts)]
+        self.hot_words: set = set()
+        self.exports: set = set()
+        self.words: dict = {}
+        self.flows: dict = {}
+        self.done: dict = {}
+
+    def _returns_arch(self, j: int) -> bool:
+        """Does method `j` return an architecture value (its name is exported): others inline it whole."""
+        name = _METHOD_NAME_RE.match(self.texts[j])
+        return bool(name) and name.group(1) in self.exports
+
+    def trim(self, hot: set) -> tuple[str, list, set]:
+        """(the trimmed text, the [first, last) line ranges replaced, the names the class adds to `hot`:
+        what other code reads the architecture through)."""
+        if not self.parts:
+            return self.text, [], set()
+        hot_words, parts, lines = self.hot_words, self.parts, self.lines
+        hot_words |= hot
+        grew = True
+        while grew:
+            grew = False
+            for j, chunk in enumerate(self.texts):
+                if self.keep[j]:
+                    if j not in self.flows:
+                        self.flows[j] = _statements(lines, parts[j][0], parts[j][1], self.arch_lines)
+                    if self.done.get(j) == len(hot_words):
+                        continue
+                    returns, names, attrs = _flow(self.flows[j], hot_words)
+                    attrs = attrs if parts[j][2] else names  # a class-level name is a class attribute
+                    name = _METHOD_NAME_RE.match(chunk) if parts[j][2] and returns else None
+                    if name:  # it returns a value that depends on the architecture: its callers read it
+                        attrs = attrs | {name.group(1)}
+                    if not attrs <= hot_words:
+                        hot_words |= attrs
+                        self.exports |= attrs
+                        grew = True
+                    self.done[j] = len(hot_words)
+                elif hot_words:
+                    if j not in self.words:
+                        self.words[j] = set(_WORD_RE.findall(chunk))
+                    if not hot_words.isdisjoint(self.words[j]):
+                        self.keep[j] = grew = True
+        out, ranges = lines[: parts[0][0]], [(a, b) for (a, b, _), k in zip(parts, self.keep) if not k]
+        for j, ((a, b, is_method), k) in enumerate(zip(parts, self.keep)):
+            if not k:
+                out += [f"{self.indent}pass\n"] + ["\n"] * (b - a - 1)
+            elif is_method and b - a >= _THIN_MIN_LINES and not self._returns_arch(j):
+                statements = self.flows.get(j) or _statements(lines, a, b, self.arch_lines)
+                drops = _thin(statements, _relevant(statements, hot_words))
+                part = lines[a:b]
+                _apply_drops(part, drops, a)
+                out += part
+                ranges += [r for r, _ in drops]
+            else:
+                out += lines[a:b]
+        return "".join(out), ranges, self.exports - hot
+
+
+_METHOD_NAME_RE = re.compile(r"(?:[ \t]*@[^\n]*\n)*[ \t]*(?:async[ \t]+)?def[ \t]+(\w+)")
+# An assignment statement's targets, names or `self.`/`cls.` attributes.
+_TARGETS_RE = re.compile(r"[ \t]*((?:(?:self|cls)\.)?[A-Za-z_]\w*(?:[ \t]*,[ \t]*(?:(?:self|cls)\.)?[A-Za-z_]\w*)*)"
+                         r"[ \t]*(?::[^=\n]*)?=(?!=)")
+_FIRST_WORD_RE = re.compile(r"[ \t]*(@|[A-Za-z_]\w*)")
+_HEADERS = frozenset({"if", "while", "for", "with", "try", "match", "case", "async"})
+_CHAINED = frozenset({"elif", "else", "except", "finally"})  # continue the header above them at their indentation
+
+
+def _statements(lines: list, first: int, last: int, arch_lines: set) -> list:
+    """The statements of lines[first:last] (a def, a class part): [(indentation, kind, words, holds an
+    architecture token, attributes assigned, names assigned, first line, end line)], kind one of
+    "def", "header", "match", "chained", "return", "exit", "assign", "import", "decorator", "other".
+
+    Read from the text with strings and comments blanked (one regex pass): a statement ends where
+    its brackets close and no backslash or multi-line string goes on, and runs over the lines after
+    it that hold no code (comments). Its words are its code's identifiers, never a string's or a
+    comment's."""
+    code_lines = _CODE_RE.sub(_newlines_only, "".join(lines[first:last])).split("\n")
+    n = last - first
+    arch = sorted(arch_lines)
+    starts, depth, continued = [], 0, False
+    for i in range(n):
+        c = code_lines[i]
+        if depth <= 0 and not continued and c.strip():
+            starts.append(i)
+            depth = 0
+        if "(" in c or ")" in c or "[" in c or "]" in c or "{" in c or "}" in c:
+            depth += _depth(c)
+        continued = c.rstrip().endswith("\\")
+    out = []
+    for s_i, start in enumerate(starts):
+        end = starts[s_i + 1] if s_i + 1 < len(starts) else n
+        line = code_lines[start]
+        stripped = line.lstrip()
+        span = "\n".join(code_lines[start:end])
+        word = _FIRST_WORD_RE.match(line)
+        head = word.group(1) if word else ""
+        attrs, names = set(), set()
+        if head in ("def", "class") or head == "async" and stripped.startswith("async def"):
+            kind = "def"
+            bound = _DEF_NAME_RE.match(stripped)
+            names = {bound.group(1)} if bound else names
+        elif head in _HEADERS:
+            kind = "match" if head == "match" else "header"
+            bound = _FOR_RE.match(stripped) if head in ("for", "async") else _WITH_AS_RE.search(span) if head == "with" else None
+            names = set(_WORD_RE.findall(bound.group(1))) if bound else names
+        elif head in _CHAINED:
+            kind = "chained"
+        elif head in ("return", "yield"):
+            kind = "return"
+        elif head in ("raise", "continue", "break"):
+            kind = "exit"
+        elif head == "@":
+            kind = "decorator"
+        elif head in ("from", "import"):
+            kind = "import"
+            names = {m.group(2) or m.group(1).split(".")[0] for m in _IMPORTED_RE.finditer(span.split(" import ", 1)[-1]
+                                                                                              if head == "from" else span[6:])}
+        else:
+            kind = "other"
+        target = _TARGETS_RE.match(line) if kind == "other" else None
+        if target:
+            kind = "assign"
+            for name in target.group(1).split(","):
+                name = name.strip()
+                if name.startswith(("self.", "cls.")):
+                    attrs.add(name.split(".", 1)[1])
+                else:
+                    names.add(name)
+        j = bisect.bisect_left(arch, first + start)
+        out.append((len(line) - len(stripped), kind, set(_WORD_RE.findall(span)), j < len(arch) and arch[j] < first + end,
+                    attrs, names, first + start, first + end))
+    return out
+
+
+# Strings (triple-quoted first) and comments, which `_statements` blanks (`_newlines_only`).
+_CODE_RE = re.compile(r'"""[\s\S]*?"""|\'\'\'[\s\S]*?\'\'\'|"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'|#[^\n]*')
+
+
+def _newlines_only(m: re.Match) -> str:
+    """A string becomes `""` (a multi-line one with its newlines, each after a backslash: the
+    statement goes on to where the string ends); a comment, nothing."""
+    text = m.group()
+    if text[0] == "#":
+        return ""
+    return '""' + "\\\n" * text.count("\n")
+
+
+def _depth(code: str) -> int:
+    """How many brackets `code` opens, less those it closes."""
+    return code.count("(") + code.count("[") + code.count("{") - code.count(")") - code.count("]") - code.count("}")
+
+
+_DEF_NAME_RE = re.compile(r"(?:async\s+)?(?:def|class)\s+(\w+)")
+_FOR_RE = re.compile(r"(?:async\s+)?for\s+(.+?)\s+in\b")
+_WITH_AS_RE = re.compile(r"\bas\s+\(?([\w, ]+)")
+_IMPORTED_RE = re.compile(r"([\w.]+)(?:\s+as\s+(\w+))?")
+
+
+def _flow(statements: list, hot: set) -> tuple[bool, set, set]:
+    """(does a return of the def depend on the architecture, the local names and the attributes that
+    may hold an architecture value) over `_statements` of one def or class part, for the `hot` names.
+
+    A statement depends on the architecture when its text does (a token, a hot name, a local name
+    that does) or a header around it does (`if is_sm100(): return "trtllm"`, then `return "fa3"`
+    makes the def's result depend on it); `elif`/`else` continue their `if`. Nested defs' returns
+    are their own."""
+    # (indentation, depends, is a def, a header around or at it depends, a def around or at it)
+    stack: list = []
+    local: set = set()
+    attrs: set = set()
+    returns = False
+    top = None
+    for indent, kind, words, has_arch, assigned_attrs, assigned_names, _, _ in statements:
+        if top is None and kind == "decorator":
             continue
-        rest = line[len(indent):]
-        is_deco = rest.startswith("@")
-        if not prev_deco:
-            starts.append((i, is_deco or bool(_DEF_RE.match(rest))))
-        prev_deco = is_deco
-    parts = [(a, b, is_method) for (a, is_method), (b, _) in zip(starts, starts[1:] + [(len(lines), False)])]
-    hot_words = set(hot)
-    keep, texts = [], ["".join(lines[a:b]) for a, b, _ in parts]
-    for (a, b, is_method), chunk in zip(parts, texts):
-        keep.append(not is_method or any(i in arch_lines for i in range(a, b)) or bool(_PARAM_RE.search(chunk))
-                    or ("major" in chunk and "minor" in chunk))
-    words: dict = {}
-    bound: dict = {}
+        if top is None:  # the part's own def line (or its first statement)
+            top = indent
+            if kind == "def":
+                continue
+        chained = False
+        while stack and stack[-1][0] >= indent:
+            popped = stack.pop()
+            chained = kind == "chained" and popped[0] == indent and popped[1]
+        depends = has_arch or not words.isdisjoint(hot) or bool(local) and not words.isdisjoint(local)
+        under, in_def = (stack[-1][3], stack[-1][4]) if stack else (False, False)
+        if kind in ("def", "header", "chained", "match"):
+            own = kind != "def" and (depends or chained)
+            stack.append((indent, own, kind == "def", under or own, in_def or kind == "def"))
+            if kind != "def" and (depends or under) and not in_def and "return" in words:
+                returns = True  # `if is_sm100(): return 1` on one line
+        elif kind == "return":
+            returns = returns or (depends or under) and not in_def
+        elif kind in ("assign", "import") and (depends or under):
+            local |= assigned_names
+            attrs |= assigned_attrs
+    return returns, local, attrs
+
+
+# A def shorter than this is parsed whole: helpers are what other code inlines (their every return
+# counts), and the parse and scan time is in the long defs (engine forward and init methods).
+_THIN_MIN_LINES = 40
+# Parameter names a condition may read the capability from (scan.py seeds them, classify.capability_params).
+_CAP_PARAM_RE = re.compile(r"\w*capabilit\w*|\w*sm_version|device_sm|sm_arch|\w*_major|major|minor|cap|cc|\w*_arch|arch")
+
+
+def _thin(statements: list, relevant: set) -> list:
+    """[(first, last) line ranges, indentation] of a long def's statements that cannot matter to
+    an architecture condition: replaced by `pass` (on their last line, so the def ends where it did).
+
+    Kept whole: a statement whose text holds an architecture token or a `relevant` name (with its
+    block, so a guard's body and what it raises stay as written, and with the rest of its `if` /
+    `elif` / `else` chain: a branch dropped would change what the names are after it). Kept as a
+    header only: the statements around a kept one (with their chain), and a loop or def that binds
+    a name a kept statement reads; an assignment or import binding such a name is kept whole.
+    `statements` start with the def itself (after its decorators)."""
+    n = len(statements)
+    parent, stack = [-1] * n, []
+    for i, (indent, kind, *_rest) in enumerate(statements):
+        while stack and statements[stack[-1]][0] >= indent:
+            stack.pop()
+        parent[i] = stack[-1] if stack else -1
+        if kind in ("def", "header", "chained", "match"):
+            stack.append(i)
+    block_end = [st[7] for st in statements]
+    for i in range(n - 1, 0, -1):
+        if parent[i] >= 0 and block_end[i] > block_end[parent[i]]:
+            block_end[parent[i]] = block_end[i]
+    top = next((i for i, st in enumerate(statements) if st[1] == "def"), 0)
+    whole, header, read = set(), set(range(top + 1)), set()
+
+    def keep_whole(i: int) -> bool:
+        if i in whole:
+            return False
+        k = i
+        while k < n and (k == i or statements[k][6] < block_end[i]):  # the statement and its block
+            whole.add(k)
+            read.update(statements[k][2])
+            k += 1
+        return True
+
+    def chain(i: int) -> list:
+        members, j = [i], i
+        while j > top and statements[j][1] == "chained":  # back to the chain's head
+            j = _previous_sibling(parent, j)
+            members.append(j)
+        k = _next_sibling(statements, parent, i)
+        while k is not None and statements[k][1] == "chained":
+            members.append(k)
+            k = _next_sibling(statements, parent, k)
+        return members
+
+    for i in range(top + 1, n):
+        indent, kind, words, has_arch = statements[i][:4]
+        if (has_arch or not words.isdisjoint(relevant)) and kind not in ("def", "decorator"):
+            keep_whole(i)
     grew = True
     while grew:
         grew = False
-        for j, chunk in enumerate(texts):
-            if keep[j]:
-                if j not in bound:
-                    bound[j] = set(_SELF_ATTR_RE.findall(chunk)) | {n.strip() for t in _ASSIGN_RE.findall(chunk.replace(indent, "", 1)) for n in t.split(",")}
-                if not bound[j] <= hot_words:
-                    hot_words |= bound[j]
-                    grew = True
-            elif hot_words:
-                if j not in words:
-                    words[j] = set(_WORD_RE.findall(chunk))
-                if not hot_words.isdisjoint(words[j]):
-                    keep[j] = grew = True
-    out = lines[: parts[0][0]] if parts else lines
-    for (a, b, _), k in zip(parts, keep):
-        out += lines[a:b] if k else [f"{indent}pass\n"] + ["\n"] * (b - a - 1)
-    return "".join(out)
+        for i in range(top + 1, n):
+            kind = statements[i][1]
+            if i in whole and parent[i] not in whole and kind in ("header", "chained"):
+                for j in chain(i):
+                    grew = keep_whole(j) or grew
+            elif i not in whole and i not in header and (statements[i][4] or statements[i][5]) and not (
+                    read.isdisjoint(statements[i][5]) and read.isdisjoint(statements[i][4])):
+                if kind in ("def", "header", "match"):
+                    header.add(i)
+                    read.update(statements[i][2])
+                else:
+                    keep_whole(i)
+                grew = True
+    # The headers around what is kept, with their chains; decorators with their def.
+    for i in sorted(whole | header):
+        p = parent[i]
+        while p > top and p not in header:
+            header.add(p)
+            p = parent[p]
+    for i in sorted(header):
+        if i <= top:
+            continue
+        if statements[i][1] in ("header", "chained"):
+            header.update(chain(i))
+        elif statements[i][1] == "match":  # a match block holds case blocks only
+            header.update(k for k in range(i + 1, n) if parent[k] == i)
+        d = i - 1
+        while statements[i][1] == "def" and d > top and statements[d][1] == "decorator" and parent[d] == parent[i]:
+            header.add(d)
+            d -= 1
+    drops, covered = [], -1
+    for i in range(top + 1, n):
+        start = statements[i][6]
+        if start < covered:
+            continue
+        if i in whole:
+            covered = block_end[i]
+        elif i not in header:
+            drops.append(((start, block_end[i]), statements[i][0]))
+            covered = block_end[i]
+    return drops
 
 
-def _chunks_matching(pattern: re.Pattern, text: str, offsets: list) -> set:
-    """Indices of the chunks where `pattern` matches: one search per matching chunk (after a hit
-    the search resumes at the next chunk)."""
-    found, pos = set(), 0
-    while True:
-        m = pattern.search(text, pos)
-        if m is None:
-            return found
-        k = bisect.bisect_right(offsets, m.start()) - 1
-        found.add(k)
-        pos = offsets[k + 1]
+def _previous_sibling(parent: list, i: int) -> int:
+    j = i - 1
+    while j > 0 and parent[j] != parent[i]:
+        j -= 1
+    return j
+
+
+def _next_sibling(statements: list, parent: list, i: int) -> int | None:
+    for k in range(i + 1, len(statements)):
+        if parent[k] == parent[i]:
+            return k
+        if statements[k][0] < statements[i][0]:
+            return None
+    return None
+
+
+def _apply_drops(lines: list, drops: list, offset: int = 0) -> None:
+    """Replace each dropped range of `lines` (indices minus `offset`) by blank lines ending in `pass`."""
+    for (a, b), indent in drops:
+        for i in range(a - offset, b - offset - 1):
+            lines[i] = "\n"
+        lines[b - offset - 1] = " " * indent + "pass\n"
+
+
+def _relevant(statements: list, hot: set) -> set:
+    """`hot` and the def's capability-like parameters and the names it binds from the architecture."""
+    top = next((i for i, st in enumerate(statements) if st[1] == "def"), 0)
+    params = {w for w in statements[top][2] if _CAP_PARAM_RE.fullmatch(w)} if statements else set()
+    return hot | params | _flow(statements, hot | params)[1]
 
 
 _NAME_RE = re.compile(r"^(?:async\s+def|def|class)\s+(\w+)", re.MULTILINE)

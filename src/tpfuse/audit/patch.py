@@ -6,18 +6,21 @@ comments stay byte for byte; the result is parsed again before it is returned. E
 an atom with `atom or sibling` (parenthesized unless the atom already sits in an `or`), append an
 element to a literal tuple/list/set, rewrite `x == a` as `x in (a, b)`, add a name to a
 `from ... import` next to its sibling, insert a statement after its sibling. Edits are applied
-from the end of the file backwards, so earlier positions stay valid. `build_changes` returns the
-new text per file and never writes; manifest.py writes. (libcst did this before: re-reading 81
-whole sglang files with position metadata took over a minute.)
+from the end of the file backwards, so earlier positions stay valid. `propose_patch` returns the
+new text per file and never writes; `apply_patch` re-audits it and, only if every edit opens its gate
+as intended, has manifest.py write it.
 """
 
 from __future__ import annotations
 
 import ast
 import difflib
+from dataclasses import dataclass, field
 
-from tpfuse.audit.arch import ARCHS
-from tpfuse.audit.plan import Plan
+from tpfuse.audit import manifest
+from tpfuse.audit.arch import ARCHS, Arch
+from tpfuse.audit.driver import audit
+from tpfuse.audit.plan import PatchError, Plan, Planner
 from tpfuse.audit.target import read_source
 
 
@@ -109,37 +112,96 @@ def unified_diff(path: str, old: str, new: str) -> str:
     return "".join(difflib.unified_diff(old.splitlines(True), new.splitlines(True), f"a/{path}", f"b/{path}"))
 
 
-HARM_MARK = "re-audits as"  # errors of edits that were proposed and then failed their re-evaluation
+class PatchRefused(RuntimeError):
+    """`apply_patch` wrote nothing: an edit failed its re-audit (the message names it)."""
 
 
-def build_changes(result, findings: list, arch, like, *, force_hardware: bool = False) -> tuple[dict, dict, list]:
-    """Plan, apply in memory and re-audit: ({rel: (old, new)}, {gate id: Plan}, [(gate id, error)]).
+@dataclass
+class Proposal:
+    """What `propose_patch` found: the new text per file, and the fate of every gate asked for.
+
+    `changes` maps each file to (old text, new text); `plans` the gates whose edits are in it;
+    `checks` one re-audit row per planned gate (`harm` None when it opens as on its `--like`);
+    `opened` the gates no edit of their own opens that re-audit open through the other edits (a
+    helper or flag they read is edited); `errors` (gate id, why) the gates left closed."""
+
+    result: object
+    arch: Arch
+    like: Arch | None
+    changes: dict = field(default_factory=dict)
+    plans: dict = field(default_factory=dict)
+    checks: list = field(default_factory=list)
+    opened: dict = field(default_factory=dict)  # gate id -> the re-audit row that shows it open
+    errors: list = field(default_factory=list)
+
+    @property
+    def harmful(self) -> list:
+        return [row["id"] for row in self.checks if row["harm"]]
+
+    @property
+    def complete(self) -> bool:
+        """Every gate asked for is opened (by its own edit or by the others) and no edit harms."""
+        return not self.errors and not self.harmful
+
+
+def propose_patch(result, findings: list, arch: Arch, like: Arch | None, *, force_hardware: bool = False) -> Proposal:
+    """Plan, apply in memory and re-audit the edits that open `findings` on `arch`; never writes.
 
     Every proposed edit is re-evaluated in the patched text; a plan whose gate does not come out
     true on `arch` with the value it has on its `--like`, or that changes the gate on another
     architecture (other than `arch`'s own major family, which shares the literal), is dropped with
-    an error, and the rest is applied again, so the returned changes hold only edits that open
-    their gate as intended."""
-    from tpfuse.audit.plan import PatchError, Planner
-
+    an error, and the rest is applied again, so the changes hold only edits that open their gate as
+    intended. A gate that could not be planned is re-audited in the patched text too: where the
+    other edits open it (it reads a helper or flag that is edited), it is `opened`, not an error."""
     planner = Planner(result, arch, force_hardware=force_hardware)
-    plans: dict = {}
-    errors = []
+    proposal = Proposal(result, arch, like)
+    unplanned: dict = {}
     for finding in findings:
         try:
-            plans[finding.id] = planner.plan(finding, like)
+            proposal.plans[finding.id] = planner.plan(finding, like)
         except PatchError as exc:
-            errors.append((finding.id, str(exc)))
+            unplanned[finding.id] = (finding, str(exc), exc.deliberate)
     while True:
-        changes = _apply(result, plans)
-        if not changes:
-            return changes, plans, errors
-        bad = [row for row in verify(result, changes, findings, plans, arch) if row["harm"]]
+        proposal.changes = _apply(result, proposal.plans)
+        proposal.checks = verify(result, proposal.changes, findings, proposal.plans, arch) if proposal.changes else []
+        bad = [row for row in proposal.checks if row["harm"]]
         if not bad:
-            return changes, plans, errors
+            break
         for row in bad:
-            errors.append((row["id"], f"patch: gate {row['id']} ({row['path']}): the edit {HARM_MARK} {row['harm']}; refused, edit it by hand"))
-            del plans[row["id"]]
+            finding = next(f for f in findings if f.id == row["id"])
+            why = f"patch: gate {row['id']} ({row['path']}): the edit re-audits as {row['harm']}; refused, edit it by hand"
+            unplanned[row["id"]] = (finding, why, True)
+            del proposal.plans[row["id"]]
+    if proposal.changes:
+        reopen = [f for f, _, deliberate in unplanned.values() if not deliberate]
+        proposal.opened = {row["id"]: row for row in reaudit(result, proposal.changes, reopen, arch) if row["includes_arch"]}
+    proposal.errors = [(gid, why) for gid, (_, why, _) in unplanned.items() if gid not in proposal.opened]
+    return proposal
+
+
+def apply_patch(proposal: Proposal, *, state_dir=None, meta: dict | None = None) -> tuple:
+    """Write `proposal`'s changes as one journaled transaction (manifest.py); (manifest path, re-audit rows from disk).
+
+    The harm rule lives here, below every caller: the changes are re-audited in memory first, and
+    if any edit does not open its gate as on its `--like` (or changes another architecture), nothing
+    is written and `PatchRefused` names it."""
+    result = proposal.result
+    if not proposal.changes:
+        raise PatchRefused("patch: nothing to write: no gate asked for has an edit")
+    checks = verify(result, proposal.changes, result.findings, proposal.plans, proposal.arch)
+    bad = [row for row in checks if row["harm"]]
+    if bad:
+        raise PatchRefused(
+            "patch --apply refused, nothing written: the edit of "
+            + ", ".join(f"{row['id']} re-audits as {row['harm']}" for row in bad)
+            + (f"; apply the others with --only {' '.join(sorted(set(proposal.plans) - {r['id'] for r in bad}))}"
+               if len(bad) < len(proposal.plans) else "")
+        )
+    meta = {"arch": proposal.arch.name, "like": proposal.like.name if proposal.like else None,
+            "gates": sorted(proposal.plans), **(meta or {})}
+    written = manifest.apply(result.target.root, {rel: new for rel, (_, new) in proposal.changes.items()},
+                             dict(result.file_hashes), meta, state_dir=state_dir)
+    return written, verify(result, proposal.changes, result.findings, proposal.plans, proposal.arch, from_disk=True)
 
 
 def _apply(result, plans: dict) -> dict:
@@ -176,25 +238,34 @@ def harm(before, after, arch, like) -> str | None:
     return None
 
 
-def verify(result, changes: dict, findings: list, plans: dict, arch, *, from_disk: bool = False) -> list:
-    """Re-audit the patched files (in memory, or from disk after writing); one row per patched gate."""
-    from tpfuse.audit.engine import audit
+def _match(after, finding, plans: dict):
+    """The condition of the re-audit `after` that is `finding` (its lines shifted by inserted statements)."""
+    inserted = {(s.lineno, code) for p in plans.values() if p.path == finding.path for s, code in p.statements}
+    shift = sum(code.count("\n") + 1 for lineno, code in inserted if lineno < finding.line)
+    cands = [f for f in after.findings if f.path == finding.path and f.scope == finding.scope and f.kind == finding.kind]
+    return min(cands, key=lambda f: abs(f.line - (finding.line + shift)), default=None)
 
+
+def _row(finding, best, arch, like) -> dict:
+    return {
+        "id": finding.id, "path": finding.path, "new_id": best.id if best else None, "line": best.line if best else None,
+        "condition": best.condition if best else None, "enables": best.enables if best else [],
+        "includes_arch": bool(best and best.values[arch.name] is not False), "like": like.name if like else None,
+        "harm": harm(finding, best, arch, like) if like else None,
+    }
+
+
+def verify(result, changes: dict, findings: list, plans: dict, arch, *, from_disk: bool = False) -> list:
+    """Re-audit the patched files (in memory, or from disk after writing); one row per planned gate."""
     overlay = {} if from_disk else {result.target.root / rel: new for rel, (_, new) in changes.items()}
     after = audit(result.target.spec, native=False, overlay=overlay, only=set(changes))
-    rows = []
-    for finding in findings:
-        if finding.id not in plans:
-            continue
-        plan = plans[finding.id]
-        inserted = {(s.lineno, code) for p in plans.values() if p.path == finding.path for s, code in p.statements}
-        shift = sum(code.count("\n") + 1 for lineno, code in inserted if lineno < finding.line)
-        cands = [f for f in after.findings if f.path == finding.path and f.scope == finding.scope and f.kind == finding.kind]
-        best = min(cands, key=lambda f: abs(f.line - (finding.line + shift)), default=None)
-        rows.append({
-            "id": finding.id, "path": finding.path, "new_id": best.id if best else None, "line": best.line if best else None,
-            "condition": best.condition if best else None, "enables": best.enables if best else [],
-            "includes_arch": bool(best and best.values[arch.name] is not False), "like": plan.like.name,
-            "harm": harm(finding, best, arch, plan.like),
-        })
-    return rows
+    return [_row(f, _match(after, f, plans), arch, plans[f.id].like) for f in findings if f.id in plans]
+
+
+def reaudit(result, changes: dict, findings: list, arch) -> list:
+    """Re-audit `findings` (gates without an edit of their own) in the text `changes` patch, in memory."""
+    if not findings:
+        return []
+    overlay = {result.target.root / rel: new for rel, (_, new) in changes.items()}
+    after = audit(result.target.spec, native=False, overlay=overlay, only=set(changes) | {f.path for f in findings})
+    return [_row(f, _match(after, f, {}), arch, None) for f in findings]

@@ -4,6 +4,13 @@ manifest.py writes this state and reverts from it (its docstring has the transac
 reads it without trusting it: `read_manifest` raises `Unreadable` with the reason for a manifest that
 is unreadable, empty, truncated, of the wrong shape or names a path outside the target, and
 `recovery` says which backups SHA256SUMS verifies and the command that restores them.
+
+Layout. A patched tree carries `.tpfuse-patch/` in its root: `marker.json` (which state holds the
+patch and the checksums of every patched file before and after) and, by default, the state itself
+(`state/`: manifest.json, SHA256SUMS, backups/) and its lock (`state.lock`). So the tree can be
+reverted wherever it is moved, and a wiped cache loses nothing. `--state-dir DIR` keeps the state
+in `DIR/<sha1(root)[:12]>/` instead; the marker then names that directory by its absolute path.
+`locate` finds the state from the marker first, then from `--state-dir` or the default.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from pathlib import Path, PurePosixPath
 from tpfuse.audit import durable
 
 MANIFEST, SUMS, BACKUPS = "manifest.json", "SHA256SUMS", "backups"
+TREE_DIR, MARKER, STATE = ".tpfuse-patch", "marker.json", "state"  # in the patched tree's root
 _ENTRY_KEYS = ("path", "sha256_before", "sha256_after")
 
 
@@ -33,12 +41,56 @@ def sha256(data: bytes) -> str:
 
 
 def state_dir_for(root: Path, state_dir: str | Path | None = None) -> Path:
-    base = Path(state_dir) if state_dir else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tpfuse" / "patches"
-    return base / hashlib.sha1(str(Path(root).resolve()).encode()).hexdigest()[:12]
+    """Where a new patch of `root` keeps its state: inside the tree, or under `state_dir` (made absolute)."""
+    root = Path(root).resolve()
+    if not state_dir:
+        return root / TREE_DIR / STATE
+    return Path(state_dir).expanduser().resolve() / hashlib.sha1(str(root).encode()).hexdigest()[:12]
+
+
+def marker_path(root: Path) -> Path:
+    return Path(root).resolve() / TREE_DIR / MARKER
+
+
+def read_marker(root: Path) -> dict | None:
+    """The tree's marker (None without one); Unreadable with the reason for a marker that cannot be used."""
+    path = marker_path(root)
+    if not os.path.lexists(path):
+        return None
+    try:
+        data = json.loads(path.read_bytes())
+    except (OSError, ValueError) as exc:
+        raise Unreadable(f"the patch marker {path} cannot be read ({exc})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("state"), str) or not isinstance(data.get("files"), list):
+        raise Unreadable(f"the patch marker {path} lacks its 'state' or 'files'")
+    return data
+
+
+def marker_state(root: Path, marker: dict) -> Path:
+    """The state directory a marker names (relative: inside the tree's `.tpfuse-patch/`)."""
+    state = Path(marker["state"])
+    return state if state.is_absolute() else Path(root).resolve() / TREE_DIR / state
+
+
+def locate(root: Path, state_dir=None) -> tuple[Path, dict | None]:
+    """(state directory, marker or None) of the patch on `root`: the marker's state first; else
+    `state_dir`'s or the default (an apply killed before it wrote the marker)."""
+    try:
+        marker = read_marker(root)
+    except Unreadable:
+        marker = None
+    if marker is not None:
+        sdir = marker_state(root, marker)
+        fallback = state_dir_for(root, state_dir)
+        if not sdir.exists() and state_dir and fallback.exists():
+            return fallback, marker  # the state was moved by hand and named again with --state-dir
+        return sdir, marker
+    return state_dir_for(root, state_dir), None
 
 
 def revert_cmd(root: Path, state_dir, *, force: bool = False) -> str:
-    return f"tpfuse revert {root}" + (f" --state-dir {state_dir}" if state_dir else "") + (" --force" if force else "")
+    where = f" --state-dir {Path(state_dir).expanduser().resolve()}" if state_dir else ""
+    return f"tpfuse revert {root}{where}" + (" --force" if force else "")
 
 
 def hash_or_none(path: Path) -> str | None:
@@ -163,6 +215,25 @@ def remove_state(sdir: Path) -> None:
     shutil.rmtree(sdir, ignore_errors=True)
 
 
+def remove_marker(root: Path) -> None:
+    """Delete the tree's marker (before the state it names: a kill between leaves a state without marker,
+    which `revert` finds in the default place or with --state-dir, never a marker naming nothing)."""
+    tree_dir = Path(root).resolve() / TREE_DIR
+    if durable.remove(tree_dir / MARKER):
+        durable.fsync_dir(tree_dir)
+
+
+def clear_tree_dir(root: Path) -> None:
+    """Once the patch is gone: the default state's lock (the caller holds it and is done) and `.tpfuse-patch/`."""
+    tree_dir = Path(root).resolve() / TREE_DIR
+    durable.remove(tree_dir / f"{STATE}.lock")
+    try:
+        tree_dir.rmdir()
+    except OSError:  # not empty (an external state's own files are elsewhere), or already gone
+        return
+    durable.fsync_dir(tree_dir.parent)
+
+
 def has_manifest(sdir: Path) -> bool:
     return os.path.lexists(sdir / MANIFEST)
 
@@ -170,7 +241,7 @@ def has_manifest(sdir: Path) -> bool:
 def load(root: Path, *, state_dir=None) -> tuple[Path, dict]:
     """(manifest path, manifest) of the patch on `root`; ManifestError if none or unreadable (with the recovery)."""
     root = Path(root).resolve()
-    sdir = state_dir_for(root, state_dir)
+    sdir, _ = locate(root, state_dir)
     if not has_manifest(sdir):
         raise ManifestError(f"revert: no tpfuse patch recorded for {root} (looked in {sdir}); nothing to revert")
     return sdir / MANIFEST, load_or_explain("revert", root, sdir, state_dir)

@@ -23,13 +23,21 @@ import re
 from dataclasses import dataclass, field
 
 from tpfuse.audit.arch import ARCHS, Arch, ArchBool, ArchNum
-from tpfuse.audit.evaluate import Evaluator, to_bool
+from tpfuse.audit.evaluate import Evaluator, atoms, to_bool
 from tpfuse.audit.hardware import hardware_needs
 from tpfuse.audit.values import Const, ModuleRef, UserFunc
 
 
 class PatchError(ValueError):
-    """A gate cannot be patched safely; the message says what is missing and how to proceed."""
+    """A gate cannot be patched safely; the message says what is missing and how to proceed.
+
+    `deliberate`: the gate is refused on purpose (report-only, inverse, not a gate, a hardware
+    exclusion, excluded explicitly), as opposed to an edit that cannot be spelled here, which the
+    other edits of the same patch may still make unnecessary (patch.py re-audits it)."""
+
+    def __init__(self, message: str, *, deliberate: bool = False):
+        super().__init__(message)
+        self.deliberate = deliberate
 
 
 @dataclass
@@ -73,17 +81,6 @@ def literal_for(example, arch: Arch):
     return None
 
 
-def atoms(node: ast.expr, polarity: int, parent_or: bool = False):
-    """(atom, polarity, parent_is_or) for the leaves of and/or/not trees."""
-    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
-        yield from atoms(node.operand, -polarity)
-    elif isinstance(node, ast.BoolOp):
-        for value in node.values:
-            yield from atoms(value, polarity, isinstance(node.op, ast.Or))
-    else:
-        yield node, polarity, parent_or
-
-
 class Planner:
     """Plans edits for sites of one `AuditResult` (engine.py)."""
 
@@ -116,22 +113,27 @@ class Planner:
     def _plan(self, finding, like: Arch) -> Plan:
         site = self.result.sites.get(finding.id)
         if site is None or finding.report_only:
-            raise PatchError(f"patch: gate {finding.id} ({finding.path}:{finding.line}) is report-only; edit the build configuration by hand")
+            raise PatchError(f"patch: gate {finding.id} ({finding.path}:{finding.line}) is report-only; "
+                             f"edit the build configuration by hand", deliberate=True)
         if finding.category == "inverse":
             raise PatchError(
                 f"patch: gate {finding.id} ({finding.path}:{finding.line}) is an inverse gate: it turns a feature off where it "
-                f"names an architecture (on elsewhere: {', '.join(finding.enables)}); it is never opened, edit it by hand if you must"
+                f"names an architecture (on elsewhere: {', '.join(finding.enables)}); it is never opened, edit it by hand if you must",
+                deliberate=True,
             )
         if finding.category != "gate":
-            raise PatchError(f"patch: {finding.id} ({finding.path}:{finding.line}) is a {finding.category}, not a gate; nothing to patch")
+            raise PatchError(f"patch: {finding.id} ({finding.path}:{finding.line}) is a {finding.category}, not a gate; "
+                             f"nothing to patch", deliberate=True)
         needs = hardware_needs(finding, self.arch)
         if needs and not self.force_hardware:
             raise PatchError(
                 f"patch: gate {finding.id} ({finding.path}:{finding.line}) is a hardware exclusion: its guarded code needs "
-                f"{needs}, which {self.arch.name} lacks; pass --force-hardware to patch it anyway"
+                f"{needs}, which {self.arch.name} lacks; pass --force-hardware to patch it anyway",
+                deliberate=True,
             )
         if finding.values[like.name] is False:
-            raise PatchError(f"patch: gate {finding.id} is false on --like {like.name} too; pick --like from {', '.join(finding.enables)}")
+            raise PatchError(f"patch: gate {finding.id} is false on --like {like.name} too; "
+                             f"pick --like from {', '.join(finding.enables)}", deliberate=True)
         plan = Plan(finding.path, finding.id, like)
         if finding.kind == "decorator" and isinstance(site.node, ast.Call) and site.node.args:
             # FlashInfer's @supported_compute_capability([100, 103]): the list is the gate.
@@ -163,7 +165,8 @@ class Planner:
             overrides[id(atom)] = value.or_(arch_only)
         if self._gate_value(site, overrides).at(self.arch) is False:
             why = f"it excludes {self.arch.name} explicitly ({'; '.join(blocked)})" if blocked else "no atom of it can be extended"
-            raise PatchError(f"patch: gate {finding.id} ({finding.path}:{finding.line}) cannot be opened for {self.arch.name}: {why}; edit it by hand")
+            raise PatchError(f"patch: gate {finding.id} ({finding.path}:{finding.line}) cannot be opened for {self.arch.name}: {why}; "
+                             f"edit it by hand", deliberate=bool(blocked))
         return plan
 
     def _gate_value(self, site, overrides) -> ArchBool:

@@ -70,6 +70,21 @@ class Capability(tuple):
 
 
 CAP_ANY = ArchNum.of(lambda a: Capability((a.major, a.minor)))
+CAP_GUESSED = ArchNum.of(lambda a: Capability((a.major, a.minor)), weak=True)
+
+# Getters named as returning the device's capability or architecture (sglang `get_jit_cuda_arch()`,
+# `get_device_compute_capability()`), for calls whose definition cannot be read (a global set
+# elsewhere, an external package): they evaluate to the capability, marked weak. Lists, flags and
+# strings of the build's targets are not the device's capability.
+_GETTER_RE = re.compile(r"_?get_\w*(?:cuda_arch|gpu_arch|device_arch|arch_info|capabilit\w*|compute_cap\w*|sm_version|device_sm)")
+_NOT_A_CAPABILITY = re.compile(r"(?:list|lists|flags?|str|string|names?|suffix|targets?|archs|capabilities|_ptx|_nvcc)$")
+
+
+def getter_guess(name: str):
+    """CAP_GUESSED for a capability getter's name (`get_jit_cuda_arch`), else None."""
+    if _GETTER_RE.fullmatch(name) and not _NOT_A_CAPABILITY.search(name):
+        return CAP_GUESSED
+    return None
 
 
 def majors(*ms: int, weak: bool = False) -> ArchBool:
@@ -186,10 +201,19 @@ _PATTERN = re.compile(r"_?(?:is|has)_sm_?(\d{2,3})[af]?(?:_supported)?")
 _FAMILY_WORDS = {"blackwell": (10, 11, 12), "hopper": (9,), "ampere": (8,), "ada": (8,)}
 
 
+_CUDA_NAME_RE = re.compile(r"_?is_cuda(?:_\w*)?")  # is_cuda_static, is_cuda_alike, _is_cuda_platform
+# Predicates of other vendors' devices (`is_gfx95_supported`, `_is_hip`, `is_mi300`): false on every audited NVIDIA GPU.
+_OTHER_VENDOR_RE = re.compile(r"_?(?:is|use|has)_\w*(?:gfx\d+|hip|rocm|musa|npu|xpu|hpu|mi\d{3}|amd|cdna|rdna)\w*", re.IGNORECASE)
+
+
 def fallback(name: str):
     """Seeded meaning of an undefined helper name, a weak guess from its spelling, or None."""
     if name in FALLBACK:
         return _pred(name, FALLBACK[name])
+    if _CUDA_NAME_RE.fullmatch(name) and "available" not in name:
+        return _pred(name, ArchBool.const(True))
+    if _OTHER_VENDOR_RE.fullmatch(name):
+        return _pred(name, ArchBool.const(False))
     m = _PATTERN.fullmatch(name)
     if m:
         return _pred(name, majors(int(m.group(1)) // 10, weak=True))
@@ -214,7 +238,12 @@ def _vllm_attr(name: str):
         return _pred(name, majors(10))
     if name == "is_hopper":
         return _pred(name, exact(9, 0))
-    return UNKNOWN
+    if name in ("device_capability", "capability"):
+        return CAP_ANY
+    m = _PATTERN.fullmatch(name)
+    if m:  # a platform's `is_sm120()` is the major family (sglang multimodal_gen's `get_device_capability()[0] == 12`)
+        return _pred(name, majors(int(m.group(1)) // 10, weak=True))
+    return fallback(name) or UNKNOWN
 
 
 VLLM_PLATFORM = Obj("current_platform", _vllm_attr)
@@ -228,4 +257,6 @@ def sglang_fact(name: str):
     return seeded.call([], {}) if seeded else UNKNOWN
 
 
-SEED_GLOBALS: dict = {"current_platform": VLLM_PLATFORM}
+# sglang's `get_platform()` (srt/runtime_context.py) where the target does not define it: its facts from the seed table.
+SGLANG_PLATFORM = Obj("platform", sglang_fact)
+SEED_GLOBALS: dict = {"current_platform": VLLM_PLATFORM, "get_platform": _returns("get_platform", SGLANG_PLATFORM)}

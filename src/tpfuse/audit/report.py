@@ -14,6 +14,7 @@ import sys
 from tpfuse._version import __version__
 from tpfuse.audit.arch import ARCH_NAMES, Arch
 from tpfuse.audit.target import REASONS
+from tpfuse.audit.verdict import verdict
 
 SARIF_SCHEMA = "https://json.schemastore.org/sarif-2.1.0.json"
 _RULES = {
@@ -38,20 +39,20 @@ def to_json(result, selected: list, arch: Arch, like: Arch | None) -> dict:
         "files_scanned": result.files_scanned,
         "seconds": round(result.seconds, 3),
         "skipped": result.skipped,
+        "aliases": list(result.target.aliases),
         "note": result.target.note,
         "file_hashes": {f.path: result.file_hashes.get(f.path) for f in selected},
-        "gates": [_with_class(f, arch) for f in selected],
-        "inverse": [f.to_dict() for f in result.inverse(arch)],
+        "gates": [_with_verdict(f, arch, like) for f in selected],
+        "inverse": [_with_verdict(f, arch, None) for f in result.inverse(arch)],
+        "quirks": [_with_verdict(f, arch, None) for f in result.quirks(arch)],
         "counts": _counts(result),
     }
 
 
-def _with_class(finding, arch: Arch) -> dict:
-    """The finding with its class on `arch`: `hardware` (refused by patch) or `policy`, and why."""
-    from tpfuse.audit.hardware import gate_class
-
-    klass, why = gate_class(finding, arch)
-    return {**finding.to_dict(), "class": klass, "class_reason": why}
+def _with_verdict(cond, arch: Arch, like: Arch | None) -> dict:
+    """The condition with its verdict on `arch`; gates carry their class: `hardware` (refused by patch) or `policy`."""
+    v = verdict(cond, arch, like)
+    return {**cond.to_dict(), "class": v.klass, "class_reason": v.klass_reason, "verdict": v.to_dict()}
 
 
 def _counts(result) -> dict:
@@ -64,10 +65,11 @@ def _counts(result) -> dict:
 def to_sarif(result, selected: list, arch: Arch) -> dict:
     results = []
     for f in selected:
+        v = verdict(f, arch)
         rule = "arch-gate-native" if f.report_only else "arch-gate"
         results.append({
             "ruleId": rule,
-            "level": "note" if f.report_only or f.category != "gate" else "warning",
+            "level": "note" if f.report_only or not v.reported else "warning",
             "message": {"text": summary_line(f, arch) + (f" ({f.note})" if f.note else "")},
             "locations": [{
                 "physicalLocation": {
@@ -78,8 +80,8 @@ def to_sarif(result, selected: list, arch: Arch) -> dict:
             }],
             "partialFingerprints": {"tpfuseGateId": f.id},
             "properties": {
-                "category": f.category, "kind": f.kind, "confidence": f.confidence, "enables": f.enables,
-                "guards": f.guards, "reportOnly": f.report_only,
+                "category": v.category, "kind": f.kind, "confidence": v.confidence, "enables": f.enables,
+                "guards": f.guards, "reportOnly": f.report_only, "class": v.klass,
             },
         })
     return {
@@ -114,8 +116,6 @@ def print_table(result, selected: list, arch: Arch, like: Arch | None, *, consol
     from rich.markup import escape
     from rich.table import Table
 
-    from tpfuse.audit.hardware import gate_class
-
     # Off a terminal (a pipe, a CI log) rich would wrap at 80 columns; paths and conditions need more.
     console = console or Console(width=None if sys.stdout.isatty() else 200)
     title = f"{len(selected)} gate(s) false on {arch.name}" + (f" but not on {like.name}" if like else "")
@@ -123,10 +123,11 @@ def print_table(result, selected: list, arch: Arch, like: Arch | None, *, consol
     for col in ("id", "where", "scope", "condition", "enables", "guards", "conf"):
         table.add_column(col, overflow="fold")
     for f in selected:
+        v = verdict(f, arch, like)
         cond = f.condition if len(f.condition) <= 90 else f.condition[:87] + "..."
         where = f"{f.path}:{f.line}" + (" [native]" if f.report_only else "")
-        conf = f.confidence + (f" ({f.category})" if f.category != "gate" else "")
-        if not f.report_only and f.category == "gate" and gate_class(f, arch)[0] == "hardware":
+        conf = v.confidence + (f" ({v.category})" if v.category != "gate" else "")
+        if not f.report_only and v.klass == "hardware":
             conf += " (hardware)"
         table.add_row(f.id, where, f.scope, cond, " ".join(f.enables), f.guards, conf)
     console.print(table)
@@ -135,11 +136,19 @@ def print_table(result, selected: list, arch: Arch, like: Arch | None, *, consol
         console.print(f"{len(inverse)} inverse gate(s) turn a feature off on {arch.name} on purpose (never patched):")
         for f in inverse:
             console.print(f"  {f.id} {f.path}:{f.line} `{f.condition[:80]}`: on for {' '.join(f.enables)}; {f.guards}")
+    quirks = result.quirks(arch)
+    if quirks:
+        console.print(f"{len(quirks)} quirk(s) tune or work around other architectures, not applied on {arch.name} (not gates):")
+        for f in quirks:
+            console.print(f"  {f.id} {f.path}:{f.line} `{f.condition[:80]}`: on for {' '.join(f.enables)}; {f.guards}")
     counts = ", ".join(f"{v} {k}" for k, v in sorted(_counts(result).items()))
     console.print(f"scanned {result.files_scanned} files in {result.seconds:.2f} s; all architecture conditions: {counts or 'none'}")
     for skip in result.skipped:
         # escape: an error text such as "[Errno 13] ..." is not rich markup
         console.print(f"[yellow]skipped[/] {escape(skip['path'])} ({skip.get('reason', 'unreadable')}): {escape(skip['error'])}", highlight=False)
+    for alias in result.target.aliases:
+        console.print(f"[dim]alias[/] {escape(alias['path'])} -> {escape(alias['target'])} (a link into the tree, audited as "
+                      f"{escape(alias['target'])})", highlight=False)
     if result.target.note:
         console.print(f"[yellow]note[/] {escape(result.target.note)}", highlight=False)
 

@@ -24,10 +24,10 @@ from pathlib import Path
 from tpfuse.audit.arch import ArchBool, ArchNum
 from tpfuse.audit.evaluate import Evaluator, ite, seed_for, to_bool
 from tpfuse.audit.modules import ModuleInfo, collect_bindings
-from tpfuse.audit.parse import parse_selected
+from tpfuse.audit.parse import TextMap, parse_selected
 from tpfuse.audit.predicates import ALWAYS, sglang_fact
 from tpfuse.audit.target import SourceSkip, read_source
-from tpfuse.audit.values import UNKNOWN, Const, External, ModuleRef, Obj, SeedFn, UserFunc
+from tpfuse.audit.values import UNKNOWN, Const, External, LazyImport, ModuleRef, Obj, SeedFn, UserClass, UserFunc
 
 # Identifiers that may carry an architecture meaning, from the gate idioms of sglang, vLLM and FlashInfer.
 ARCH_RE = re.compile(
@@ -38,12 +38,58 @@ ARCH_RE = re.compile(
 _FROM_IMPORT_RE = re.compile(r"^[ \t]*from[ \t]+(\.*)([\w.]*)[ \t]+import[ \t]+\(?([\w ,]+)", re.MULTILINE)
 # ARCH_RE for whole-text searches of lower-cased source (no anchors, no IGNORECASE: 5x faster).
 _ARCH_TEXT_RE = re.compile(ARCH_RE.pattern.replace("^_?", "").lower())
+# ARCH_RE inside a longer text (a def's), where its anchored `^_?is_cuda` can never match: the same
+# lower-cased way.
+_ARCH_INNER_RE = re.compile(ARCH_RE.pattern.replace("|^_?is_cuda", "").lower())
 # The tokens that can make a def's conditions depend on the architecture (ARCH_RE without the
 # platform objects and `is_cuda`, which are constant on every audited arch unless an arch token follows).
 _CONSTANT_TOKENS = frozenset({"get_platform", "current_platform", "is_cuda"})
-_CHUNK_RE = re.compile(_ARCH_TEXT_RE.pattern.replace("get_platform|current_platform|", "").replace("|is_cuda", ""))
+_IDENT_RE = re.compile(r"\w+")
+_CONSTANT_NAMES = frozenset({"get_platform", "current_platform", "is_cuda", "is_cuda_alike"})
 # Inlining depth: a call site -> helper -> its one shared checker (sglang's partial) -> a getter.
 MAX_DEPTH = 4
+
+
+def arch_tokens(textmap: TextMap) -> tuple[list, list]:
+    """(offsets of every architecture token in code, those that can make a condition depend on the
+    architecture: without the platform objects and `is_cuda`, constant on every audited arch, unless
+    one begins a longer imported name such as `is_cuda_sm_at_least`)."""
+    hits = [(m.start(), m.group()) for m in _arch_matches(textmap.source.lower()) if textmap.is_code(m.start())]
+    tokens = [pos for pos, text in hits if text not in _CONSTANT_TOKENS or _longer_import(textmap, pos)]
+    return [pos for pos, _ in hits], tokens
+
+
+# Where a match of _ARCH_TEXT_RE can start: every alternative begins with one of these.
+_ARCH_PREFIXES = ("sm", "blackwell", "hopper", "ampere", "capabilit", "device_", "cuda_arch", "get_platform",
+                  "current_platform", "is_cuda", "gpu_arch", "arch_")
+
+
+def _arch_matches(lower: str) -> list:
+    """`_ARCH_TEXT_RE.finditer(lower)` as a list, found from the prefixes' substring searches (the
+    regex tried at every position of every candidate file was a tenth of an engine audit)."""
+    starts = []
+    for prefix in _ARCH_PREFIXES:
+        i = lower.find(prefix)
+        while i >= 0:
+            starts.append(i)
+            i = lower.find(prefix, i + 1)
+    out, end = [], -1
+    for i in sorted(starts):
+        if i < end:
+            continue
+        m = _ARCH_TEXT_RE.match(lower, i)
+        if m:
+            out.append(m)
+            end = m.end()
+    return out
+
+
+def _longer_import(textmap: TextMap, pos: int) -> bool:
+    line = textmap.lines[textmap.line_of(pos)]
+    if "import" not in line:
+        return False
+    word = _IDENT_RE.match(textmap.source, pos)
+    return bool(word) and word.group() not in _CONSTANT_NAMES
 
 
 class Resolver:
@@ -55,6 +101,7 @@ class Resolver:
         self.within = Path(within).resolve() if within else None
         self.overlay = {Path(k).resolve(): v for k, v in (overlay or {}).items()}
         self._modules: dict[str, ModuleInfo | None] = {}
+        self._prepared: dict = {}  # name -> (source, TextMap, token offsets, non-constant ones) before its parse
         self._paths: dict[str, Path | None] = {}
         self._values: dict = {}
         self._calls: dict = {}
@@ -62,8 +109,12 @@ class Resolver:
         self.errors: dict[Path, str] = {}
         self._root_strs = [str(r) for r in self.roots]
         self._overlay_strs = {str(p) for p in self.overlay}
+        self._overlay_dirs = {os.path.dirname(p) for p in self._overlay_strs}
+        self._dirs: dict = {}  # directory -> whether it exists (path_of's probes)
         self._inlinable: dict = {}
         self.missing: list[str] = []
+        # module -> names it imports that hold an architecture value elsewhere (the driver's second pass)
+        self.extra_hot: dict[str, frozenset] = {}
 
     # -- modules ------------------------------------------------------------------------
     def path_of(self, name: str) -> Path | None:
@@ -73,7 +124,10 @@ class Resolver:
             found = None
             within = str(self.within) + os.sep if self.within else ""
             for root in self._root_strs:
-                for cand in (os.path.join(root, rel, "__init__.py"), os.path.join(root, rel + ".py")):
+                base = os.path.join(root, rel)
+                if not self._is_dir(os.path.dirname(base)):  # most names are not under most roots
+                    continue
+                for cand in (os.path.join(base, "__init__.py"), base + ".py"):
                     if within and not cand.startswith(within):
                         continue
                     if cand in self._overlay_strs or os.path.isfile(cand):
@@ -84,14 +138,20 @@ class Resolver:
             self._paths[name] = found
         return self._paths[name]
 
+    def _is_dir(self, directory: str) -> bool:
+        if directory not in self._dirs:
+            self._dirs[directory] = directory in self._overlay_dirs or os.path.isdir(directory)
+        return self._dirs[directory]
+
     def read(self, path: Path) -> str:
         """Source text of `path` (the overlay's, else the file's, decoded as Python does); SourceSkip if unreadable."""
-        try:
-            path = path.resolve()
-        except (OSError, RuntimeError) as exc:  # RuntimeError: Path.resolve on a symlink loop (Python < 3.13)
-            raise SourceSkip("symlink-loop", f"cannot be resolved ({exc})") from None
-        if path in self.overlay:
-            return self.overlay[path]
+        if self.overlay:  # its keys are real paths (opening the file itself reports a link loop)
+            try:
+                path = path.resolve()
+            except (OSError, RuntimeError) as exc:  # RuntimeError: Path.resolve on a symlink loop (Python < 3.13)
+                raise SourceSkip("symlink-loop", f"cannot be resolved ({exc})") from None
+            if path in self.overlay:
+                return self.overlay[path]
         return read_source(path)[0]
 
     def module(self, name: str, path: Path | None = None) -> ModuleInfo | None:
@@ -101,38 +161,87 @@ class Resolver:
         info = None
         if path is not None:
             try:
-                source = self.read(path)
-                hits = [(m.start(), m.group()) for m in _ARCH_TEXT_RE.finditer(source.lower())]
-                tokens = [pos for pos, text in hits if text not in _CONSTANT_TOKENS]
-                tree, skipped, hot = parse_selected(source, str(path), tokens, ARCH_RE)
+                source, textmap, hits, tokens = self._prepared.pop(name, None) or self._prepare(path)
+                tree, skipped, hot, hidden = parse_selected(source, str(path), tokens, ARCH_RE, textmap=textmap,
+                                                    extra_hot=self.extra_hot.get(name, frozenset()))
             except SourceSkip as exc:  # unreadable, undecodable or too large: the module is unknown, never fatal
                 self.errors[path] = str(exc)
             except (SyntaxError, ValueError, RecursionError) as exc:
                 self.errors[path] = f"{type(exc).__name__}: {exc}"
             else:
-                info = ModuleInfo(name, path, source, tree, path.name == "__init__.py", arch_offsets=[pos for pos, _ in hits], hot=hot)
+                info = ModuleInfo(name, path, source, tree, path.name == "__init__.py", arch_offsets=hits, hot=hot, textmap=textmap,
+                                  hidden=hidden)
                 collect_bindings(info, tree.body)
                 for skipped_name in skipped:  # a def with no architecture text: bound, but opaque
                     info.bindings.setdefault(skipped_name, ("skipped",))
         self._modules[name] = info
         return info
 
+    def _prepare(self, path: Path) -> tuple:
+        source = self.read(path)
+        textmap = TextMap(source)
+        return (source, textmap, *arch_tokens(textmap))
+
+    def holds_tokens(self, name: str, path: Path, source: str) -> bool:
+        """Can module `name` (text `source`) hold an architecture condition of its own: an architecture
+        token in code? (Kept for its parse.) Without one, only names it imports can make it one."""
+        textmap = TextMap(source)
+        prepared = (source, textmap, *arch_tokens(textmap))
+        if prepared[3]:
+            self._prepared[name] = prepared
+        return bool(prepared[3])
+
+    def forget(self, name: str) -> None:
+        """Parse module `name` again when next asked (its `extra_hot` names changed)."""
+        self._modules.pop(name, None)
+        for key in [k for k in self._values if k[0] == name]:
+            del self._values[key]
+
+    def arch_valued(self, value) -> bool:
+        """Does `value` hold an architecture value (a flag, a capability, a helper returning one)?"""
+        if isinstance(value, ArchBool):
+            return value.depends_on_arch
+        if isinstance(value, ArchNum):
+            return True
+        if isinstance(value, UserFunc) and self._can_inline(value.module, value.node):
+            result = self.call_user(value, [], {}, 1)
+            return isinstance(result, ArchNum) or isinstance(result, ArchBool) and result.depends_on_arch
+        return False
+
+    def exports_of(self, name: str) -> set:
+        """Top-level names of module `name` without architecture text that hold an architecture value:
+        other modules that import them read the architecture without naming it."""
+        info = self.module(name)
+        if info is None:
+            return set()
+        return {n for n in info.hot if n in info.bindings and info.bindings[n][0] in ("assign", "def")
+                and not ARCH_RE.search(n) and self.arch_valued(self.global_value(name, n))}
+
     def release(self, name: str) -> None:
-        """Drop what a scanned module's tree holds that no other module can resolve through:
-        the module node and class bodies (a class evaluates to UNKNOWN). Top-level defs stay: the
-        selective parse kept only those whose text can hold an architecture condition."""
+        """Drop what a scanned module's tree holds that no other module can resolve through: the
+        module node, its line map, and the bodies of the defs and methods that are never inlined
+        (`_can_inline`: no architecture text), which then stay bound as the same opaque functions.
+        What another module reads through this one is the same before and after, so the order in
+        which modules are scanned never changes a verdict."""
         info = self._modules.get(name)
         if info is None:
             return
-        info.tree = None
-        for key, binding in info.bindings.items():
-            if binding[0] == "def" and isinstance(binding[1], ast.ClassDef):
-                info.bindings[key] = ("skipped",)
+        info.tree = info.textmap = None
+        for bound, binding in list(info.bindings.items()):
+            if binding[0] != "def" or binding[1].name != bound:
+                continue
+            node = binding[1]
+            for sub in node.body if isinstance(node, ast.ClassDef) else [node]:
+                if isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef)) and not self._can_inline(name, sub):
+                    sub.body = [ast.Pass(lineno=sub.lineno, col_offset=sub.col_offset)]
+        info.release_lines()
 
     def _can_inline(self, module: str, node) -> bool:
         if id(node) not in self._inlinable:
             info = self.module(module)
-            self._inlinable[id(node)] = bool(ARCH_RE.search(node.name) or ARCH_RE.search(info.text_of(node)))
+            params = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+            self._inlinable[id(node)] = bool(ARCH_RE.search(node.name) or _ARCH_INNER_RE.search(info.text_of(node).lower())
+                                             or any(a.arg == "arch" for a in params))
         return self._inlinable[id(node)]
 
     def absolute(self, module: str, target: str | None, level: int) -> str:
@@ -197,7 +306,7 @@ class Resolver:
             return ModuleRef(binding[1]) if self.path_of(binding[1]) else External(binding[1])
         node = binding[1]
         if isinstance(node, ast.ClassDef):
-            return UNKNOWN
+            return UserClass(module, node)
         if node.name == "get_platform":
             return SeedFn("get_platform", lambda a, k, m=module: Obj("platform", lambda n: self.platform_fact(m, n)))
         return UserFunc(module, node)
@@ -209,8 +318,8 @@ class Resolver:
         absolute = self.absolute(module, target, level)
         if self.path_of(f"{absolute}.{name}" if absolute else name):
             return ModuleRef(f"{absolute}.{name}" if absolute else name)
-        if self.path_of(absolute) and (ARCH_RE.search(name) or level):
-            value = self.global_value(absolute, name)
+        if self.path_of(absolute):
+            value = _imported(name, self.global_value(absolute, name))
             if not (isinstance(value, External) and value.dotted == name):
                 return value
         return seed_for(name) or External(f"{absolute}.{name}")
@@ -227,9 +336,29 @@ class Resolver:
     def module_attr(self, module: str, attr: str):
         if self.path_of(f"{module}.{attr}"):
             return ModuleRef(f"{module}.{attr}")
-        if ARCH_RE.search(attr):
-            return self.global_value(module, attr)
-        return UNKNOWN
+        return _imported(attr, self.global_value(module, attr))
+
+    def where(self, module: str, node: ast.expr, local: dict | None = None) -> dict:
+        """{"path", "line"} of the module-level binding a name expression reads (a table), or {}."""
+        if not isinstance(node, ast.Name) or local and node.id in local and not isinstance(local[node.id], LazyImport):
+            return {}
+        name, seen = node.id, set()
+        lazy = local.get(name) if local else None
+        if isinstance(lazy, LazyImport):
+            module, name = self.absolute(module, lazy.module, lazy.level), lazy.name
+        while (module, name) not in seen:
+            seen.add((module, name))
+            info = self.module(module)
+            binding = info.bindings.get(name) if info else None
+            if binding is None:
+                return {}
+            if binding[0] == "from":
+                module, name = self.absolute(module, binding[1], binding[2]), binding[3]
+                continue
+            if binding[0] in ("assign", "def"):
+                return {"module": module, "file": str(info.path), "line": binding[1].lineno}
+            return {}
+        return {}
 
     # -- sglang platform facts ------------------------------------------------------------
     def platform_fact(self, module: str, name: str):
@@ -290,8 +419,8 @@ class Resolver:
             return self._calls[key]
         if key is not None:
             self._calls[key] = UNKNOWN  # recursion guard
-        local = self._bind(func.node.args, args, kwargs, func.module)
-        value = self._block(func.node.body, local, func.module, depth)
+        local = self._bind(func.node.args, ([UNKNOWN] if func.bound else []) + list(args), kwargs, func.module)
+        value = self._block(func.node.body, local, func.module, depth, func.attrs)
         seed = seed_for(func.name)
         if not isinstance(value, (ArchBool, ArchNum)) and isinstance(seed, SeedFn):
             value = seed.call(args, kwargs)
@@ -316,9 +445,9 @@ class Resolver:
             local[a.arg] = kwargs.get(a.arg, Evaluator(self, module).eval(d) if d is not None else UNKNOWN)
         return local
 
-    def _block(self, body: list, local: dict, module: str, depth: int):
+    def _block(self, body: list, local: dict, module: str, depth: int, attrs: dict | None = None):
         """Value a statement list returns: assignments, `if ...: return` ladders, a final return."""
-        ev = Evaluator(self, module, local, None, depth)
+        ev = Evaluator(self, module, local, attrs, depth)
         for i, stmt in enumerate(body):
             if isinstance(stmt, ast.Return):
                 return ev.eval(stmt.value) if stmt.value is not None else Const(None)
@@ -338,8 +467,8 @@ class Resolver:
                 test = to_bool(ev.eval(stmt.test))
                 # A branch that raises never returns: for a predicate that reads as "not supported".
                 raises = isinstance(stmt.body[-1], ast.Raise)
-                then = Const(False) if raises else self._block(stmt.body, dict(local), module, depth)
-                rest = self._block(stmt.orelse + body[i + 1:], dict(local), module, depth)
+                then = Const(False) if raises else self._block(stmt.body, dict(local), module, depth, attrs)
+                rest = self._block(stmt.orelse + body[i + 1:], dict(local), module, depth, attrs)
                 return ite(test, then, rest)
             if isinstance(stmt, (ast.Import, ast.ImportFrom, ast.Pass)):
                 if isinstance(stmt, ast.ImportFrom):
@@ -348,6 +477,15 @@ class Resolver:
                 continue
             return UNKNOWN
         return Const(None)
+
+
+def _imported(name: str, value):
+    """A value read from another module: a flag or setting there (a bool, None or a string, such as
+    vLLM's `envs.VLLM_USE_X: bool = False` defaults) is what runs only by default, so it is unknown
+    here unless its name is an architecture's; tables and numbers (capability thresholds) are kept."""
+    if isinstance(value, Const) and (value.value is None or isinstance(value.value, (bool, str))) and not ARCH_RE.search(name):
+        return UNKNOWN
+    return value
 
 
 def _returns(body: list) -> bool:

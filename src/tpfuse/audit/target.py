@@ -2,20 +2,21 @@
 
 A package name is located with `importlib.util.find_spec` on the top-level name (which reads the
 import system's finders and never executes the package) and, failing that, by searching
-`sys.path` directly. Files are listed in a stable order; caches and VCS directories are skipped,
-and a directory that cannot be listed is recorded in `Target.unlisted`.
+`sys.path` directly. Files are listed in a stable order; caches, VCS directories and a patched
+tree's own undo (`.tpfuse-patch/`) are skipped, and a directory that cannot be listed is recorded
+in `Target.unlisted`. Symbolic links are never silent: a link to a directory is not followed (a
+tree cannot loop through it); one into the tree itself, and a `.py` link to a file of the tree, is
+an alias (`Target.aliases`: its text is audited once, under its real path, so a patch edits the
+real file once), and a link to a directory outside the tree is listed as skipped (`linked-directory`).
 
 Reading (`read_bytes`, `read_source`, `stream_matches`) never raises anything but `SourceSkip`,
 whose `reason` is one of `REASONS`: the audit reports it and goes on. A file is read only if it is
 a regular file, opened once (non-blocking) and checked with `fstat`, so a FIFO, a device or a file
 that grows cannot block the audit or take its memory. `read_bytes` holds at most
-`max_source_bytes()` bytes (1 MiB unless TPFUSE_AUDIT_MAX_BYTES says otherwise); a larger file is
-only streamed through the audit's text filter in 1 MiB chunks, and skipped as too large if the
-filter says it may hold a gate. The bound is what bounds memory (peak RSS measured with a 1 MiB
-module, `tpfuse audit FILE`): 74 MB for ordinary code (sglang's scheduler.py repeated), 260 MB for
-the densest (one-line definitions), as parsing costs 50 to 230 bytes per source byte. Only the
-definitions that can hold an architecture condition are parsed (`tpfuse.audit.parse`), and a
-scanned module's tree is released: a whole sglang 0.5.23 audit peaks at about 180 MB.
+`max_source_bytes()` bytes (MAX_SOURCE_BYTES unless TPFUSE_AUDIT_MAX_BYTES says otherwise); a larger
+file is only streamed through the audit's text filter in 1 MiB chunks, and skipped as too large if
+the filter says it may hold a gate. The bound is what bounds memory, as parsing costs a fixed
+multiple of the source size (benchmarks/results/README.md has the measured peak RSS).
 Python source is decoded as Python decodes it (PEP 263: BOM, coding cookie, else UTF-8), strictly:
 text that Python itself could not import is skipped, never silently altered.
 """
@@ -32,16 +33,19 @@ import tokenize
 from dataclasses import dataclass
 from pathlib import Path
 
+from tpfuse.env import audit_max_bytes
+
 PY_SUFFIXES = (".py",)
 NATIVE_SUFFIXES = (".cu", ".cuh", ".h", ".hpp", ".hh", ".cpp", ".cc", ".cxx", ".c", ".inl")
-_SKIP_DIRS = {"__pycache__", ".git", ".hg", ".svn", ".tox", ".venv", "node_modules", ".mypy_cache", ".pytest_cache", ".tpfuse"}
+_SKIP_DIRS = {"__pycache__", ".git", ".hg", ".svn", ".tox", ".venv", "node_modules", ".mypy_cache", ".pytest_cache", ".tpfuse", ".tpfuse-patch"}
 KNOWN_PACKAGES = ("sglang", "vllm", "flashinfer", "tensorrt_llm")
-# The largest Python file of sglang 0.5.23 is 282 KB (srt/managers/scheduler.py): 1 MiB leaves 3.6x
-# room and keeps one file's parse at 74 MB (ordinary code) to 260 MB (densest) peak RSS.
+# The largest Python file of sglang 0.5.23 is 282 KB (srt/managers/scheduler.py): 1 MiB leaves 3.6x room
+# while one file's parse stays within the audit's memory target (peak RSS per bound: benchmarks/results/README.md).
 MAX_SOURCE_BYTES = 2**20
 MAX_BYTES_ENV = "TPFUSE_AUDIT_MAX_BYTES"
 # Why a file was not scanned (the `reason` of a `skipped` entry); append-only, reports carry them.
-REASONS = ("symlink-loop", "dangling-link", "unreadable", "not-a-file", "too-large", "undecodable", "unparsable", "unlistable")
+REASONS = ("symlink-loop", "dangling-link", "unreadable", "not-a-file", "too-large", "undecodable", "unparsable", "unlistable",
+           "linked-directory")
 
 
 class SourceSkip(Exception):
@@ -54,9 +58,8 @@ class SourceSkip(Exception):
 
 
 def max_source_bytes() -> int:
-    """The per-file bound: TPFUSE_AUDIT_MAX_BYTES if it is a positive integer, else MAX_SOURCE_BYTES."""
-    raw = os.environ.get(MAX_BYTES_ENV, "").strip()
-    return int(raw) if raw.isdigit() and int(raw) > 0 else MAX_SOURCE_BYTES
+    """The per-file bound: TPFUSE_AUDIT_MAX_BYTES, else MAX_SOURCE_BYTES; ValueError naming the variable for a bad value."""
+    return audit_max_bytes() or MAX_SOURCE_BYTES
 
 
 def _open_error(path: Path, exc: OSError) -> SourceSkip:
@@ -103,11 +106,10 @@ def _too_large(size: int, limit: int) -> str:
 
 
 def stream_matches(path: Path, predicate, *, chunk: int = 1 << 20, overlap: int = 64) -> bool:
-    """True if `predicate(text)` holds for some window of the file, read `chunk` bytes at a time.
+    """True if `predicate(data)` holds for some window of the file's bytes, read `chunk` bytes at a time.
 
     Windows overlap by `overlap` bytes, so a match shorter than that is never split (the audit's
-    filter words are at most 21 characters). Bytes map to text one to one (latin-1): the filter
-    looks for ASCII words only."""
+    filter words are at most 21 characters)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_CLOEXEC", 0))
     except OSError as exc:
@@ -120,7 +122,7 @@ def stream_matches(path: Path, predicate, *, chunk: int = 1 << 20, overlap: int 
             block = os.read(fd, chunk)
             if not block:
                 return False
-            if predicate((tail + block).decode("latin-1")):
+            if predicate(tail + block):
                 return True
             tail = (tail + block)[-overlap:]
     except OSError as exc:
@@ -166,14 +168,15 @@ class Target:
     root: Path
     python_files: tuple
     native_files: tuple
-    unlisted: tuple = ()  # ({"path", "reason", "error"}, ...): directories that could not be listed
+    unlisted: tuple = ()  # ({"path", "reason", "error"}, ...): directories that could not be listed or are linked from outside
     note: str | None = None  # why nothing was scanned (a file that is neither Python nor native source)
+    aliases: tuple = ()  # ({"path", "target"}, ...): links into the tree, audited under their real paths
 
 
-def _walk(top: Path, onerror):
+def _walk(top: Path, onerror, onlink):
     """os.walk(top, onerror=onerror) top-down, without recursion: os.walk recurses once per level
     (Python 3.11), so a tree nested deeper than the interpreter's recursion limit would crash it.
-    Links to directories are listed, not followed, as by os.walk."""
+    Links to directories are not followed; each is passed to `onlink(path)`."""
     stack = [str(top)]
     while stack:
         dirpath = stack.pop()
@@ -193,6 +196,9 @@ def _walk(top: Path, onerror):
             if is_dir and not entry.is_symlink():
                 follow.add(entry.name)
         yield dirpath, dirnames, filenames
+        for d in sorted(dirnames):
+            if d not in follow:
+                onlink(Path(dirpath) / d)
         stack.extend(os.path.join(dirpath, d) for d in reversed(dirnames) if d in follow)
 
 
@@ -236,13 +242,27 @@ def resolve_target(spec: str, *, native: bool = True) -> Target:
         if not is_native and path.suffix not in PY_SUFFIXES:
             return Target(spec, path.parent, (), (), note=f"{path.name} is not a Python (.py) or C/C++/CUDA/CMake source; nothing to audit")
         return Target(spec, path.parent, () if is_native else (path,), (path,) if is_native and native else ())
-    py, nat, unlisted = [], [], []
+    py, nat, unlisted, aliases = [], [], [], []
 
     def unlistable(exc: OSError) -> None:
         rel = Path(exc.filename).relative_to(path).as_posix() if exc.filename else "."
         unlisted.append({"path": rel, "reason": "unlistable", "error": f"directory cannot be listed ({exc.strerror or exc})"})
 
-    for dirpath, dirnames, filenames in _walk(path, unlistable):
+    def linked(link: Path) -> None:
+        rel = link.relative_to(path).as_posix()
+        if link.name in _SKIP_DIRS:
+            return
+        try:
+            real = link.resolve(strict=True)
+        except (OSError, RuntimeError):
+            return  # dangling or looping: nothing to scan behind it
+        if real.is_relative_to(path):
+            aliases.append({"path": rel, "target": real.relative_to(path).as_posix()})
+        else:
+            unlisted.append({"path": rel, "reason": "linked-directory",
+                             "error": f"a link to a directory outside the tree ({real}), not followed; audit {real} itself"})
+
+    for dirpath, dirnames, filenames in _walk(path, unlistable, linked):
         dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS and not d.endswith(".egg-info"))
         for fname in sorted(filenames):
             full = Path(dirpath) / fname
@@ -250,4 +270,23 @@ def resolve_target(spec: str, *, native: bool = True) -> Target:
                 py.append(full)
             elif native and (fname.endswith(NATIVE_SUFFIXES) or _is_cmake(fname)):
                 nat.append(full)
-    return Target(spec, path, tuple(py), tuple(nat), tuple(unlisted))
+    py = _without_aliases(path, py, aliases)
+    nat = _without_aliases(path, nat, aliases)
+    return Target(spec, path, tuple(py), tuple(nat), tuple(unlisted), aliases=tuple(aliases))
+
+
+def _without_aliases(root: Path, files: list, aliases: list) -> list:
+    """`files` less the links to another listed file of the tree (recorded in `aliases`)."""
+    listed = set(files)
+    out = []
+    for full in files:
+        if full.is_symlink():
+            try:
+                real = full.resolve(strict=True)
+            except (OSError, RuntimeError):
+                real = None  # dangling or looping: read_bytes says so
+            if real is not None and real != full and real in listed:
+                aliases.append({"path": full.relative_to(root).as_posix(), "target": real.relative_to(root).as_posix()})
+                continue
+        out.append(full)
+    return out

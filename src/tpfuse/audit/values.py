@@ -55,10 +55,36 @@ class UserFunc:
 
     module: str
     node: ast.FunctionDef | ast.AsyncFunctionDef
+    attrs: dict | None = None  # a method's class attributes (`cls.X` / `self.X` inside it)
+    bound: bool = False  # a method called through its class or instance: its first parameter is implicit
 
     @property
     def name(self) -> str:
         return self.node.name
+
+
+@dataclass(frozen=True, eq=False)
+class UserClass:
+    """A `class` in the target: `Cls.method(...)` calls its method (the class's `cls` implicit)."""
+
+    module: str
+    node: ast.ClassDef
+
+    def method(self, name: str) -> UserFunc | None:
+        for stmt in self.node.body:
+            if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)) and stmt.name == name:
+                static = any(isinstance(d, ast.Name) and d.id == "staticmethod" for d in stmt.decorator_list)
+                return UserFunc(self.module, stmt, None, bound=not static)
+        return None
+
+
+@dataclass(frozen=True)
+class LazyImport:
+    """`from <module> import <name>` inside a def: resolved (from the scanned module) when a condition reads it."""
+
+    module: str | None
+    level: int
+    name: str
 
 
 @dataclass(frozen=True, eq=False)

@@ -20,8 +20,8 @@ import pytest
 
 from tpfuse.audit import durable, manifest
 from tpfuse.audit.arch import parse_arch
-from tpfuse.audit.engine import audit
-from tpfuse.audit.patch import build_changes
+from tpfuse.audit.driver import audit
+from tpfuse.audit.patch import propose_patch
 from tpfuse.cli.main import main
 
 from .conftest import FIXTURES
@@ -78,7 +78,9 @@ def pristine(tmp_path_factory):
     shutil.copytree(FIXTURES / "fakeengine", root, ignore=shutil.ignore_patterns("__pycache__"))
     os.chmod(root / "layers/caps.py", 0o640)
     result = audit(str(root))
-    changes, _, _ = build_changes(result, result.selected(parse_arch("sm120"), parse_arch("sm100")), parse_arch("sm120"), parse_arch("sm100"))
+    proposal = propose_patch(result, result.selected(parse_arch("sm120"), parse_arch("sm100")), parse_arch("sm120"),
+                             parse_arch("sm100"))
+    changes = proposal.changes
     assert len(changes) >= 3  # the kill points span several files
     return root, {rel: new for rel, (_, new) in changes.items()}, dict(result.file_hashes)
 
@@ -113,7 +115,10 @@ def test_kill_at_every_apply_step_then_revert_restores_every_byte(pristine, tmp_
         assert proc.returncode == -signal.SIGKILL, (step, proc.stderr)
         replaced = sum(s.startswith("replaced:") for s in steps[:k + 1])
         now = tree(root)
-        assert sum(now.get(rel) != want.get(rel) for rel in set(now) | set(want) if not rel.endswith(durable.TMP_SUFFIX)) == replaced, step
+        targets = {rel for rel in set(now) | set(want) if not rel.endswith(durable.TMP_SUFFIX) and not rel.startswith(".tpfuse-patch")}
+        assert sum(now.get(rel) != want.get(rel) for rel in targets) == replaced, step
+        # the tree carries its marker from the step that writes it until the revert (outside --state-dir's state)
+        assert (".tpfuse-patch/marker.json" in now) == (k >= steps.index("marker")), step
         if step.startswith("tmp-"):
             assert any(rel.endswith(durable.TMP_SUFFIX) for rel in now), step  # the kill left a temp file in the tree
         sdir = manifest.state_dir_for(root, job["state_dir"])
@@ -398,4 +403,126 @@ def test_a_manifest_written_before_the_journal_still_reverts(pristine, tmp_path)
         del old[key]
     (sdir / "manifest.json").write_text(json.dumps(old))
     assert sorted(r["path"] for r in manifest.revert(root, state_dir=job["state_dir"])) == sorted(changes)
+    assert tree(root) == tree(src)
+
+
+# -- the tree carries its own undo ----------------------------------------------------------------
+def test_a_moved_tree_reverts_from_the_state_it_carries(pristine, tmp_path):
+    src, changes, _ = pristine
+    root, job = fresh(pristine, tmp_path / "a")
+    manifest.apply(root, changes, job["expected"], {})  # the default: the state lives in the tree
+    assert (root / ".tpfuse-patch" / "marker.json").is_file()
+    moved = tmp_path / "b" / "renamed"
+    moved.parent.mkdir()
+    shutil.move(str(root), moved)
+    rows = manifest.revert(moved)
+    assert sorted(r["path"] for r in rows if r["action"] == "restored") == sorted(changes)
+    assert tree(moved) == tree(src)  # byte for byte, and the marker and state are gone
+
+
+def test_a_wiped_cache_loses_nothing(pristine, tmp_path, monkeypatch):
+    src, changes, _ = pristine
+    root, job = fresh(pristine, tmp_path)
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
+    manifest.apply(root, changes, job["expected"], {})
+    shutil.rmtree(cache, ignore_errors=True)
+    manifest.revert(root)
+    assert tree(root) == tree(src)
+
+
+def test_a_relative_state_dir_is_found_from_another_directory(pristine, tmp_path, monkeypatch, capsys):
+    src, changes, _ = pristine
+    root, job = fresh(pristine, tmp_path / "t")
+    (tmp_path / "here").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    argv = ["patch", str(root), "--arch", "sm120", "--like", "sm100", "--apply", "--state-dir", "rel-state", "--json"]
+    main(argv)
+    data = json.loads(capsys.readouterr().out)
+    absolute = (tmp_path / "here" / "rel-state").resolve()
+    assert data["applied"] and data["undo"] == f"tpfuse revert {root} --state-dir {absolute}"
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert main(["revert", str(root)]) == 0  # the marker names the state; no --state-dir needed
+    capsys.readouterr()
+    assert tree(root) == tree(src) and all(p.suffix == ".lock" for p in absolute.iterdir())  # the state is gone
+
+
+def test_a_moved_tree_with_an_outside_state_reverts_through_its_marker(pristine, tmp_path):
+    src, changes, _ = pristine
+    root, job = fresh(pristine, tmp_path / "a")
+    manifest.apply(root, changes, job["expected"], {}, state_dir=job["state_dir"])
+    moved = tmp_path / "moved"
+    shutil.move(str(root), moved)
+    manifest.revert(moved)
+    assert tree(moved) == tree(src)
+
+
+def test_a_lost_outside_state_is_named_and_nothing_changes(pristine, tmp_path, capsys):
+    _, changes, _ = pristine
+    root, job = fresh(pristine, tmp_path)
+    manifest.apply(root, changes, job["expected"], {}, state_dir=job["state_dir"])
+    shutil.rmtree(job["state_dir"])
+    patched = tree(root)
+    assert main(["revert", str(root)]) == 2
+    err = capsys.readouterr().err
+    assert "whose state" in err and "is gone" in err and all(rel in err for rel in changes) and "reinstall" in err
+    assert tree(root) == patched
+
+
+def test_an_edit_during_apply_is_kept_and_stops_it(pristine, tmp_path, monkeypatch):
+    src, changes, _ = pristine
+    root, job = fresh(pristine, tmp_path)
+    first, second = list(changes)[:2]
+    edited = b"# the user's edit, made while the patch was being applied\n"
+
+    def user_edits_second(step):
+        if step == f"replaced:{first}":
+            (root / second).write_bytes(edited)
+
+    monkeypatch.setattr(durable, "fault_hook", user_edits_second)
+    with pytest.raises(manifest.ManifestError, match=rf"{second} changed while the patch was being applied.*kept its new bytes"):
+        manifest.apply(root, changes, job["expected"], {}, state_dir=job["state_dir"])
+    now, want = tree(root), tree(src)
+    assert now[second][1] == edited  # the user's bytes, not the patched old text
+    assert {rel for rel in set(now) | set(want) if now.get(rel) != want.get(rel)} == {second}  # the rest as before
+    assert not manifest.state_dir_for(root, job["state_dir"]).exists()
+
+
+def test_an_edit_during_revert_is_kept_and_the_state_too(pristine, tmp_path, monkeypatch, capsys):
+    src, changes, _ = pristine
+    root, job = fresh(pristine, tmp_path)
+    manifest.apply(root, changes, job["expected"], {}, state_dir=job["state_dir"])
+    first, second = list(changes)[:2]
+    edited = b"# edited during the revert\n"
+
+    def user_edits_second(step):
+        if step == f"restored:{first}":
+            (root / second).write_bytes(edited)
+
+    monkeypatch.setattr(durable, "fault_hook", user_edits_second)
+    with pytest.raises(manifest.ManifestError, match=rf"{second} changed while the revert was running; kept its new bytes"):
+        manifest.revert(root, state_dir=job["state_dir"])
+    monkeypatch.setattr(durable, "fault_hook", None)
+    assert (root / second).read_bytes() == edited and manifest.state_dir_for(root, job["state_dir"]).exists()
+    with pytest.raises(manifest.ManifestError, match="changed after patching"):
+        manifest.revert(root, state_dir=job["state_dir"])  # a plain re-run keeps it too
+    manifest.revert(root, state_dir=job["state_dir"], force=True)
+    assert tree(root) == tree(src)
+
+
+def test_a_second_apply_on_a_patched_tree_says_run_revert(pristine, tmp_path, capsys):
+    src, changes, _ = pristine
+    root, job = fresh(pristine, tmp_path)
+    argv = ["patch", str(root), "--arch", "sm120", "--like", "sm100", "--apply"]
+    main([*argv, "--state-dir", job["state_dir"]])
+    capsys.readouterr()
+    patched = tree(root)
+    for extra in (["--state-dir", job["state_dir"]], ["--state-dir", str(tmp_path / "other")], []):
+        assert main([*argv, *extra, "--json"]) == 2
+        captured = capsys.readouterr()
+        assert "already carries a tpfuse patch" in captured.err and "run `tpfuse revert" in captured.err, extra
+        assert "edit it by hand" not in captured.err and json.loads(captured.out)["exit_code"] == 2
+        assert tree(root) == patched
+    assert main(["revert", str(root)]) == 0
     assert tree(root) == tree(src)
