@@ -149,3 +149,23 @@ def test_no_import_circles_counting_imports_inside_functions():
     circles = strongly_connected(graph)
     assert not circles, "import circles (a name two modules need belongs below both): " + "; ".join(
         " <-> ".join(c) for c in circles)
+
+
+def documented_layers() -> list[tuple[str, list[str]]]:
+    """The layers table of docs/ARCHITECTURE.md as (name, modules): `kernels/` is tpfuse.kernels,
+    `tpfuse` (`__init__`) the package itself."""
+    text = (PACKAGE.parents[1] / "docs" / "ARCHITECTURE.md").read_text()
+    section = text.split("## Layers", 1)[1].split("\n## ", 1)[0]
+    layers = []
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 3 or not cells[0][:1].isdigit():
+            continue
+        names = [n.rstrip("/") for n in cells[1].split("`")[1::2] if n != "__init__"]
+        layers.append((cells[0].split(". ", 1)[1], [n if n == "tpfuse" else f"tpfuse.{n}" for n in names]))
+    return layers
+
+
+def test_the_architecture_document_lists_these_layers():
+    assert documented_layers() == [(name, list(prefixes)) for name, prefixes in LAYERS], (
+        "docs/ARCHITECTURE.md's Layers table and LAYERS here differ: change both together")

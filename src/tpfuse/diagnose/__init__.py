@@ -2,10 +2,8 @@
 workload runs, and the analysis that names the design story's signature (GPUs busy with kernels yet
 drawing little power: waiting on communication or on launches), idle GPUs and uneven ranks.
 
-Modules: `samples` (the data and its JSON file format), `sampler` (NVML reads on a thread),
-`watch` (sample while a command / process runs), `analysis` (pure functions: summaries and
-findings), `report` (JSON and tables), `plot` (PNG; matplotlib optional). Importing this package
-imports neither NVML nor matplotlib.
+The modules and what each is for: docs/ARCHITECTURE.md. Importing this package imports neither NVML
+nor matplotlib.
 """
 
 from tpfuse.diagnose.analysis import find, summarise, thresholds

@@ -1,11 +1,10 @@
 """The capability probe: `probe()` reads what this machine can do, when asked (never at import).
 
-Sources, each in its own module: torch device properties (gpus.py), NVML (nvml.py), peer access
-and native peer atomics (links.py), versions (versions.py), optional packages (optional.py) and
-the CPU (cpu.py). Every source may be missing (no GPU, no NVML, no permission, no torch); the
-probe then leaves those facts None and says why in `Capabilities.notes`, and never raises.
-Probing initializes the CUDA runtime in the calling process (no context work beyond what
-torch.cuda.get_device_properties and peer queries do), so call it after choosing the device.
+Each source of facts is its own module (docs/ARCHITECTURE.md lists them). Every source may be
+missing (no GPU, no NVML, no permission, no torch); the probe then leaves those facts None, says why
+in `Capabilities.notes`, and never raises. Probing initializes the CUDA runtime in the calling
+process (no context work beyond what torch.cuda.get_device_properties and peer queries do), so call
+it after choosing the device.
 """
 
 from __future__ import annotations

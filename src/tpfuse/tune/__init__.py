@@ -2,10 +2,8 @@
 
 Heavy imports (torch) happen in the submodules, not here. Timing is `tpfuse.timing`'s protocol
 and verify-before-time is `tpfuse.correctness.check_candidate`, shared with selftest and the
-benchmarks.
-- `candidates`: admitted strategies, their instances and timed calls;
-- `tuner`: `tune_in_group(TuneSpec(...))`, collective, inside an existing process group;
-- `verify`: `verify_in_group(...)`, KEEP / REVERT per bucket and overall.
+benchmarks. The entry points: `tune_in_group(TuneSpec(...))` and `verify_in_group(...)`, both
+collective, inside an existing process group.
 
 The table these write, and what a Communicator does with it at run time, is `tpfuse.dispatch`;
 `DispatchTable`, `table_path`, `save` and `load` are re-exported here for tuning in place.
