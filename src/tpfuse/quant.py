@@ -93,9 +93,8 @@ def fp8_static(scale, *, with_normed: bool = False) -> QuantSpec:
     """e4m3 with one given scale: q = e4m3(y * (1 / scale)); dequantize as q * scale.
 
     Pass `scale` as an fp32 (1,) tensor on the device, as engines hold it: a Python float is
-    filled into a new tensor on every call, one more small kernel (oneshot, 1 token x 6144, 8
-    ranks emulated on one H200: 7.84 us with a float scale, 6.35 us with a tensor;
-    benchmarks/results/peer_kernels_emulated.jsonl, `extra.scale_arg`)."""
+    filled into a new tensor on every call, one more small kernel (what it costs:
+    benchmarks/results/README.md, `extra.scale_arg`)."""
     return QuantSpec("fp8_static", 0, "row", None, with_normed, scale)
 
 

@@ -163,10 +163,9 @@ def launch_config(hidden: int, itemsize: int, num_tokens: int) -> tuple[int, int
 
     Up to 16 warps, one 128-bit access per thread per tensor and row, for one row's latency at
     decode sizes and for bandwidth at prefill sizes; 4 warps from 256 to 2047 tokens, where more,
-    smaller programs fill the GPU better (H200, bench_epilogue.py sweep: 512 x 6144-8192 ran
-    about 10% faster with 4 warps than with 16, and 16 was best or tied at 1-64 and 4096-16384
-    tokens; benchmarks/results/epilogue.jsonl). 2 rows per program for short rows at prefill
-    sizes, so that programs are not too small to hide latency.
+    smaller programs fill the GPU better (the warp sweep: benchmarks/results/README.md,
+    `epilogue.jsonl`). 2 rows per program for short rows at prefill sizes, so that programs are
+    not too small to hide latency.
     """
     block = triton.next_power_of_2(hidden)
     num_warps = max(1, min(16, block * itemsize // (16 * 32)))

@@ -49,8 +49,9 @@ from tpfuse.kernels.protocol import (
 from tpfuse.kernels.quant import KIND_BY_NAME, QuantBuffers
 from tpfuse.quant import QuantOutput
 
-# Interpreter spin bound per second of timeout: one interpreted poll of a 32-element row took
-# about 1 ms on the 2-core CI-class machine (tests/strategies/test_peer.py timeout test).
+# Interpreter spin bound per second of timeout: the interpreter polls at a CPU core's pace, on the
+# order of a poll per millisecond, not a GPU's; tests/strategies/test_peer.py's timeout test checks
+# that a wait on a missing peer ends within its timeout under the interpreter.
 INTERPRETER_SPINS_PER_S = 1_000
 # Items a two-shot receiver polls at once with whole-row owners: enough loads in flight to cover
 # a read's latency (four 4 KB chunks a program), few enough registers to stay resident.
