@@ -69,7 +69,8 @@ def test_png_without_matplotlib_exits_2_before_anything_runs(monkeypatch, capsys
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
     code, out, err = run_cli(monkeypatch, capsys, "--from", str(path), "--png", str(tmp_path / "p.png"))
     assert code == 2
-    assert "tpfuse diagnose: --png needs matplotlib" in err and "tpfuse[plot]" in err
+    assert "tpfuse diagnose: --png needs matplotlib" in err
+    assert "`pip install 'tpfuse[plot]'` (from a checkout: `pip install '.[plot]'`)" in err
     assert not (tmp_path / "p.png").exists() and out == ""
 
 

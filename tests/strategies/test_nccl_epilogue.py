@@ -65,3 +65,14 @@ def test_nccl_epilogue_takes_any_alignment_but_bounds_hidden():
     assert cls.admits(_problem(NCCL, hidden=6148), fake_caps(4)).ok  # the epilogue kernel masks any H
     verdict = cls.admits(_problem(NCCL, hidden=20480), fake_caps(4))
     assert not verdict.ok and "exceeds 16384" in verdict.reason
+
+
+def test_without_triton_the_reason_names_both_install_commands(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a))
+    for name in ("nccl_epilogue", "oneshot", "twoshot"):
+        verdict = get_strategy(name).admits(_problem(NCCL), fake_caps(4))
+        assert not verdict.ok
+        assert "`pip install 'tpfuse[triton]'` (from a checkout: `pip install '.[triton]'`)" in verdict.reason, name

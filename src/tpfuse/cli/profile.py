@@ -13,6 +13,7 @@ otherwise (or when a rank failed), 2 on usage or environment errors.
 
 from __future__ import annotations
 
+from tpfuse._version import extra_hint
 from tpfuse.cli.exits import EXIT_NEGATIVE, EXIT_OK, CommandError, UsageError, dumps_json
 
 
@@ -32,8 +33,7 @@ def add_parser(subparsers) -> None:
     p.set_defaults(run=run)
 
 
-PLOT_HINT = ("install matplotlib with `pip install 'tpfuse[plot]'` (from a checkout: `pip install '.[plot]'`) "
-             "or drop --plot")
+PLOT_HINT = f"install matplotlib with {extra_hint('plot')} or drop --plot"
 
 
 def run(args) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tpfuse._version import extra_hint
 from tpfuse.diagnose import analysis
 from tpfuse.diagnose.samples import Recording
 
@@ -19,7 +20,7 @@ def require_matplotlib() -> None:
         import matplotlib  # noqa: F401
     except ImportError as exc:
         raise RuntimeError(f"diagnose: --png needs matplotlib ({exc}); install it with "
-                           "`pip install 'tpfuse[plot]'` or drop --png") from None
+                           f"{extra_hint('plot')} or drop --png") from None
 
 
 def write_png(rec: Recording, path: str | Path, *, title: str | None = None) -> Path:

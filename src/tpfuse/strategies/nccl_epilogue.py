@@ -27,6 +27,7 @@ import importlib.util
 import torch
 import torch.distributed as dist
 
+from tpfuse._version import extra_hint
 from tpfuse.kernels.protocol import MAX_HIDDEN  # imports no Triton: admission stays light
 from tpfuse.quant import KINDS, admission_reason
 from tpfuse.spec import Needs, Problem, Verdict
@@ -42,7 +43,7 @@ class NcclEpilogueStrategy(Strategy):
     @classmethod
     def extra_admits(cls, problem: Problem, caps) -> Verdict:
         if importlib.util.find_spec("triton") is None:
-            return Verdict.no("needs the 'triton' package for the epilogue kernel (pip install 'tpfuse[triton]')")
+            return Verdict.no(f"needs the 'triton' package for the epilogue kernel ({extra_hint('triton')})")
         if problem.hidden > MAX_HIDDEN:
             return Verdict.no(f"hidden size {problem.hidden} exceeds {MAX_HIDDEN} (one row per program in registers)")
         if problem.quant is not None:

@@ -46,6 +46,7 @@ from typing import ClassVar
 import torch
 
 from tpfuse import env
+from tpfuse._version import extra_hint
 from tpfuse.kernels.protocol import (
     MAX_GRID,
     MAX_HIDDEN,
@@ -78,7 +79,7 @@ class PeerStrategy(Strategy):
     def extra_admits(cls, problem: Problem, caps) -> Verdict:
         row_bytes = problem.hidden * problem.itemsize
         if importlib.util.find_spec("triton") is None:
-            return Verdict.no("needs the 'triton' package (pip install 'tpfuse[triton]')")
+            return Verdict.no(f"needs the 'triton' package ({extra_hint('triton')})")
         if problem.hidden > MAX_HIDDEN:
             return Verdict.no(f"hidden size {problem.hidden} exceeds {MAX_HIDDEN} (one row per program in registers)")
         if row_bytes % 16:
