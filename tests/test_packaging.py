@@ -32,3 +32,10 @@ def test_ci_runs_the_readme_commands_in_fresh_venvs():
     assert 'in_setup = ($0 == "## Set up on a fresh machine")' in ci
     assert 'python -m venv "$venv_dir/$1"' in ci and 'source "$venv_dir/$1/bin/activate"' in ci
     assert 'in_fresh_venv main "$main_command"' in ci and 'in_fresh_venv test "$test_command"' in ci
+
+
+def test_ci_runs_the_linter_the_test_extra_installs():
+    ci = (ROOT / ".ci" / "run").read_text()
+    tests_extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["test"]
+    assert "ruff" in _requirement_names(tests_extra)
+    assert ci.rstrip().endswith('"$venv_dir/test/bin/ruff" check .')
