@@ -42,7 +42,7 @@ from tpfuse.probe import probe
 from tpfuse.spec import Op, Problem, dtype_name
 from tpfuse.strategies import admission, get_strategy, strategy_names
 from tpfuse.strategies.base import Strategy, StrategyContext
-from tpfuse.strategies.host_wait import PeerGuard, goes_through_host, strategy_timeout_s
+from tpfuse.strategies.host_wait import HostGroup, PeerGuard, strategy_timeout_s
 from tpfuse.validation import SUPPORTED_DTYPES, as_rows, check_all_reduce, check_quant, check_residual_rmsnorm
 
 # The keyword options a Communicator hands its strategies (`StrategyContext.options`); any other
@@ -108,10 +108,12 @@ class Communicator:
         self.debug = debug_on
         self.options = options
         if self.debug:
-            host = goes_through_host(self.cpu_group, torch.device(device_type))
-            self._debug_device = torch.device("cpu") if host else torch.device("cuda", torch.cuda.current_device())
-            self._debug_guard = PeerGuard("Communicator", self.rank, strategy_timeout_s(options, "Communicator"),
-                                          bounded=host)
+            # Debug checks run on a private gloo group with the strategies' timeout (collective to
+            # create): a stuck or dead peer then raises PeerLostError naming it within that bound,
+            # whatever the data group's backend, and an abandoned check cannot hold up exit.
+            timeout_s = strategy_timeout_s(options, "Communicator")
+            host = HostGroup(self.cpu_group, timeout_s, "Communicator") if self.world_size > 1 else None
+            self._debug_guard = PeerGuard("Communicator", self.rank, timeout_s, bounded=True, host_group=host)
         self.caps = probe()
         self.facts = agree_group_facts(self.group, self.caps, device_type=device_type, handshake_group=self.cpu_group)
         self.device = (torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda"
@@ -223,6 +225,8 @@ class Communicator:
         for instance in self._instances.values():
             instance.close()
         self._instances.clear()
+        if self.debug:
+            self._debug_guard.close()
 
     def __enter__(self) -> Communicator:
         return self
@@ -299,13 +303,15 @@ class Communicator:
     def _check_ranks_agree(self, op: Op, rows: torch.Tensor) -> None:
         if self._closed:  # before any collective: the group may be gone
             raise RuntimeError("Communicator: used after close(); create a new Communicator")
-        # A fixed-size integer gather, not all_gather_object: over gloo it is waited on within the
-        # strategies' bound, so debug mode raises PeerLostError on a dead peer instead of hanging.
+        host = self._debug_guard.host_group
+        if host is None:  # one rank: nobody to disagree with
+            return
+        # A fixed-size integer gather on the private gloo group, waited on within its bound.
         ops = list(Op)
         mine = torch.tensor([ops.index(op), rows.shape[0], rows.shape[1], SUPPORTED_DTYPES.index(rows.dtype)],
-                            dtype=torch.int64, device=self._debug_device)
+                            dtype=torch.int64)
         everyone = [torch.empty_like(mine) for _ in range(self.world_size)]
-        request = dist.all_gather(everyone, mine, group=self.cpu_group, async_op=True)
+        request = host.pg.allgather([everyone], [mine])
         self._debug_guard.wait([request], f"the other ranks (debug check before {op.value})")
         calls = [tuple(t.tolist()) for t in everyone]
         if any(c != calls[0] for c in calls):

@@ -6,7 +6,7 @@ not: its neighbours are alive, they raised and stopped sending. Survivors stay a
 survivor has reported, so none is rescued by a neighbour's socket closing when it exits; rank 3
 must fail on its own bound (the case that blocked for 30 minutes). Each strategy runs on its own
 process group (same ranks), so one spawn checks both, and debug mode's own check before the call
-(a third group) is bounded the same way.
+(a third group, with its own private gloo group) is bounded the same way and names the dead rank too.
 """
 
 import json
@@ -84,8 +84,8 @@ def test_every_survivor_fails_within_the_strategy_timeout(tmp_path):
             assert "destroy the process group" in got["first"]
             assert got["elapsed"] < TIMEOUT_S + SLACK_S, (rank, got)
             assert got["second"].startswith(f"PeerLostError: {where}: rank {rank}: an earlier call failed"), (rank, got)
-            if name != "debug":  # the strategies' own error names the rank that died, whoever raised
-                assert f"rank {VICTIM} exited (no process left on this host)" in got["first"], (rank, got)
+            # The error names the rank that died, whoever raised (debug checks have a census too).
+            assert f"rank {VICTIM} exited (no process left on this host)" in got["first"], (rank, got)
     # Rank 3 is not next to the dead rank: it can only have failed on its own bound.
     assert "without an answer" in json.loads((tmp_path / "3.json").read_text())["ring"]["first"]
 
@@ -97,7 +97,7 @@ def _stuck_rank(rank, port, strategy, out_dir):
     from tpfuse import Communicator
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    comm = Communicator(strategy=strategy, timeout_s=TIMEOUT_S)
+    comm = Communicator(timeout_s=TIMEOUT_S, **CASES[strategy][0])
     x = small_integer_inputs(rank, 5, H, torch.float32)
     comm.all_reduce(x)
     if rank == 1:
@@ -110,7 +110,7 @@ def _stuck_rank(rank, port, strategy, out_dir):
         f.write(outcome)
 
 
-@pytest.mark.parametrize("strategy", ["reference", "ring"])
+@pytest.mark.parametrize("strategy", sorted(CASES))
 def test_a_survivor_of_a_stuck_peer_raises_naming_it_and_its_process_exits_within_the_bound(strategy, tmp_path):
     """The abandoned request ends with the strategy's private group (its timeout is the bound), so
     close() and interpreter exit do not wait for the stuck peer or the 30-minute group timeout."""
@@ -133,7 +133,9 @@ def test_a_survivor_of_a_stuck_peer_raises_naming_it_and_its_process_exits_withi
             p.kill()
             p.join()
     outcome = (tmp_path / "0.txt").read_text()
-    assert outcome.startswith(f"PeerLostError: {strategy}: rank 0 waited {TIMEOUT_S:g} s for rank 1"), outcome
+    where, peers = CASES[strategy][1], "the other ranks (debug check before all_reduce)" if strategy == "debug" \
+        else "rank 1"
+    assert outcome.startswith(f"PeerLostError: {where}: rank 0 waited {TIMEOUT_S:g} s for {peers}"), outcome
     assert "rank 1 alive but did not answer (stuck, or calling another collective)" in outcome
     # Start-up (two interpreters importing torch) plus the bound, the census and exit; the stuck
     # peer sleeps 120 s, and the unbounded exit waited for it.
