@@ -1,20 +1,30 @@
-"""`tpfuse patch` / `revert` on a writable copy of the fixture engine."""
+"""`tpfuse patch` / `revert` on a writable copy of the fixture engine, and on the real sglang source
+(slow; skipped with the pip error when PyPI is unreachable, sglang_source.py says where it is cached):
+edits in the codebase's idiom, re-audited before anything is written, byte-identical reverts.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
 
 from tpfuse.audit import manifest
-from tpfuse.audit.arch import parse_arch
+from tpfuse.audit import patch as patch_mod
+from tpfuse.audit.arch import ARCHS, parse_arch
 from tpfuse.audit.driver import audit
+from tpfuse.audit.patch import propose_patch
 from tpfuse.cli.main import main
 
+from .conftest import find
+from .sglang_source import ADD_NORM, SGLANG_VERSION, runtime_gate, sglang_source
+
 RUNTIME_GATE = "allreduce_fusion_applies() result"
+SM120, SM100 = parse_arch("sm120"), parse_arch("sm100")
 
 
 def run(capsys, *argv):
@@ -208,3 +218,102 @@ def test_a_gate_opened_through_the_helper_the_same_patch_edits_is_not_left_to_th
     code, out, _ = run(capsys, *argv, "--apply", "--state-dir", str(tmp_path / "state"))
     assert code == 0 and json.loads(out)["applied"]
     assert audit(str(root)).selected(parse_arch("sm120"), parse_arch("sm100")) == []  # a re-run finds nothing left
+
+
+def test_inverse_gate_is_listed_apart_and_never_opened(capsys, engine, result):
+    f = find(result, "v2/inverse.py", "get_platform().is_sm120")
+    assert f in result.inverse(SM120)
+    code, out, err = run(capsys, "patch", str(engine), "--arch", "sm120", "--like", "sm100", "--only", f.id, "--json")
+    data = json.loads(out)
+    assert code == 1 and not data["diff"] and "inverse gate" in data["errors"][0]["error"]
+
+
+def test_every_proposed_edit_reaudits_open_and_type_consistent(capsys, engine):
+    code, out, _ = run(capsys, "patch", str(engine), "--arch", "sm120", "--like", "sm100", "--json")
+    data = json.loads(out)
+    assert data["gates"] and all(g["includes_arch"] and g["harm"] is None for g in data["gates"])
+    added = [line[1:].strip() for d in data["diff"].values() for line in d.splitlines() if line.startswith("+") and not line.startswith("+++")]
+    assert "if cap in SUPPORTED_CAPS or cap == 120:" in added  # an int SM compared with an int
+    assert "return capability.major in (9, 10, 12)" in added  # a major with a major
+    assert 'if not _match_sm_version(device, ["100", "103", "120"]):' in added  # the list in its own spelling
+    assert not [line for line in added if "(12, 0)" in line and ("major" in line or "sm ==" in line)]
+
+
+def test_harm_rule():
+    class F:
+        def __init__(self, **values):
+            self.values = {a.name: values.get(a.name, False) for a in ARCHS}
+
+    before = F(sm100=True, sm103=True)
+    assert patch_mod.harm(before, F(sm100=True, sm103=True, sm120=True, sm121=True), SM120, SM100) is None
+    assert "still excluding" in patch_mod.harm(before, F(sm100=True, sm103=True), SM120, SM100)
+    # `cap != (12, 0) or cap == (12, 0)`: true everywhere is not "opened like sm100"
+    assert "sm80" in patch_mod.harm(before, F(**{a.name: True for a in ARCHS}), SM120, SM100)
+
+
+def test_apply_patch_never_writes_an_edit_that_fails_its_reaudit(engine, state_dir):
+    # The harm rule is the library's: a caller of apply_patch (not only the CLI) cannot write an edit
+    # that re-audits as still excluding --arch, whatever the proposal it passes says.
+    result = audit(str(engine))
+    gate = find(result, "v2/idioms.py", "cap in SUPPORTED_CAPS")
+    proposal = patch_mod.propose_patch(result, [gate], SM120, SM100)
+    assert proposal.complete and list(proposal.plans) == [gate.id]
+    before = snapshot(engine)
+    rel, (old, new) = next(iter(proposal.changes.items()))
+    assert "cap in SUPPORTED_CAPS or cap == 120" in new
+    proposal.changes[rel] = (old, new.replace("cap in SUPPORTED_CAPS or cap == 120", "cap in SUPPORTED_CAPS or cap == 121"))
+    with pytest.raises(patch_mod.PatchRefused, match=rf"nothing written.*{gate.id} re-audits as still excluding sm120"):
+        patch_mod.apply_patch(proposal, state_dir=state_dir)
+    assert snapshot(engine) == before and not state_dir.exists()
+    proposal.changes[rel] = (old, new)  # the edit as proposed is written
+    written, rows = patch_mod.apply_patch(proposal, state_dir=state_dir)
+    assert written.is_file() and [r["includes_arch"] for r in rows] == [True]
+
+
+def test_dry_run_and_apply_of_one_plan_exit_alike_then_revert(capsys, engine, state_dir):
+    # Some fixture gates stay closed (hardware, explicit exclusions): 1 for the dry run and for --apply,
+    # which still writes the others; a plan whose every gate opens exits 0 both ways.
+    before = snapshot(engine)
+    argv = ["patch", str(engine), "--arch", "sm120", "--like", "sm100", "--json"]
+    dry_code, out, _ = run(capsys, *argv)
+    assert dry_code == 1 and json.loads(out)["errors"] and not json.loads(out)["applied"]
+    code, out, err = run(capsys, *argv, "--apply", "--state-dir", str(state_dir))
+    data = json.loads(out)
+    assert code == dry_code and data["applied"] and f"--state-dir {state_dir}" in data["undo"]
+    assert snapshot(engine) != before
+    assert run(capsys, "revert", str(engine), "--state-dir", str(state_dir))[0] == 0
+    assert snapshot(engine) == before
+    gid = find(audit(str(engine)), "v2/idioms.py", "cap in SUPPORTED_CAPS").id
+    assert run(capsys, *argv, "--only", gid)[0] == 0
+    assert run(capsys, *argv, "--only", gid, "--apply", "--state-dir", str(state_dir))[0] == 0
+    assert run(capsys, "revert", str(engine), "--state-dir", str(state_dir))[0] == 0 and snapshot(engine) == before
+
+
+@pytest.fixture(scope="module")
+def source():
+    path, why = sglang_source()
+    if path is None:
+        pytest.skip(f"sglang {SGLANG_VERSION} source unavailable: {why}")
+    return path
+
+
+@pytest.mark.slow
+def test_patch_reaudit_revert(source, tmp_path):
+    root = tmp_path / "sglang"
+    shutil.copytree(source, root)
+    original = (root / ADD_NORM).read_bytes()
+    before = audit(str(root), native=False, only={ADD_NORM})
+    gate = runtime_gate(before)
+    proposal = propose_patch(before, [gate], SM120, SM100)
+    changes = proposal.changes
+    assert not proposal.errors and list(changes) == [ADD_NORM]
+    new = changes[ADD_NORM][1]
+    assert "_is_sm120_supported = _is_cuda and get_platform().is_sm120\n" in new
+    assert "(_is_sm90_supported or _is_sm100_supported or _is_sm120_supported)" in new
+    state = tmp_path / "state"
+    manifest.apply(root, {ADD_NORM: new}, before.file_hashes, {"arch": "sm120"}, state_dir=state)
+    after = runtime_gate(audit(str(root), native=False, only={ADD_NORM}))
+    assert after.values["sm120"] is not False and after.values["sm121"] is not False  # is_sm120 = major 12
+    assert after.values["sm80"] is False
+    manifest.revert(root, state_dir=state)
+    assert hashlib.sha256((root / ADD_NORM).read_bytes()).digest() == hashlib.sha256(original).digest()
