@@ -37,7 +37,8 @@ def sglang_source(version: str = SGLANG_VERSION) -> tuple[Path | None, str]:
     wheels.mkdir(parents=True, exist_ok=True)
     found = sorted(wheels.glob(f"sglang-{version}-*.whl"))
     if not found:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", *_WHEEL_TAGS, f"sglang=={version}", "-d", str(wheels)]
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", *_WHEEL_TAGS, f"sglang=={version}",
+               "-d", str(wheels)]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         except (OSError, subprocess.TimeoutExpired) as exc:

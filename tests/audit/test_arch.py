@@ -10,7 +10,9 @@ from tpfuse.audit.arch import ARCH_NAMES, ARCHS, ArchBool, ArchNum, compare, par
 from tpfuse.audit.predicates import CAP_ANY
 
 
-@pytest.mark.parametrize("text,name", [("sm120", "sm120"), ("SM_120", "sm120"), ("120", "sm120"), ("12.0", "sm120"), ("sm100a", "sm100"), ("12.1f", "sm121"), ("sm89", "sm89")])
+@pytest.mark.parametrize("text,name",
+                         [("sm120", "sm120"), ("SM_120", "sm120"), ("120", "sm120"), ("12.0", "sm120"),
+                          ("sm100a", "sm100"), ("12.1f", "sm121"), ("sm89", "sm89")])
 def test_parse_arch_spellings(text, name):
     arch = parse_arch(text)
     assert arch.name == name
@@ -68,7 +70,8 @@ def test_a_capability_is_in_a_set_of_any_of_its_integer_forms():
     from tpfuse.audit.predicates import CAP_ANY
 
     assert compare("In", CAP_ANY, frozenset({90})).values == tuple(a.name == "sm90" for a in ARCHS)
-    assert compare("NotIn", CAP_ANY, {100: "x", 103: "y"}).values == tuple(a.name not in ("sm100", "sm103") for a in ARCHS)
+    assert compare("NotIn", CAP_ANY, {100: "x", 103: "y"}).values == tuple(a.name not in ("sm100", "sm103")
+                                                                           for a in ARCHS)
 
 
 def test_capability_parameter_compares_in_every_integer_form():

@@ -101,7 +101,8 @@ def test_the_corpus_is_large_quoted_from_released_trees_and_covers_every_family(
     assert len(cases) >= 250
     assert {c.origin for c in cases} == set(TREE_DIRS)  # every case names its release and file:line
     assert {c.category for c in cases} <= {"gate", "inverse", "quirk", "none"}
-    # A family's positives: gates excluding SM120; for inverse gates (F5), inverse gates off there; for quirks (F6), quirks.
+    # A family's positives: gates excluding SM120; for inverse gates (F5), inverse gates off there; for quirks (F6),
+    # quirks.
     wanted = {"F5": "inverse", "F6": "quirk"}
     for family in FAMILIES:
         mine = [c for c in cases if c.family == family]
@@ -163,7 +164,8 @@ def test_finds_the_allreduce_fusion_gate_excluding_sm120(full):
 
 @pytest.mark.slow
 def test_finds_the_startup_auto_enable_gate(full):
-    hits = [f for f in full.selected(SM120, SM100) if f.scope.endswith("_flashinfer_allreduce_fusion_auto_enable") and "is_sm90 or" in f.condition]
+    hits = [f for f in full.selected(SM120, SM100) if f.scope.endswith("_flashinfer_allreduce_fusion_auto_enable")
+            and "is_sm90 or" in f.condition]
     assert len(hits) == 1
     assert "flashinfer_allreduce_fusion_backend" in hits[0].guards
 
@@ -171,7 +173,8 @@ def test_finds_the_startup_auto_enable_gate(full):
 # The story's three gates in each release: (path, scope suffix, condition fragment).
 STORY = {
     "0.5.10": [
-        ("srt/layers/communicator.py", "apply_flashinfer_allreduce_fusion", "(_is_sm90_supported or _is_sm100_supported)"),
+        ("srt/layers/communicator.py", "apply_flashinfer_allreduce_fusion",
+         "(_is_sm90_supported or _is_sm100_supported)"),
         ("srt/server_args.py", "_handle_model_specific_adjustments", "(is_sm90_supported() or is_sm100_supported())"),
         ("srt/server_args.py", "_handle_model_specific_adjustments", "GLM"),
     ],
@@ -189,7 +192,8 @@ def _story_gate(result, root, path, scope, fragment):
         hits = [f for f in result.findings if f.path == path and f.scope.endswith(scope)
                 and 'model_arch in ["Glm4MoeForCausalLM"]' in lines[f.line - 2]]
     else:
-        hits = [f for f in result.findings if f.path.endswith(path.split("/")[-1]) and f.scope.endswith(scope) and fragment in f.condition]
+        hits = [f for f in result.findings if f.path.endswith(path.split("/")[-1]) and f.scope.endswith(scope)
+                and fragment in f.condition]
     assert len(hits) == 1, [(f.path, f.line, f.scope, f.condition[:60]) for f in hits]
     return hits[0]
 

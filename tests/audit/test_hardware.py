@@ -19,7 +19,9 @@ def test_hardware_gates_refused_unless_forced(capsys, engine, result):
     policy = next(f for f in result.findings if f.scope == "policy_default_backend")
     assert gate_class(tcgen05, SM120)[0] == "hardware" and gate_class(tcgen05, SM100)[0] == "policy"
     assert "sm_100a" in tcgen05.requires and gate_class(policy, SM120)[0] == "policy"
-    code, out, _ = run(capsys, "patch", str(engine), "--arch", "sm120", "--like", "sm100", "--only", tcgen05.id, "--json")
+    code, out, _ = run(capsys, "patch", str(engine), "--arch", "sm120", "--like", "sm100", "--only", tcgen05.id,
+                       "--json")
     assert code == 1 and "hardware exclusion" in json.loads(out)["errors"][0]["error"]
-    code, out, err = run(capsys, "patch", str(engine), "--arch", "sm120", "--like", "sm100", "--only", tcgen05.id, "--force-hardware", "--json")
+    code, out, err = run(capsys, "patch", str(engine), "--arch", "sm120", "--like", "sm100", "--only", tcgen05.id,
+                         "--force-hardware", "--json")
     assert code == 0 and json.loads(out)["diff"] and "warning" in err and "hardware gate" in err

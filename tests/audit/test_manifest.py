@@ -75,7 +75,8 @@ def tree(root: Path) -> dict:
 
 def child(kill_at: str, job: dict) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return subprocess.run([sys.executable, "-c", DRIVER, kill_at, json.dumps(job)], capture_output=True, text=True, env=env, timeout=120)
+    return subprocess.run([sys.executable, "-c", DRIVER, kill_at, json.dumps(job)], capture_output=True, text=True,
+                          env=env, timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +114,8 @@ def test_kill_at_every_apply_step_then_revert_restores_every_byte(pristine, tmp_
     want = tree(src)
     steps = steps_of(pristine, tmp_path / "dry", "apply")
     files = list(changes)
-    assert steps[:len(files)] == [f"backup:{rel}" for rel in files] and steps[len(files):len(files) + 2] == ["sums", "intent"]
+    assert (steps[:len(files)] == [f"backup:{rel}" for rel in files]
+            and steps[len(files):len(files) + 2] == ["sums", "intent"])
     assert steps[-1] == "commit" and sum(s.startswith("replaced:") for s in steps) == len(files)
     for k, step in enumerate(steps):
         base = tmp_path / str(k)
@@ -122,7 +124,8 @@ def test_kill_at_every_apply_step_then_revert_restores_every_byte(pristine, tmp_
         assert proc.returncode == -signal.SIGKILL, (step, proc.stderr)
         replaced = sum(s.startswith("replaced:") for s in steps[:k + 1])
         now = tree(root)
-        targets = {rel for rel in set(now) | set(want) if not rel.endswith(durable.TMP_SUFFIX) and not rel.startswith(".tpfuse-patch")}
+        targets = {rel for rel in set(now) | set(want) if not rel.endswith(durable.TMP_SUFFIX)
+                   and not rel.startswith(".tpfuse-patch")}
         assert sum(now.get(rel) != want.get(rel) for rel in targets) == replaced, step
         # the tree carries its marker from the step that writes it until the revert (outside --state-dir's state)
         assert (".tpfuse-patch/marker.json" in now) == (k >= steps.index("marker")), step
@@ -351,7 +354,8 @@ def test_revert_that_cannot_write_keeps_the_state_and_can_be_rerun(pristine, tmp
     monkeypatch.setattr(durable, "fault_hook", read_only_fs)
     assert main(["revert", str(root), "--state-dir", job["state_dir"]]) == 2
     err = capsys.readouterr().err
-    assert f"restoring {second} failed" in err and f"`tpfuse revert {root} --state-dir {job['state_dir']}` again" in err and "Traceback" not in err
+    assert (f"restoring {second} failed" in err
+            and f"`tpfuse revert {root} --state-dir {job['state_dir']}` again" in err and "Traceback" not in err)
     monkeypatch.setattr(durable, "fault_hook", None)
     assert main(["revert", str(root), "--state-dir", job["state_dir"]]) == 0
     capsys.readouterr()
@@ -488,7 +492,8 @@ def test_an_edit_during_apply_is_kept_and_stops_it(pristine, tmp_path, monkeypat
             (root / second).write_bytes(edited)
 
     monkeypatch.setattr(durable, "fault_hook", user_edits_second)
-    with pytest.raises(manifest.ManifestError, match=rf"{second} changed while the patch was being applied.*kept its new bytes"):
+    with pytest.raises(manifest.ManifestError,
+                       match=rf"{second} changed while the patch was being applied.*kept its new bytes"):
         manifest.apply(root, changes, job["expected"], {}, state_dir=job["state_dir"])
     now, want = tree(root), tree(src)
     assert now[second][1] == edited  # the user's bytes, not the patched old text
@@ -508,7 +513,8 @@ def test_an_edit_during_revert_is_kept_and_the_state_too(pristine, tmp_path, mon
             (root / second).write_bytes(edited)
 
     monkeypatch.setattr(durable, "fault_hook", user_edits_second)
-    with pytest.raises(manifest.ManifestError, match=rf"{second} changed while the revert was running; kept its new bytes"):
+    with pytest.raises(manifest.ManifestError,
+                       match=rf"{second} changed while the revert was running; kept its new bytes"):
         manifest.revert(root, state_dir=job["state_dir"])
     monkeypatch.setattr(durable, "fault_hook", None)
     assert (root / second).read_bytes() == edited and manifest.state_dir_for(root, job["state_dir"]).exists()
@@ -556,7 +562,8 @@ VARIANTS = {
 
 def patch_only(capsys, root, guards, state_dir, *extra):
     gid = next(f.id for f in audit(str(root)).findings if f.guards == guards)
-    code = main(["patch", str(root), "--arch", "sm120", "--like", "sm100", "--only", gid, "--json", "--state-dir", str(state_dir), *extra])
+    code = main(["patch", str(root), "--arch", "sm120", "--like", "sm100", "--only", gid, "--json", "--state-dir",
+                 str(state_dir), *extra])
     return code, json.loads(capsys.readouterr().out)
 
 
@@ -590,9 +597,11 @@ def test_patch_keeps_encoding_and_every_byte_outside_the_edit(capsys, engine, tm
 
 def test_a_latin1_file_does_not_stop_the_other_files_from_being_patched(capsys, engine, tmp_path):
     caps = engine / "layers/caps.py"
-    caps.write_bytes(LATIN1_HEAD + caps.read_bytes().replace(b"    return sm_version in (100, 103)\n", b"    return sm_version in (100, 103)  # \xe9t\xe9\n"))
+    caps.write_bytes(LATIN1_HEAD + caps.read_bytes().replace(b"    return sm_version in (100, 103)\n",
+                                                             b"    return sm_version in (100, 103)  # \xe9t\xe9\n"))
     original = caps.read_bytes()
-    code = main(["patch", str(engine), "--arch", "sm120", "--like", "sm100", "--apply", "--json", "--state-dir", str(tmp_path / "s")])
+    code = main(["patch", str(engine), "--arch", "sm120", "--like", "sm100", "--apply", "--json", "--state-dir",
+                 str(tmp_path / "s")])
     data = json.loads(capsys.readouterr().out)
     assert data["applied"] and code in (0, 1)  # 1: some gates need a hand edit (listed in errors)
     assert {"layers/caps.py", "layers/fusion.py", "aliases.py"} <= set(data["diff"])
@@ -611,5 +620,6 @@ def test_an_edit_the_encoding_cannot_hold_writes_nothing(engine, tmp_path):
     before = path.read_bytes()
     expected = {"layers/caps.py": manifest.sha256(before)}
     with pytest.raises(manifest.ManifestError, match=r"cannot be written in its encoding latin-1.*nothing was written"):
-        manifest.apply(engine, {"layers/caps.py": before.decode("latin-1") + "# \u20ac\n"}, expected, {}, state_dir=tmp_path / "s")
+        manifest.apply(engine, {"layers/caps.py": before.decode("latin-1") + "# \u20ac\n"}, expected, {},
+                       state_dir=tmp_path / "s")
     assert path.read_bytes() == before and not manifest.state_dir_for(engine, tmp_path / "s").exists()

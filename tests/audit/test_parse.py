@@ -19,7 +19,8 @@ def select(source: str):
 
 def found(tmp_path, source: str) -> dict:
     (tmp_path / "m.py").write_text(textwrap.dedent(source))
-    return {f.condition: (f.scope, [a for a, v in f.values.items() if v]) for f in audit(str(tmp_path / "m.py")).findings}
+    return {f.condition: (f.scope, [a for a, v in f.values.items() if v])
+            for f in audit(str(tmp_path / "m.py")).findings}
 
 
 def test_a_flag_built_from_a_helper_keeps_the_defs_that_read_it(tmp_path):

@@ -34,7 +34,8 @@ def run(capsys, *argv):
 
 
 def snapshot(root: Path) -> dict:
-    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file() and "__pycache__" not in p.parts}
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file() and "__pycache__" not in p.parts}
 
 
 def gate_id(root: Path, guards: str) -> str:
@@ -59,9 +60,12 @@ def test_diff_adds_flag_import_and_disjunct_in_the_codebase_idiom(capsys, engine
     ("sm_version in (100, 103)", "return sm_version in (100, 103, 120)"),
     ("major == 10", "if major in (10, 12):"),
     ("100 <= sm < 120", "is_fp8_deprecated = 100 <= sm < 120 or sm == 120"),
-    ("is_device_capability_family(100)", "c = current_platform.is_device_capability_family(100) or current_platform.is_device_capability_family(120)"),
-    ('moe_runner_backend == "auto"', 'if server_args.moe_runner_backend == "auto" and (get_platform().is_sm100 or get_platform().is_sm120):'),
-    ("not (get_platform().is_sm90", "if not (get_platform().is_sm90 or get_platform().is_sm100 or get_platform().is_sm120):"),
+    ("is_device_capability_family(100)",
+     "c = current_platform.is_device_capability_family(100) or current_platform.is_device_capability_family(120)"),
+    ('moe_runner_backend == "auto"',
+     'if server_args.moe_runner_backend == "auto" and (get_platform().is_sm100 or get_platform().is_sm120):'),
+    ("not (get_platform().is_sm90",
+     "if not (get_platform().is_sm90 or get_platform().is_sm100 or get_platform().is_sm120):"),
     ("supported_compute_capability([100, 103])", "@supported_compute_capability([100, 103, 120])"),
 ])
 def test_comparison_and_platform_edits(capsys, engine, fragment, expected):
@@ -78,7 +82,8 @@ def test_comparison_and_platform_edits(capsys, engine, fragment, expected):
 def test_apply_reaudit_and_byte_identical_revert(capsys, engine, state_dir):
     before = snapshot(engine)
     gid = gate_id(engine, RUNTIME_GATE)
-    code, out, _ = run(capsys, "patch", str(engine), "--arch", "sm120", "--like", "sm100", "--only", gid, "--apply", "--state-dir", str(state_dir), "--json")
+    code, out, _ = run(capsys, "patch", str(engine), "--arch", "sm120", "--like", "sm100", "--only", gid, "--apply",
+                       "--state-dir", str(state_dir), "--json")
     data = json.loads(out)
     assert code == 0 and data["applied"]
     assert Path(data["manifest"]).is_file()
@@ -97,7 +102,8 @@ def test_apply_reaudit_and_byte_identical_revert(capsys, engine, state_dir):
 def test_revert_refuses_a_file_changed_after_patching(capsys, engine, state_dir):
     before = snapshot(engine)
     gid = gate_id(engine, RUNTIME_GATE)
-    assert run(capsys, "patch", str(engine), "--arch", "sm120", "--like", "sm100", "--only", gid, "--apply", "--state-dir", str(state_dir))[0] == 0
+    assert run(capsys, "patch", str(engine), "--arch", "sm120", "--like", "sm100", "--only", gid, "--apply",
+               "--state-dir", str(state_dir))[0] == 0
     target = engine / "layers/fusion.py"
     target.write_text(target.read_text() + "\n# local edit\n")
     code, _, err = run(capsys, "revert", str(engine), "--state-dir", str(state_dir))
@@ -121,7 +127,8 @@ def test_read_only_file_nothing_half_written(capsys, engine, state_dir):
     caps = engine / "layers/caps.py"
     os.chmod(caps, 0o444)
     try:
-        code, _, err = run(capsys, "patch", str(engine), "--arch", "sm120", "--like", "sm100", "--apply", "--state-dir", str(state_dir))
+        code, _, err = run(capsys, "patch", str(engine), "--arch", "sm120", "--like", "sm100", "--apply", "--state-dir",
+                           str(state_dir))
     finally:
         os.chmod(caps, 0o644)
     assert code == 2 and "read-only" in err and "nothing was written" in err
@@ -147,7 +154,8 @@ def test_failure_midway_restores_written_files(engine, state_dir, monkeypatch):
 
     monkeypatch.setattr(os, "replace", flaky_replace)
     with pytest.raises(manifest.ManifestError, match="nothing changed"):
-        manifest.apply(engine, {rel: new for rel, (_, new) in changes.items()}, result.file_hashes, {}, state_dir=state_dir)
+        manifest.apply(engine, {rel: new for rel, (_, new) in changes.items()}, result.file_hashes, {},
+                       state_dir=state_dir)
     monkeypatch.undo()
     assert snapshot(engine) == before
     assert not list(engine.rglob("*.tpfuse-tmp"))
@@ -160,12 +168,14 @@ def test_refuses_a_file_changed_since_the_audit(capsys, engine, tmp_path):
     gid = next(g["id"] for g in json.loads(out)["gates"] if g["guards"] == RUNTIME_GATE)
     target = engine / "layers/fusion.py"
     target.write_text(target.read_text().replace("FUSE_MAX_TOKENS = 2048", "FUSE_MAX_TOKENS = 4096"))
-    code, _, err = run(capsys, "patch", str(engine), "--arch", "sm120", "--only", gid, "--audit-json", str(audit_json), "--apply")
+    code, _, err = run(capsys, "patch", str(engine), "--arch", "sm120", "--only", gid, "--audit-json", str(audit_json),
+                       "--apply")
     assert code == 2 and "changed since the audit" in err
     assert "4096" in target.read_text() and "sm120" not in target.read_text()
     # The in-process guard: hashes handed to apply() must match the file.
     with pytest.raises(manifest.ManifestError, match="changed since it was audited"):
-        manifest.apply(engine, {"layers/fusion.py": "x = 1\n"}, {"layers/fusion.py": hashlib.sha256(b"old").hexdigest()}, {}, state_dir=tmp_path / "s")
+        manifest.apply(engine, {"layers/fusion.py": "x = 1\n"},
+                       {"layers/fusion.py": hashlib.sha256(b"old").hexdigest()}, {}, state_dir=tmp_path / "s")
 
 
 def test_refuses_to_call_a_helper_the_target_lacks(capsys, engine):
@@ -203,12 +213,13 @@ def test_a_gate_opened_through_the_helper_the_same_patch_edits_is_not_left_to_th
     root = tmp_path / "eng"
     root.mkdir()
     (root / "__init__.py").write_text("")
-    (root / "utils.py").write_text("import torch\n\n\ndef is_sm100_supported():\n    return torch.cuda.get_device_capability()[0] == 10\n\n\n"
-                                   "def is_sm120_supported():\n    return torch.cuda.get_device_capability()[0] == 12\n")
+    (root / "utils.py").write_text("import torch\n\n\ndef is_sm100_supported():\n    return "
+                                   "torch.cuda.get_device_capability()[0] == 10\n\n\ndef is_sm120_supported():\n    "
+                                   "return torch.cuda.get_device_capability()[0] == 12\n")
     (root / "flags.py").write_text("from eng.utils import is_sm100_supported, is_sm120_supported\n\n\n"
                                    "def use_fused_path():\n    return is_sm100_supported()\n")
-    (root / "layer.py").write_text("from eng.flags import use_fused_path\n\n\ndef forward(x):\n    if use_fused_path():\n"
-                                   "        return 'fused'\n    return 'unfused'\n")
+    (root / "layer.py").write_text("from eng.flags import use_fused_path\n\n\ndef forward(x):\n    if "
+                                   "use_fused_path():\n        return 'fused'\n    return 'unfused'\n")
     argv = ["patch", str(root), "--arch", "sm120", "--like", "sm100", "--json"]
     code, out, err = run(capsys, *argv)
     data = json.loads(out)
@@ -232,7 +243,8 @@ def test_every_proposed_edit_reaudits_open_and_type_consistent(capsys, engine):
     code, out, _ = run(capsys, "patch", str(engine), "--arch", "sm120", "--like", "sm100", "--json")
     data = json.loads(out)
     assert data["gates"] and all(g["includes_arch"] and g["harm"] is None for g in data["gates"])
-    added = [line[1:].strip() for d in data["diff"].values() for line in d.splitlines() if line.startswith("+") and not line.startswith("+++")]
+    added = [line[1:].strip() for d in data["diff"].values() for line in d.splitlines()
+             if line.startswith("+") and not line.startswith("+++")]
     assert "if cap in SUPPORTED_CAPS or cap == 120:" in added  # an int SM compared with an int
     assert "return capability.major in (9, 10, 12)" in added  # a major with a major
     assert 'if not _match_sm_version(device, ["100", "103", "120"]):' in added  # the list in its own spelling
@@ -261,7 +273,8 @@ def test_apply_patch_never_writes_an_edit_that_fails_its_reaudit(engine, state_d
     before = snapshot(engine)
     rel, (old, new) = next(iter(proposal.changes.items()))
     assert "cap in SUPPORTED_CAPS or cap == 120" in new
-    proposal.changes[rel] = (old, new.replace("cap in SUPPORTED_CAPS or cap == 120", "cap in SUPPORTED_CAPS or cap == 121"))
+    proposal.changes[rel] = (old, new.replace("cap in SUPPORTED_CAPS or cap == "
+                                              "120", "cap in SUPPORTED_CAPS or cap == 121"))
     with pytest.raises(patch_mod.PatchRefused, match=rf"nothing written.*{gate.id} re-audits as still excluding sm120"):
         patch_mod.apply_patch(proposal, state_dir=state_dir)
     assert snapshot(engine) == before and not state_dir.exists()

@@ -37,7 +37,8 @@ def _run(capsys, *argv):
 def test_a_link_to_a_directory_outside_the_tree_is_listed_as_skipped(capsys, engine, tmp_path):
     outside = tmp_path / "vendored"
     outside.mkdir()
-    (outside / "fast.py").write_text("import torch\n\n\ndef f():\n    return torch.cuda.get_device_capability()[0] == 10\n")
+    (outside / "fast.py").write_text("import torch\n\n\ndef f():\n    return torch.cuda.get_device_capability()[0] == "
+                                     "10\n")
     os.symlink(outside, engine / "layers" / "vendored")
     (engine / "broken.py").unlink()
     code, out, _ = _run(capsys, "audit", str(engine), "--arch", "sm120", "--json")
@@ -135,7 +136,8 @@ def _native_dangling(root):
 
 CASES = [
     (_loop, "symlink-loop", "symbolic link loop"), (_dangling, "dangling-link", "dangling symbolic link to 'gone.py'"),
-    (_fifo, "not-a-file", "FIFO"), (_device, "not-a-file", "device"), (_latin1_without_cookie, "undecodable", "not valid utf-8 at byte 3"),
+    (_fifo, "not-a-file", "FIFO"), (_device, "not-a-file", "device"),
+    (_latin1_without_cookie, "undecodable", "not valid utf-8 at byte 3"),
     (_unknown_cookie, "undecodable", "encoding"), (_nul_byte, "unparsable", "null bytes"),
     (_too_large, "too-large", "52428800 bytes, above the audit's per-file bound of 1048576 bytes"),
     (_native_dangling, "dangling-link", "dangling symbolic link"),
@@ -143,10 +145,12 @@ CASES = [
 
 
 @pytest.mark.parametrize("make,reason,why", CASES, ids=[c[0].__name__.strip("_") for c in CASES])
-def test_a_file_that_cannot_be_scanned_is_skipped_with_its_reason(capsys, engine, tmp_path, baseline, make, reason, why):
+def test_a_file_that_cannot_be_scanned_is_skipped_with_its_reason(capsys, engine, tmp_path, baseline, make, reason,
+                                                                  why):
     rel = make(engine)
     sarif = tmp_path / "out.sarif"
-    code, out, err = _run(capsys, "audit", str(engine), "--arch", "sm120", "--json", "--sarif", str(sarif), "--fail-on-gates")
+    code, out, err = _run(capsys, "audit", str(engine), "--arch", "sm120", "--json", "--sarif", str(sarif),
+                          "--fail-on-gates")
     assert code == 3 and "Traceback" not in err
     data = json.loads(out)
     entry = next(s for s in data["skipped"] if s["path"] == rel)
@@ -156,7 +160,8 @@ def test_a_file_that_cannot_be_scanned_is_skipped_with_its_reason(capsys, engine
     run0 = json.loads(sarif.read_text())["runs"][0]
     invocation = run0["invocations"][0]
     assert invocation["executionSuccessful"] is False
-    note = next(n for n in invocation["toolExecutionNotifications"] if n["locations"][0]["physicalLocation"]["artifactLocation"]["uri"] == rel)
+    note = next(n for n in invocation["toolExecutionNotifications"]
+                if n["locations"][0]["physicalLocation"]["artifactLocation"]["uri"] == rel)
     assert note["level"] == "error" and note["descriptor"]["id"] == reason and why in note["message"]["text"]
     assert reason in {d["id"] for d in run0["tool"]["driver"]["notifications"]}  # the descriptor it refers to
     code, out, _ = _run(capsys, "audit", str(engine), "--arch", "sm120")
@@ -164,7 +169,8 @@ def test_a_file_that_cannot_be_scanned_is_skipped_with_its_reason(capsys, engine
 
 
 def test_files_that_cannot_hold_a_gate_are_not_decoded_or_parsed(capsys, engine):
-    """Like a syntax error, a decode error or a size above the bound only matters where the text filter sees an architecture."""
+    """Like a syntax error, a decode error or a size above the bound only matters where the text filter sees an
+    architecture."""
     (engine / "broken.py").unlink()
     (engine / "layers/legacy.py").write_bytes(b"# r\xe9glage\nX = 1\n")
     with open(engine / "layers/table.py", "wb") as f:
@@ -194,19 +200,22 @@ def test_unreadable_file_and_directory(capsys, engine, monkeypatch):
     code, out, err = _run(capsys, "audit", str(engine), "--arch", "sm120", "--json")
     assert code == 3 and "Traceback" not in err
     skipped = {s["path"]: s for s in json.loads(out)["skipped"]}
-    assert skipped["layers/caps.py"]["reason"] == "unreadable" and "Permission denied" in skipped["layers/caps.py"]["error"]
+    assert (skipped["layers/caps.py"]["reason"] == "unreadable"
+            and "Permission denied" in skipped["layers/caps.py"]["error"])
     assert skipped["utils"]["reason"] == "unlistable" and "Permission denied" in skipped["utils"]["error"]
     assert not any(g["path"] == "layers/caps.py" for g in json.loads(out)["gates"])
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their mode; test_unreadable_file_and_directory simulates it")
+@pytest.mark.skipif(os.geteuid() == 0,
+                    reason="root reads files whatever their mode; test_unreadable_file_and_directory simulates it")
 def test_chmod_000_file_is_skipped(capsys, engine):
     (engine / "layers/caps.py").chmod(0)
     try:
         code, out, _ = _run(capsys, "audit", str(engine), "--arch", "sm120", "--json")
     finally:
         (engine / "layers/caps.py").chmod(0o644)
-    assert code == 3 and {"layers/caps.py": "unreadable"}.items() <= {s["path"]: s["reason"] for s in json.loads(out)["skipped"]}.items()
+    reasons = {s["path"]: s["reason"] for s in json.loads(out)["skipped"]}
+    assert code == 3 and {"layers/caps.py": "unreadable"}.items() <= reasons.items()
 
 
 def test_a_missing_module_that_others_import_is_no_crash(capsys, engine):
@@ -215,19 +224,22 @@ def test_a_missing_module_that_others_import_is_no_crash(capsys, engine):
     os.symlink("common_gone.py", helpers)
     code, out, _ = _run(capsys, "audit", str(engine), "--arch", "sm120", "--json")
     assert code == 3
-    assert {"utils/common.py": "dangling-link"}.items() <= {s["path"]: s["reason"] for s in json.loads(out)["skipped"]}.items()
+    reasons = {s["path"]: s["reason"] for s in json.loads(out)["skipped"]}
+    assert {"utils/common.py": "dangling-link"}.items() <= reasons.items()
 
 
 def test_patch_applies_to_the_files_it_can_read(capsys, engine, tmp_path):
     _loop(engine)
     _latin1_without_cookie(engine)
-    code, out, err = _run(capsys, "patch", str(engine), "--arch", "sm120", "--like", "sm100", "--apply", "--state-dir", str(tmp_path / "s"), "--json")
+    code, out, err = _run(capsys, "patch", str(engine), "--arch", "sm120", "--like", "sm100", "--apply", "--state-dir",
+                          str(tmp_path / "s"), "--json")
     data = json.loads(out)
     assert data["applied"] and "Traceback" not in err
     assert {"loop.py", "layers/legacy.py"} <= {s["path"] for s in data["skipped"]}
     assert {"layers/caps.py", "layers/fusion.py"} <= set(data["diff"])
     manifest.revert(engine, state_dir=tmp_path / "s")
-    _, _, err = _run(capsys, "patch", str(engine), "--arch", "sm120", "--like", "sm100")  # the diff, with the skips on stderr
+    # the diff, with the skips on stderr
+    _, _, err = _run(capsys, "patch", str(engine), "--arch", "sm120", "--like", "sm100")
     assert "# skipped loop.py (symlink-loop)" in err and "# skipped layers/legacy.py (undecodable)" in err
 
 
@@ -237,7 +249,8 @@ def test_size_bound_is_inclusive_and_configurable(engine, monkeypatch):
     assert "layers/caps.py" not in {s["path"] for s in audit(str(engine)).skipped}
     monkeypatch.setenv(target.MAX_BYTES_ENV, str(size - 1))
     skipped = {s["path"]: s for s in audit(str(engine)).skipped}
-    assert skipped["layers/caps.py"]["reason"] == "too-large" and f"{size} bytes, above the audit's per-file bound of {size - 1}" in skipped["layers/caps.py"]["error"]
+    assert (skipped["layers/caps.py"]["reason"] == "too-large"
+            and f"{size} bytes, above the audit's per-file bound of {size - 1}" in skipped["layers/caps.py"]["error"])
     monkeypatch.delenv(target.MAX_BYTES_ENV)
     assert target.max_source_bytes() == target.MAX_SOURCE_BYTES
 
@@ -254,7 +267,8 @@ def test_read_stops_at_the_bound_when_the_file_grows(tmp_path):
     assert target.read_bytes(path, limit=1001) == b"a" * 1001
 
 
-needs_proc = pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="peak RSS is read from /proc/self/status (Linux only)")
+needs_proc = pytest.mark.skipif(not os.path.exists("/proc/self/status"),
+                                reason="peak RSS is read from /proc/self/status (Linux only)")
 
 
 def _peak_rss_mb(argv: list) -> tuple[int, float, str]:
@@ -271,26 +285,32 @@ def _peak_rss_mb(argv: list) -> tuple[int, float, str]:
 @needs_proc
 def test_memory_stays_bounded_with_a_50_mb_module(engine, tmp_path):
     rel = _too_large(engine)
-    with open(engine / "layers/table.py", "wb") as f:  # as large, but no architecture in its text: streamed, not skipped
+    # as large, but no architecture in its text: streamed, not skipped
+    with open(engine / "layers/table.py", "wb") as f:
         f.write(b"TABLE = None\n" + b"# padding line without any arch word in it\n" * 2**16)
         f.seek(50 * 2**20 - 13)
         f.write(b"\nTABLE = 1\n\n")
     rc, rss, out = _peak_rss_mb(["audit", str(engine), "--arch", "sm120", "--json"])
     # Measured 22 MB (the interpreter and the fixture's ASTs); before the bound: 12 GB.
     assert rc == 3 and rss < 100, rss
-    assert sorted((s["path"], s["reason"]) for s in json.loads(out)["skipped"]) == [("broken.py", "unparsable"), (rel, "too-large")]
-    rc, rss, out = _peak_rss_mb(["patch", str(engine), "--arch", "sm120", "--like", "sm100", "--apply", "--state-dir", str(tmp_path / "s"), "--json"])
+    assert sorted((s["path"], s["reason"]) for s in json.loads(out)["skipped"]) == [("broken.py", "unparsable"),
+                                                                                    (rel, "too-large")]
+    rc, rss, out = _peak_rss_mb(["patch", str(engine), "--arch", "sm120", "--like", "sm100", "--apply", "--state-dir",
+                                 str(tmp_path / "s"), "--json"])
     assert json.loads(out)["applied"] and rss < 150, rss  # before: killed for memory at 24 GB
 
 
 @needs_proc
 def test_memory_of_a_module_at_the_bound(engine):
-    """A module of exactly MAX_SOURCE_BYTES of dense code (the costliest per byte): scanned, its gate found, 260 MB peak RSS."""
-    gate = b"import torch\n\n\ndef f():\n    if torch.cuda.get_device_capability()[0] == 10:\n        return 1\n    return 0\n"
+    """A module of exactly MAX_SOURCE_BYTES of dense code (the costliest per byte): scanned, its gate found, its
+    peak RSS bounded."""
+    gate = (b"import torch\n\n\ndef f():\n    if torch.cuda.get_device_capability()[0] == 10:\n        return 1\n"
+            b"    return 0\n")
     data = bytearray(gate)
     i = 0
     while len(data) + 200 < target.MAX_SOURCE_BYTES:  # ordinary code, no architecture in it
-        data += b"\n\ndef helper_%d(x, y=None):\n    z = [x, y, {'k': x}]\n    return sum(v for v in z if isinstance(v, int)) + %d\n" % (i, i)
+        data += (b"\n\ndef helper_%d(x, y=None):\n    z = [x, y, {'k': x}]\n"
+                 b"    return sum(v for v in z if isinstance(v, int)) + %d\n") % (i, i)
         i += 1
     while len(data) < target.MAX_SOURCE_BYTES:
         data += b"#" * min(99, target.MAX_SOURCE_BYTES - len(data) - 1) + b"\n"

@@ -26,7 +26,8 @@ def engine(tmp_path) -> Path:
 
 @pytest.mark.parametrize("where", ["proc", "directory", "under-a-file"])
 def test_an_unwritable_sarif_path_is_a_usage_error_before_the_scan(capsys, tmp_path, where):
-    sarif = {"proc": "/proc/x.sarif", "directory": str(tmp_path), "under-a-file": str(Path(__file__).resolve() / "x.sarif")}[where]
+    sarif = {"proc": "/proc/x.sarif", "directory": str(tmp_path),
+             "under-a-file": str(Path(__file__).resolve() / "x.sarif")}[where]
     code = main(["audit", str(FIXTURE / "layers"), "--arch", "sm120", "--sarif", sarif, "--json"])
     captured = capsys.readouterr()
     assert code == 2 and "Traceback" not in captured.err
@@ -58,7 +59,8 @@ def test_json_lists_the_story_gates(capsys):
     runtime = by_guard["allreduce_fusion_applies() result"]
     assert runtime["values"]["sm120"] is False and runtime["values"]["sm100"] is None
     assert runtime["path"] == "layers/fusion.py" and runtime["scope"] == "allreduce_fusion_applies"
-    assert data["file_hashes"]["layers/fusion.py"] == __import__("hashlib").sha256((FIXTURES / "fakeengine/layers/fusion.py").read_bytes()).hexdigest()
+    fusion = (FIXTURES / "fakeengine/layers/fusion.py").read_bytes()
+    assert data["file_hashes"]["layers/fusion.py"] == __import__("hashlib").sha256(fusion).hexdigest()
     assert data["skipped"] == [{"path": "broken.py", "reason": "unparsable", "error": data["skipped"][0]["error"]}]
 
 
@@ -75,9 +77,11 @@ def test_fail_on_gates_exit_code(capsys, engine):
     assert run(capsys, "audit", str(engine), "--arch", "sm120", "--json")[0] == 3
     (engine / "broken.py").unlink()
     assert run(capsys, "audit", str(engine), "--arch", "sm120", "--fail-on-gates", "--json")[0] == 1
-    assert run(capsys, "audit", str(engine), "--arch", "sm120", "--json")[0] == 0  # without the flag, findings are not a failure
+    # without the flag, findings are not a failure
+    assert run(capsys, "audit", str(engine), "--arch", "sm120", "--json")[0] == 0
     # A file with no gates: exit 0 even with --fail-on-gates.
-    assert run(capsys, "audit", str(FIXTURES / "fakeengine/utils/__init__.py"), "--arch", "sm120", "--fail-on-gates")[0] == 0
+    assert run(capsys, "audit", str(FIXTURES / "fakeengine/utils/__init__.py"), "--arch", "sm120",
+               "--fail-on-gates")[0] == 0
 
 
 def test_sarif_structure(capsys, tmp_path):
