@@ -119,7 +119,8 @@ def audit(spec: str, *, native: bool = True, overlay: dict | None = None, progre
     `keep_trees=False` (a report only, no patch) lets each module's syntax tree go once it is
     scanned, keeping only what other modules may resolve through it; `sites` is then empty."""
     # The audit keeps hundreds of ASTs alive; the cyclic collector would rescan them after every
-    # allocation burst (measured: 38 s instead of a few for sglang), and ASTs hold no cycles to free.
+    # allocation burst (a whole-engine audit then takes several times as long: benchmarks/results/README.md),
+    # and ASTs hold no cycles to free.
     enabled = gc.isenabled()
     gc.disable()
     try:
