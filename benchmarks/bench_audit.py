@@ -36,12 +36,14 @@ def _timed(cmd: list, core: int) -> dict:
     env = {**os.environ, "PYTHONPATH": str(REPO / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, preexec_fn=lambda: os.sched_setaffinity(0, {core}))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env,
+                          preexec_fn=lambda: os.sched_setaffinity(0, {core}))
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode not in (0, 1):
         raise RuntimeError(f"bench_audit: {' '.join(cmd)} failed ({proc.returncode}): {proc.stderr[-500:]}")
-    return {"wall": wall, "rss_mb": after.ru_maxrss / 1024, "cpu": (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime),
+    return {"wall": wall, "rss_mb": after.ru_maxrss / 1024,
+            "cpu": (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime),
             "stdout": proc.stdout, "load1": os.getloadavg()[0]}
 
 
@@ -58,9 +60,11 @@ def bench_cli(command: str, source: Path, version: str, repeats: int, core: int)
     data = json.loads(runs[0]["stdout"])
     nfiles = sum(1 for _ in source.rglob("*.py"))
     extra = {"cores": 1, "cpu_s": [round(r["cpu"], 3) for r in runs], "rss_mb": [round(r["rss_mb"], 1) for r in runs],
-             "load1": [round(r["load1"], 2) for r in runs], "nproc": os.cpu_count(), "includes": "process start-up and exit"}
+             "load1": [round(r["load1"], 2) for r in runs], "nproc": os.cpu_count(),
+             "includes": "process start-up and exit"}
     if command == "audit":
-        extra.update(gates_false_on_sm120_like_sm100=len(data["gates"]), counts=data["counts"], audit_seconds_reported=data["seconds"])
+        extra.update(gates_false_on_sm120_like_sm100=len(data["gates"]), counts=data["counts"],
+                     audit_seconds_reported=data["seconds"])
     else:
         extra.update(gates_patched=len(data["gates"]), gates_refused=len(data["errors"]))
     return make_row(command, "cli", {"target": f"sglang=={version}", "py_files": nfiles}, "python-source", 1,
@@ -73,12 +77,15 @@ def corpus_rows() -> list:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         scored = score(Path(tmp))
-    for lang, s in scored.items():
+    for lang in ("python", "native"):  # score() also returns the per-case rows
+        s = scored[lang]
         for metric in ("recall", "precision"):
-            rows.append(make_row("audit-corpus", "ast", {"cases": s["cases"], "positives": s["positives"], "arch": "sm120"}, lang, 1,
+            rows.append(make_row("audit-corpus", "ast",
+                                 {"cases": s["cases"], "positives": s["positives"], "arch": "sm120"}, lang, 1,
                                  [s[metric]], metric, tp=s["tp"], fp=s["fp"], fn=s["fn"], exact=round(s["exact"], 4),
                                  corpus="tests/audit/corpus"))
-        print(f"corpus {lang}: {s['cases']} cases, recall {s['recall']:.3f}, precision {s['precision']:.3f}, exact {s['exact']:.3f}")
+        print(f"corpus {lang}: {s['cases']} cases, recall {s['recall']:.3f}, precision {s['precision']:.3f}, exact "
+              f"{s['exact']:.3f}")
     return rows
 
 
@@ -95,13 +102,14 @@ def main() -> int:
     if args.repeats > 0:
         source, why = sglang_source(args.version)
         if source is None:
-            print(f"bench_audit: sglang {args.version} source unavailable ({why}); connect to PyPI and retry", file=sys.stderr)
+            print(f"bench_audit: sglang {args.version} source unavailable ({why}); connect to PyPI and "
+                  "retry", file=sys.stderr)
             return 2
         for command in ("audit", "patch") if args.patch else ("audit",):
             row = bench_cli(command, source, args.version, args.repeats, args.core)
             rows.append(row)
-            print(f"{command} of sglang {args.version} on 1 core: median {row.median:.2f} s to exit (p20 {row.p20:.2f}, p80 {row.p80:.2f}); "
-                  f"peak RSS {max(row.extra['rss_mb']):.0f} MB")
+            print(f"{command} of sglang {args.version} on 1 core: median {row.median:.2f} s to exit (p20 "
+                  f"{row.p20:.2f}, p80 {row.p80:.2f}); peak RSS {max(row.extra['rss_mb']):.0f} MB")
     append_rows(args.out, rows)
     return 0
 

@@ -28,18 +28,6 @@ REPOSITORY_WIDE = {
     "test_packaging.py": "the declared dependencies, and .ci/run runs the README's set-up commands",
     "test_readme_figures.py": "the README's figures are rebuilt from the rows they name",
 }
-# The audit tests that do not mirror an audit module yet: the audit package's re-cut by purpose
-# lands them beside the modules they test (and empties this list).
-AUDIT_PENDING = {
-    "audit/test_cli.py",
-    "audit/test_corpus.py",
-    "audit/test_crash_safety.py",
-    "audit/test_encodings.py",
-    "audit/test_idioms.py",
-    "audit/test_sglang.py",
-    "audit/test_unscannable.py",
-    "audit/test_v2.py",
-}
 # Engine-shaped source trees that the audit tests scan, not tests (tests/audit/conftest.py keeps
 # pytest out of them).
 NOT_TESTS = ("audit/fixtures",)
@@ -67,15 +55,9 @@ def mirrors(rel: PurePosixPath) -> bool:
 
 def test_every_test_file_mirrors_a_module_or_a_benchmark():
     stray = [str(rel) for rel in _test_paths()
-             if str(rel) not in REPOSITORY_WIDE and str(rel) not in AUDIT_PENDING and not mirrors(rel)]
+             if str(rel) not in REPOSITORY_WIDE and not mirrors(rel)]
     assert not stray, (f"{', '.join(stray)}: name each test file after the module it tests (tests/<folder>/"
                        "test_<module>.py, see tests/test_layout.py), or move its tests into that file")
-
-
-def test_the_pending_audit_files_still_exist_and_still_break_the_rule():
-    files = {str(rel) for rel in _test_paths()}
-    done = sorted(p for p in AUDIT_PENDING if p not in files or mirrors(PurePosixPath(p)))
-    assert not done, f"{', '.join(done)}: gone or mirroring a module now; remove them from AUDIT_PENDING"
 
 
 def test_every_folder_of_test_files_is_a_package():

@@ -165,7 +165,8 @@ def _tally(rows: list) -> dict:
             "recall": tp / (tp + fn) if tp + fn else 1.0, "precision": tp / (tp + fp) if tp + fp else 1.0,
             "exact": sum(r["exact"] for r in sel) / len(sel) if sel else 1.0,
             "identical": all(r.get("identical", True) for r in sel),
-            "misses": [r for r in sel if not r["exact"] or r["positive"] != r["predicted"] or not r.get("identical", True)],
+            "misses": [r for r in sel if not r["exact"] or r["positive"] != r["predicted"]
+                       or not r.get("identical", True)],
         }
     return out
 
@@ -202,7 +203,8 @@ def score(root: Path, arch_name: str = "sm120", cases: list | None = None) -> di
 
 
 def trees() -> dict:
-    """{origin: directory} of the released trees on disk (`$TPFUSE_AUDIT_TREES`, default ~/.cache/tpfuse-audit-trees)."""
+    """{origin: directory} of the released trees on disk (`$TPFUSE_AUDIT_TREES`, default
+    ~/.cache/tpfuse-audit-trees)."""
     base = Path(os.environ.get("TPFUSE_AUDIT_TREES") or Path.home() / ".cache" / "tpfuse-audit-trees")
     return {origin: base / sub for origin, (sub, _) in TREE_DIRS.items() if (base / sub).is_dir()}
 

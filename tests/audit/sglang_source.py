@@ -1,4 +1,5 @@
-"""The real sglang source for the audit tests, from PyPI, cached outside the repository.
+"""The real sglang source for the audit tests, from PyPI, cached outside the repository, and the
+story's runtime gate in it.
 
 Cache: `$XDG_CACHE_HOME/tpfuse-tests` (default `~/.cache/tpfuse-tests`): the wheel under
 `wheels/`, its Python files under `sglang-<version>/sglang`. The wheel is fetched with
@@ -17,6 +18,8 @@ from pathlib import Path
 
 # The sglang release the idiom fixtures and expected gates were written against.
 SGLANG_VERSION = "0.5.23"
+# The file of the story's runtime gate (the allreduce fusion) in that release.
+ADD_NORM = "srt/layers/layer_boundary/residual/add_norm.py"
 # The wheel is only published as cp311 manylinux_2_34 x86_64 (pip index / the file name on PyPI).
 _WHEEL_TAGS = ["--python-version", "3.11", "--platform", "manylinux_2_34_x86_64", "--only-binary=:all:"]
 
@@ -34,7 +37,8 @@ def sglang_source(version: str = SGLANG_VERSION) -> tuple[Path | None, str]:
     wheels.mkdir(parents=True, exist_ok=True)
     found = sorted(wheels.glob(f"sglang-{version}-*.whl"))
     if not found:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", *_WHEEL_TAGS, f"sglang=={version}", "-d", str(wheels)]
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", *_WHEEL_TAGS, f"sglang=={version}",
+               "-d", str(wheels)]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         except (OSError, subprocess.TimeoutExpired) as exc:
@@ -53,3 +57,10 @@ def sglang_source(version: str = SGLANG_VERSION) -> tuple[Path | None, str]:
     staging.rename(dest.parent)
     (dest.parent / ".complete").write_text(found[0].name + "\n")
     return dest, ""
+
+
+def runtime_gate(result):
+    """The one finding of the story's runtime gate (`flashinfer_ar_fusion_applies` in ADD_NORM) of an audit."""
+    hits = [f for f in result.findings if f.path == ADD_NORM and f.scope == "flashinfer_ar_fusion_applies"]
+    assert len(hits) == 1, [(f.line, f.condition) for f in result.findings if f.path == ADD_NORM]
+    return hits[0]

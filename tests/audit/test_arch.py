@@ -7,9 +7,12 @@ import itertools
 import pytest
 
 from tpfuse.audit.arch import ARCH_NAMES, ARCHS, ArchBool, ArchNum, compare, parse_arch
+from tpfuse.audit.predicates import CAP_ANY
 
 
-@pytest.mark.parametrize("text,name", [("sm120", "sm120"), ("SM_120", "sm120"), ("120", "sm120"), ("12.0", "sm120"), ("sm100a", "sm100"), ("12.1f", "sm121"), ("sm89", "sm89")])
+@pytest.mark.parametrize("text,name",
+                         [("sm120", "sm120"), ("SM_120", "sm120"), ("120", "sm120"), ("12.0", "sm120"),
+                          ("sm100a", "sm100"), ("12.1f", "sm121"), ("sm89", "sm89")])
 def test_parse_arch_spellings(text, name):
     arch = parse_arch(text)
     assert arch.name == name
@@ -67,4 +70,12 @@ def test_a_capability_is_in_a_set_of_any_of_its_integer_forms():
     from tpfuse.audit.predicates import CAP_ANY
 
     assert compare("In", CAP_ANY, frozenset({90})).values == tuple(a.name == "sm90" for a in ARCHS)
-    assert compare("NotIn", CAP_ANY, {100: "x", 103: "y"}).values == tuple(a.name not in ("sm100", "sm103") for a in ARCHS)
+    assert compare("NotIn", CAP_ANY, {100: "x", 103: "y"}).values == tuple(a.name not in ("sm100", "sm103")
+                                                                           for a in ARCHS)
+
+
+def test_capability_parameter_compares_in_every_integer_form():
+    assert compare("Eq", CAP_ANY, 9).values == tuple(a.major == 9 for a in ARCHS)  # a major
+    assert compare("GtE", CAP_ANY, 100).values == tuple(a.cc_int >= 100 for a in ARCHS)  # major*10+minor
+    assert compare("Lt", CAP_ANY, 1000).values == tuple(a.cuda_arch < 1000 for a in ARCHS)  # __CUDA_ARCH__
+    assert compare("In", CAP_ANY, ((10, 0), (10, 3))).values == tuple(a.cc_int in (100, 103) for a in ARCHS)

@@ -1,9 +1,16 @@
-"""`patch --apply` / `revert` under SIGKILL at every step, and with a manifest that cannot be read.
+"""`patch --apply` / `revert` under SIGKILL at every step, with a manifest that cannot be read, and in
+each file's own encoding.
 
 Each kill is real: a child interpreter sets `durable.fault_hook` to SIGKILL itself at one named
 step (manifest.py lists them) and runs the transaction; the test then recovers with `revert` and
 compares the whole engine tree (every file, hidden ones included, its bytes and permission bits,
 every directory and link) with the pristine copy: a `diff -r`, plus modes.
+
+Encodings: an edit is written in the encoding its file declares, keeping every byte outside it
+(coding cookies, BOM, CRLF). Reference: the patch of the plain UTF-8/LF fixture file (what
+test_patch.py checks). Each variant is a byte transform `t` of the file, chosen so that it commutes
+with the edit; the patched variant must be exactly `t(patched plain file)`, and revert must give
+back `t(original)` byte for byte.
 """
 
 from __future__ import annotations
@@ -68,7 +75,8 @@ def tree(root: Path) -> dict:
 
 def child(kill_at: str, job: dict) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return subprocess.run([sys.executable, "-c", DRIVER, kill_at, json.dumps(job)], capture_output=True, text=True, env=env, timeout=120)
+    return subprocess.run([sys.executable, "-c", DRIVER, kill_at, json.dumps(job)], capture_output=True, text=True,
+                          env=env, timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +114,8 @@ def test_kill_at_every_apply_step_then_revert_restores_every_byte(pristine, tmp_
     want = tree(src)
     steps = steps_of(pristine, tmp_path / "dry", "apply")
     files = list(changes)
-    assert steps[:len(files)] == [f"backup:{rel}" for rel in files] and steps[len(files):len(files) + 2] == ["sums", "intent"]
+    assert (steps[:len(files)] == [f"backup:{rel}" for rel in files]
+            and steps[len(files):len(files) + 2] == ["sums", "intent"])
     assert steps[-1] == "commit" and sum(s.startswith("replaced:") for s in steps) == len(files)
     for k, step in enumerate(steps):
         base = tmp_path / str(k)
@@ -115,7 +124,8 @@ def test_kill_at_every_apply_step_then_revert_restores_every_byte(pristine, tmp_
         assert proc.returncode == -signal.SIGKILL, (step, proc.stderr)
         replaced = sum(s.startswith("replaced:") for s in steps[:k + 1])
         now = tree(root)
-        targets = {rel for rel in set(now) | set(want) if not rel.endswith(durable.TMP_SUFFIX) and not rel.startswith(".tpfuse-patch")}
+        targets = {rel for rel in set(now) | set(want) if not rel.endswith(durable.TMP_SUFFIX)
+                   and not rel.startswith(".tpfuse-patch")}
         assert sum(now.get(rel) != want.get(rel) for rel in targets) == replaced, step
         # the tree carries its marker from the step that writes it until the revert (outside --state-dir's state)
         assert (".tpfuse-patch/marker.json" in now) == (k >= steps.index("marker")), step
@@ -344,7 +354,8 @@ def test_revert_that_cannot_write_keeps_the_state_and_can_be_rerun(pristine, tmp
     monkeypatch.setattr(durable, "fault_hook", read_only_fs)
     assert main(["revert", str(root), "--state-dir", job["state_dir"]]) == 2
     err = capsys.readouterr().err
-    assert f"restoring {second} failed" in err and f"`tpfuse revert {root} --state-dir {job['state_dir']}` again" in err and "Traceback" not in err
+    assert (f"restoring {second} failed" in err
+            and f"`tpfuse revert {root} --state-dir {job['state_dir']}` again" in err and "Traceback" not in err)
     monkeypatch.setattr(durable, "fault_hook", None)
     assert main(["revert", str(root), "--state-dir", job["state_dir"]]) == 0
     capsys.readouterr()
@@ -481,7 +492,8 @@ def test_an_edit_during_apply_is_kept_and_stops_it(pristine, tmp_path, monkeypat
             (root / second).write_bytes(edited)
 
     monkeypatch.setattr(durable, "fault_hook", user_edits_second)
-    with pytest.raises(manifest.ManifestError, match=rf"{second} changed while the patch was being applied.*kept its new bytes"):
+    with pytest.raises(manifest.ManifestError,
+                       match=rf"{second} changed while the patch was being applied.*kept its new bytes"):
         manifest.apply(root, changes, job["expected"], {}, state_dir=job["state_dir"])
     now, want = tree(root), tree(src)
     assert now[second][1] == edited  # the user's bytes, not the patched old text
@@ -501,7 +513,8 @@ def test_an_edit_during_revert_is_kept_and_the_state_too(pristine, tmp_path, mon
             (root / second).write_bytes(edited)
 
     monkeypatch.setattr(durable, "fault_hook", user_edits_second)
-    with pytest.raises(manifest.ManifestError, match=rf"{second} changed while the revert was running; kept its new bytes"):
+    with pytest.raises(manifest.ManifestError,
+                       match=rf"{second} changed while the revert was running; kept its new bytes"):
         manifest.revert(root, state_dir=job["state_dir"])
     monkeypatch.setattr(durable, "fault_hook", None)
     assert (root / second).read_bytes() == edited and manifest.state_dir_for(root, job["state_dir"]).exists()
@@ -526,3 +539,87 @@ def test_a_second_apply_on_a_patched_tree_says_run_revert(pristine, tmp_path, ca
         assert tree(root) == patched
     assert main(["revert", str(root)]) == 0
     assert tree(root) == tree(src)
+
+
+RUNTIME_GATE = "allreduce_fusion_applies() result"  # adds an import, a statement and a disjunct
+
+
+LATIN1_HEAD = b"# -*- coding: latin-1 -*-\n# r\xe9glage: caf\xe9, na\xefve\n"
+
+
+def crlf(b: bytes) -> bytes:
+    return b.replace(b"\n", b"\r\n")
+
+
+VARIANTS = {
+    "latin-1 cookie": lambda b: LATIN1_HEAD + b,
+    "utf-8 BOM": lambda b: b"\xef\xbb\xbf" + b,
+    "CRLF": crlf,
+    "latin-1 cookie and CRLF": lambda b: crlf(LATIN1_HEAD + b),
+    "utf-8 BOM, non-ASCII comment": lambda b: b"\xef\xbb\xbf# caf\xc3\xa9 \xe2\x82\xac\n" + b,
+}
+
+
+def patch_only(capsys, root, guards, state_dir, *extra):
+    gid = next(f.id for f in audit(str(root)).findings if f.guards == guards)
+    code = main(["patch", str(root), "--arch", "sm120", "--like", "sm100", "--only", gid, "--json", "--state-dir",
+                 str(state_dir), *extra])
+    return code, json.loads(capsys.readouterr().out)
+
+
+@pytest.fixture
+def reference(capsys, engine, tmp_path):
+    """(original, patched) bytes of layers/fusion.py, plain UTF-8 with LF."""
+    path = engine / "layers/fusion.py"
+    before = path.read_bytes()
+    code, data = patch_only(capsys, engine, RUNTIME_GATE, tmp_path / "ref-state", "--apply")
+    assert code == 0 and data["applied"]
+    after = path.read_bytes()
+    manifest.revert(engine, state_dir=tmp_path / "ref-state")
+    assert path.read_bytes() == before and after != before
+    return before, after
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_patch_keeps_encoding_and_every_byte_outside_the_edit(capsys, engine, tmp_path, reference, variant):
+    t = VARIANTS[variant]
+    before, after = reference
+    path = engine / "layers/fusion.py"
+    path.write_bytes(t(before))
+    code, data = patch_only(capsys, engine, RUNTIME_GATE, tmp_path / "state")
+    assert code == 0 and not data["applied"] and "_is_sm120_supported" in data["diff"]["layers/fusion.py"]
+    code, data = patch_only(capsys, engine, RUNTIME_GATE, tmp_path / "state", "--apply")
+    assert code == 0 and data["applied"] and data["gates"][0]["includes_arch"]
+    assert path.read_bytes() == t(after)
+    assert manifest.revert(engine, state_dir=tmp_path / "state")
+    assert path.read_bytes() == t(before)
+
+
+def test_a_latin1_file_does_not_stop_the_other_files_from_being_patched(capsys, engine, tmp_path):
+    caps = engine / "layers/caps.py"
+    caps.write_bytes(LATIN1_HEAD + caps.read_bytes().replace(b"    return sm_version in (100, 103)\n",
+                                                             b"    return sm_version in (100, 103)  # \xe9t\xe9\n"))
+    original = caps.read_bytes()
+    code = main(["patch", str(engine), "--arch", "sm120", "--like", "sm100", "--apply", "--json", "--state-dir",
+                 str(tmp_path / "s")])
+    data = json.loads(capsys.readouterr().out)
+    assert data["applied"] and code in (0, 1)  # 1: some gates need a hand edit (listed in errors)
+    assert {"layers/caps.py", "layers/fusion.py", "aliases.py"} <= set(data["diff"])
+    new = caps.read_bytes()
+    assert b"    return sm_version in (100, 103, 120)  # \xe9t\xe9\n" in new and new.startswith(LATIN1_HEAD)
+    new.decode("latin-1")
+    with pytest.raises(UnicodeDecodeError):
+        new.decode("utf-8")  # still latin-1, not re-encoded
+    manifest.revert(engine, state_dir=tmp_path / "s")
+    assert caps.read_bytes() == original
+
+
+def test_an_edit_the_encoding_cannot_hold_writes_nothing(engine, tmp_path):
+    path = engine / "layers/caps.py"
+    path.write_bytes(LATIN1_HEAD + path.read_bytes())
+    before = path.read_bytes()
+    expected = {"layers/caps.py": manifest.sha256(before)}
+    with pytest.raises(manifest.ManifestError, match=r"cannot be written in its encoding latin-1.*nothing was written"):
+        manifest.apply(engine, {"layers/caps.py": before.decode("latin-1") + "# \u20ac\n"}, expected, {},
+                       state_dir=tmp_path / "s")
+    assert path.read_bytes() == before and not manifest.state_dir_for(engine, tmp_path / "s").exists()

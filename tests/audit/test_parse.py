@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import textwrap
 
-from tpfuse.audit.arch import ARCHS
 from tpfuse.audit.driver import audit
-from tpfuse.audit.parse import TextMap, _ClassTrim, _flow, _statements, parse_selected, split_lines
+from tpfuse.audit.parse import TextMap, _ClassTrim, _flow, _statements, _trim_class, parse_selected, split_lines
 from tpfuse.audit.resolve import ARCH_RE, arch_tokens
 
-
-def names(pred) -> list:
-    return [a.name for a in ARCHS if pred(a)]
+from .conftest import names
 
 
 def select(source: str):
@@ -22,7 +19,8 @@ def select(source: str):
 
 def found(tmp_path, source: str) -> dict:
     (tmp_path / "m.py").write_text(textwrap.dedent(source))
-    return {f.condition: (f.scope, [a for a, v in f.values.items() if v]) for f in audit(str(tmp_path / "m.py")).findings}
+    return {f.condition: (f.scope, [a for a, v in f.values.items() if v])
+            for f in audit(str(tmp_path / "m.py")).findings}
 
 
 def test_a_flag_built_from_a_helper_keeps_the_defs_that_read_it(tmp_path):
@@ -206,3 +204,78 @@ def test_a_long_def_gives_the_same_conditions_as_the_whole_def(tmp_path, monkeyp
     thin = found(tmp_path, LONG_DEF)
     monkeypatch.setattr(parse, "_THIN_MIN_LINES", 10**6)
     assert found(tmp_path, LONG_DEF) == thin and "cap >= (9, 0)" in thin
+
+
+SELECTIVE = '''"""Module docstring
+def not_code():
+    return get_platform().is_sm100
+"""
+import torch
+
+_MAJOR, _ = torch.cuda.get_device_capability()
+_USE_FMA = _MAJOR >= 10
+
+
+def plain(x):
+    return x + 1
+
+
+def reads_flag():
+    if _USE_FMA:
+        return "fma"
+    return "mul"
+
+
+def calls_helper():
+    if _sm90():
+        return "wgmma"
+    return None
+
+
+def _sm90():
+    return torch.cuda.get_device_capability()[0] == 9
+
+
+class Unrelated:
+    def method(self):
+        return 2
+'''
+
+
+def test_selective_parse_keeps_every_condition(tmp_path):
+    (tmp_path / "m.py").write_text(SELECTIVE)
+    textmap = TextMap(SELECTIVE)
+    tree, skipped, hot, hidden = parse_selected(SELECTIVE, "m.py", arch_tokens(textmap)[1], ARCH_RE, textmap=textmap)
+    assert {"_MAJOR", "_USE_FMA", "_sm90"} <= hot
+    kept = {n.name for n in tree.body if hasattr(n, "name")}
+    assert {"reads_flag", "calls_helper", "_sm90"} <= kept  # a hot flag, a same-module arch helper
+    assert set(skipped) == {"plain", "Unrelated"}
+    left_out = {line for a, b in hidden for line in SELECTIVE.split("\n")[a:b]}
+    assert any("def plain" in line for line in left_out) and any("class Unrelated" in line for line in left_out)
+    found = {(f.scope, f.enables[0]) for f in audit(str(tmp_path / "m.py")).findings if f.category == "gate"}
+    assert {("reads_flag", "sm100"), ("calls_helper", "sm90")} <= found  # and the flag and helper themselves
+    assert not [f for f in audit(str(tmp_path / "m.py")).findings if f.line <= 4]  # the docstring holds no code
+
+
+def test_class_methods_without_architecture_text_are_trimmed_not_lost(tmp_path):
+    cls = (
+        "class Runner:\n"
+        "    def __init__(self):\n"
+        "        self.sm = get_device_sm()\n"
+        "\n"
+        "    def plain(self, x):\n"
+        "        return x + 1\n"
+        "\n"
+        "    def fast(self):\n"
+        "        if self.sm >= 100:\n"
+        "            return 1\n"
+        "        return 0\n"
+    )
+    trimmed, ranges, exports = _trim_class(cls, {2}, set())
+    assert [cls.split("\n")[a] for a, _ in ranges] == ["    def plain(self, x):"]
+    assert exports == {"sm", "fast"}  # what other code reads the architecture through: `self.sm`, `x.fast()`
+    assert trimmed.count("\n") == cls.count("\n")  # every position stays the real one
+    assert "return x + 1" not in trimmed and "self.sm >= 100" in trimmed  # `self.sm` ties `fast` to __init__
+    (tmp_path / "r.py").write_text("from eng.utils import get_device_sm\n\n\n" + cls)
+    found = [f for f in audit(str(tmp_path / "r.py")).findings if f.scope == "Runner.fast"]
+    assert [f.enables for f in found] == [names(lambda a: a.cc_int >= 100)]

@@ -30,7 +30,8 @@ def test_a_scanned_module_keeps_what_other_modules_can_read_and_drops_the_rest(t
                 print("fast path")
             return 1
     """))
-    (pkg / "user.py").write_text("from .utils import is_sm100, report\n\n\ndef f():\n    return report() and is_sm100()\n")
+    (pkg / "user.py").write_text("from .utils import is_sm100, report\n\n\ndef f():\n    return report() and "
+                                 "is_sm100()\n")
     result = audit(str(pkg), keep_trees=False)
     info = result.resolver.module("eng.utils")
     assert info.tree is None

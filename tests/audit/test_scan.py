@@ -1,15 +1,20 @@
-"""scan.py: statement walking, branch joins, class attributes, capability-keyed tables."""
+"""scan.py: statement walking, branch joins, class attributes, capability-keyed tables; every gate
+idiom of the fixture engine, evaluated per architecture.
+
+Expected sets are written from each idiom's documented meaning (gate-idioms.md: major numbers,
+exact capabilities, `>=`), independently of the evaluator; `?` marks archs where a non-GPU clause
+leaves it unknown.
+"""
 
 from __future__ import annotations
 
 import textwrap
 
-from tpfuse.audit.arch import ARCHS
+import pytest
+
 from tpfuse.audit.driver import audit
 
-
-def names(pred) -> list:
-    return [a.name for a in ARCHS if pred(a)]
+from .conftest import find, names
 
 
 def conditions(tmp_path, source: str, name: str = "m.py") -> dict:
@@ -17,7 +22,8 @@ def conditions(tmp_path, source: str, name: str = "m.py") -> dict:
     (tmp_path / name).write_text(textwrap.dedent(source))
     found = {}
     for f in audit(str(tmp_path / name)).findings:
-        found[f.condition] = (f.scope, [a for a, v in f.values.items() if v], [a for a, v in f.values.items() if v is None])
+        found[f.condition] = (f.scope, [a for a, v in f.values.items() if v],
+                              [a for a, v in f.values.items() if v is None])
     return found
 
 
@@ -54,7 +60,8 @@ def test_an_attribute_turned_off_on_one_architecture_excludes_it_in_other_method
                 return 0
     """)
     scope, true, unknown = found["self.fast"]
-    assert scope == "Kernel.run" and true == [] and "sm90" not in unknown and set(unknown) == set(names(lambda a: a.major != 9))
+    assert (scope == "Kernel.run" and true == [] and "sm90" not in unknown
+            and set(unknown) == set(names(lambda a: a.major != 9)))
 
 
 def test_a_class_field_default_is_not_the_value_its_methods_read(tmp_path):
@@ -170,3 +177,84 @@ def test_a_constant_in_one_branch_of_an_unknown_test_is_not_the_value(tmp_path):
     """)
     scope, true, unknown = found["fast and ok"]
     assert true == [] and set(unknown) == set(names(lambda a: a.major >= 10))
+
+
+CASES = [
+    # (path, condition fragment, kind, category, expected enables)
+    ("layers/fusion.py", "(_is_sm90_supported or _is_sm100_supported)", "return", "gate",
+     names(lambda a: a.major in (9, 10), True)),
+    ("layers/fusion.py", "server_args.tp_size > 1 and", "if", "gate", names(lambda a: a.major in (9, 10), True)),
+    ("layers/fusion.py", "not (get_platform().is_sm90", "guard", "gate", names(lambda a: a.major in (9, 10))),
+    ("layers/fusion.py", 'moe_runner_backend == "auto"', "if", "gate", names(lambda a: a.major == 10, True)),
+    ("layers/fusion.py", "_is_cuda and is_sm100_supported()", "assign", "flag-definition",
+     names(lambda a: a.major == 10)),
+    ("layers/caps.py", "major == 10", "if", "gate", names(lambda a: a.major == 10)),
+    ("layers/caps.py", "major >= 9 and major < 10", "elif", "gate", names(lambda a: a.major == 9)),
+    ("layers/caps.py", "sm_version in (100, 103)", "return", "gate", ["sm100", "sm103"]),
+    ("layers/caps.py", "is_device_capability(100)", "assign", "gate", ["sm100"]),
+    ("layers/caps.py", "is_device_capability_family(100)", "assign", "gate", names(lambda a: a.major == 10)),
+    ("layers/caps.py", "(8, 0) <= capability < (10, 0)", "assign", "gate",
+     names(lambda a: (8, 0) <= (a.major, a.minor) < (10, 0))),
+    ("layers/caps.py", "100 <= sm < 120", "assign", "gate", names(lambda a: 100 <= a.cc_int < 120)),
+    # `if not hopper and not blackwell: return "fallback"` bails out to the fallback: the fast path is on 9.x and 10.x.
+    ("layers/caps.py", "not torch.cuda.get_device_capability()[0] == 9", "guard", "gate",
+     names(lambda a: a.major in (9, 10))),
+    ("layers/caps.py", "== (9, 0)", "ternary", "gate", ["sm90"]),
+    ("layers/caps.py", "props.major == 10", "assign", "flag-definition", names(lambda a: a.major == 10)),
+    ("layers/caps.py", "self.is_blackwell", "if", "gate", names(lambda a: a.major == 10)),
+    ("aliases.py", "_use_fast_norm", "if", "gate", names(lambda a: a.major == 10)),
+    ("aliases.py", "utils.is_sm100_supported()", "if", "gate", names(lambda a: a.major == 10)),
+    ("aliases.py", "utils.is_blackwell()", "if", "gate", names(lambda a: a.major in (10, 11, 12))),
+    ("aliases.py", "utils.is_sm120()", "if", "gate", ["sm120"]),
+    ("layers/nongates.py", "is_sm100_supported()", "if", "log", names(lambda a: a.major == 10)),
+    ("layers/nongates.py", "is_sm100_supported()", "ternary", "message", names(lambda a: a.major == 10)),
+    ("layers/nongates.py", "[0] >= 10", "return", "helper-definition", names(lambda a: a.major >= 10)),
+    ("layers/flashinfer_style.py", "supported_compute_capability([100, 103])", "decorator", "gate", ["sm100", "sm103"]),
+    ("layers/flashinfer_style.py", "is_sm12x_family(device)", "if", "gate", names(lambda a: a.major == 12)),
+    ("layers/flashinfer_style.py", "major == 12", "return", "helper-definition", names(lambda a: a.major == 12)),
+    ("tests/kernels_check.py", "!= 10", "decorator", "test-skip", names(lambda a: a.major != 10)),
+]
+
+
+@pytest.mark.parametrize("path,part,kind,category,expected", CASES, ids=[f"{c[0]}:{c[1][:25]}" for c in CASES])
+def test_idiom(result, path, part, kind, category, expected):
+    finding = find(result, path, part, kind)
+    assert finding.category == category
+    assert finding.enables == expected
+
+
+def test_rocm_branch_is_not_an_nvidia_gate(result):
+    # `_is_hip and cap >= (9, 4)`: is_hip() is false on every NVIDIA arch, so the condition never
+    # depends on the architecture (gate-idioms.md section 6).
+    assert not [f for f in result.findings if "(9, 4)" in f.condition]
+
+
+# Idioms whose capability reaches the condition through a name, an attribute, a parameter, a table or a
+# string (fixtures/fakeengine/v2/idioms.py).
+DERIVED_IDIOMS = [
+    ("sm == 90 or 100 <= sm < 110", "if", names(lambda a: a.cc_int == 90 or 100 <= a.cc_int < 110)),
+    ("sm in (90, 100, 103, 120)", "assign", ["sm90", "sm100", "sm103", "sm120"]),  # `sm = sm or get_device_sm()`
+    ("self.sm_version >= 100", "if", ["sm100", "sm103"]),  # attribute set in __init__, below the method
+    ("capability.major in (9, "
+     "10)", "return", names(lambda a: a.major in (9, 10))),  # supports_compute_capability(cls, capability)
+    ("capability >= (10, 0) and capability < (11, 0)", "return", names(lambda a: a.major == 10)),
+    ("cap in SUPPORTED_CAPS", "if", ["sm90", "sm100", "sm103"]),
+    ("ONE_SHOT_MAX_MB.get(", "table", ["sm90", "sm100", "sm103"]),  # the gate is a missing key
+    ("in _SUPPORTED_PAIRS", "return", ["sm90", "sm100"]),
+    ('not _match_sm_version(device, ["100", "103"])', "guard", ["sm100", "sm103"]),
+    ("not "
+     "(current_platform.is_device_capability_family(100)", "guard", names(lambda a: a.major == 10 or a.cc_int == 90)),
+    ("not get_platform().is_sm100", "guard", names(lambda a: a.major == 10)),
+    ("(major, minor) != (9, 0)", "guard", ["sm90"]),
+    ("get_platform().is_sm100 or get_platform().is_sm120", "return", names(lambda a: a.major in (10, 12))),
+    ("sm in (100, 103, 120, 121)", "return", ["sm100", "sm103", "sm120", "sm121"]),
+    # parameters named as the device's capability (FlashInfer's _compile_hca_kernel, green_ctx)
+    ("compute_capability not in ((10, 0), (10, 3))", "guard", ["sm100", "sm103"]),
+    ('get_device_arch() == "90a"', "if", ["sm90"]),  # f"{major * 10 + minor}{suffix}" with a ternary suffix
+]
+
+
+@pytest.mark.parametrize("part,kind,expected", DERIVED_IDIOMS, ids=[c[0][:30] for c in DERIVED_IDIOMS])
+def test_derived_idiom(result, part, kind, expected):
+    f = find(result, "v2/idioms.py", part)
+    assert (f.kind, f.category, f.enables) == (kind, "gate", expected)

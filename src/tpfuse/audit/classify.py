@@ -24,7 +24,8 @@ PRED_NAME_RE = re.compile(
 CAPABILITY_FUNC_RE = re.compile(r"supports?_(compute_)?capabilit|is_supported_capabilit|capability_supported")
 CAPABILITY_PARAM_RE = re.compile(r"(device_|compute_)?capability|cap|cc")
 # Parameter names that are the device's capability in any function (FlashInfer, vLLM) ...
-CAPABILITY_PARAMS = frozenset({"compute_capability", "device_capability", "capability", "cuda_capability", "device_arch"})
+CAPABILITY_PARAMS = frozenset({"compute_capability", "device_capability", "capability", "cuda_capability",
+                               "device_arch"})
 # ... and its integer form (major*10+minor).
 SM_INT_PARAMS = frozenset({"sm_version", "device_sm", "sm_arch"})
 # Flag names spelled after an architecture (cached predicates).
@@ -83,7 +84,8 @@ def _falsy(node: ast.expr | None) -> bool:
         return True
     if isinstance(node, ast.Constant):
         return not node.value
-    return isinstance(node, (ast.Dict, ast.List, ast.Tuple)) and not (getattr(node, "keys", None) or getattr(node, "elts", None))
+    return (isinstance(node, (ast.Dict, ast.List, ast.Tuple))
+            and not (getattr(node, "keys", None) or getattr(node, "elts", None)))
 
 
 def is_negative_test(test: ast.expr) -> bool:
@@ -152,7 +154,8 @@ def disables(body: list) -> bool:
             if not stmt.value.value and stmt.value.value is not True and not any(_OFF_NAME_RE.search(n) for n in names):
                 continue
             return False
-        elif isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call) and call_name(stmt.value) in ("append", "add", "extend"):
+        elif (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call)
+              and call_name(stmt.value) in ("append", "add", "extend")):
             owner = stmt.value.func.value if isinstance(stmt.value.func, ast.Attribute) else None
             if owner is None or not _OFF_LIST_RE.search(_target_name(owner)):
                 return False
@@ -175,7 +178,8 @@ def _switches_off(call: ast.Call) -> bool:
     flat = []
     for v in values:
         flat.extend(v.values if isinstance(v, ast.Dict) else [v])
-    return bool(flat) and all(isinstance(v, ast.Constant) and v.value in (False, None) and v.value is not True for v in flat)
+    return (bool(flat)
+            and all(isinstance(v, ast.Constant) and v.value in (False, None) and v.value is not True for v in flat))
 
 
 def _numeric(node) -> bool:
@@ -185,7 +189,8 @@ def _numeric(node) -> bool:
     if isinstance(node, ast.Constant):
         return isinstance(node.value, (int, float)) and not isinstance(node.value, bool) and node.value not in (0, 1)
     if isinstance(node, (ast.Tuple, ast.List)):
-        return bool(node.elts) and all(_numeric(e) or isinstance(e, ast.Constant) and e.value in (0, 1) for e in node.elts)
+        return (bool(node.elts)
+                and all(_numeric(e) or isinstance(e, ast.Constant) and e.value in (0, 1) for e in node.elts))
     if isinstance(node, ast.Dict):
         return bool(node.values) and all(_numeric(v) for v in node.values)
     return False

@@ -45,7 +45,8 @@ _TEXT_RE = re.compile(rb"sm_?\d{2,3}|sm\d+x")
 # "capability" alone is too common (model and API capabilities): only the device's spellings. Each
 # group is searched only where its common part is in the text (one pass each instead of one a word).
 _TEXT_WORDS = (
-    (b"capabilit", (b"device_capabilit", b"compute_capabilit", b"devicecapabilit", b"capability.major", b"capability[0]")),
+    (b"capabilit",
+     (b"device_capabilit", b"compute_capabilit", b"devicecapabilit", b"capability.major", b"capability[0]")),
     (b"device_", (b"get_device_properties", b"device_sm")),
     (b"platform", (b"get_platform()", b"current_platform")),
     (b"blackwell", ()), (b"hopper", ()), (b"ampere", ()), (b"sm_version", ()),
@@ -118,7 +119,8 @@ def audit(spec: str, *, native: bool = True, overlay: dict | None = None, progre
     `keep_trees=False` (a report only, no patch) lets each module's syntax tree go once it is
     scanned, keeping only what other modules may resolve through it; `sites` is then empty."""
     # The audit keeps hundreds of ASTs alive; the cyclic collector would rescan them after every
-    # allocation burst (measured: 38 s instead of a few for sglang), and ASTs hold no cycles to free.
+    # allocation burst (a whole-engine audit then takes several times as long: benchmarks/results/README.md),
+    # and ASTs hold no cycles to free.
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -148,7 +150,8 @@ def _from_imports(data: bytes) -> list:
         for part in m.group(3).strip(b"()").split(b","):
             words = _NAME_BYTES.findall(part)
             if words:
-                pairs.append((words[0].decode(), (words[2] if len(words) > 2 and words[1] == b"as" else words[0]).decode()))
+                pairs.append((words[0].decode(),
+                              (words[2] if len(words) > 2 and words[1] == b"as" else words[0]).decode()))
         out.append((len(m.group(1)), m.group(2).decode() or None, pairs))
     return out
 
@@ -167,7 +170,8 @@ class _Run:
         self.by_path: dict = {}  # rel -> conditions of that file (a rescan replaces them)
         self.sites, self.hashes, self.skipped = {}, {}, list(self.target.unlisted)
         self.scanned: set = set()
-        self.imports: dict = {}  # rel -> (path, module name, its from-import statements' bytes) of every readable Python file
+        # rel -> (path, module name, its from-import statements' bytes) of every readable Python file
+        self.imports: dict = {}
         self._import_pairs: dict = {}  # rel -> _from_imports of it, read when needed
         self._import_words: dict = {}  # rel -> the identifiers of its from-import statements
         self.exports: set = set()  # names without architecture text that hold an architecture value somewhere
@@ -199,7 +203,8 @@ class _Run:
         findings = [f for rel in sorted(self.by_path, key=self._index.__getitem__) for f in self.by_path[rel]]
         if self.target.native_files and self.only is None:
             findings += self._native(total)
-        return AuditResult(self.target, findings, self.hashes, self.skipped, len(self.scanned), time.perf_counter() - self.start,
+        return AuditResult(self.target, findings, self.hashes, self.skipped, len(self.scanned),
+                           time.perf_counter() - self.start,
                            self.sites, self.resolver)
 
     def _read(self, path: Path, rel: str):
@@ -273,14 +278,17 @@ class _Run:
             error = resolver.errors.get(path.resolve(), "SyntaxError: unparsable")
             self.skipped.append({"path": rel, "reason": "unparsable", "error": error})
             return
-        if info.path != path and info.path.resolve() != path.resolve():  # never silently: a dropped file hides its gates
-            self.skipped.append({"path": rel, "reason": "name-clash", "error": f"module name {name} already names {info.path}"})
+        # never silently: a dropped file hides its gates
+        if info.path != path and info.path.resolve() != path.resolve():
+            self.skipped.append({"path": rel, "reason": "name-clash",
+                                 "error": f"module name {name} already names {info.path}"})
             return
         try:
             scanner = ModuleScanner(resolver, name, rel)
             module_sites = scanner.scan()
         except RecursionError:  # a pathologically nested expression: report, never crash
-            self.skipped.append({"path": rel, "reason": "unparsable", "error": "RecursionError: expression nested too deeply"})
+            self.skipped.append({"path": rel, "reason": "unparsable",
+                                 "error": "RecursionError: expression nested too deeply"})
             return
         for cond_id in [c.id for c in self.by_path.get(rel, [])]:
             self.sites.pop(cond_id, None)
@@ -464,7 +472,8 @@ def _collect(module_sites: list, rel: str, lines: list, sites: dict, root: Path)
         conditions.append(ArchCondition(
             id=cond_id, path=rel, line=node.lineno, end_line=node.end_lineno or node.lineno, column=node.col_offset + 1,
             scope=site.scope, kind=site.kind, condition=" ".join(text.split()), guards=site.guards,
-            values={a.name: site.value.at(a) for a in ARCHS}, role=site.role, effect=site.effect, turns_off=site.turns_off,
+            values={a.name: site.value.at(a) for a in ARCHS}, role=site.role, effect=site.effect,
+            turns_off=site.turns_off,
             weak=site.value.weak, note=site.note, requires=list(site.requires), table=site.table,
         ))
     number_repeats(conditions)

@@ -39,7 +39,8 @@ def fsync_dir(directory: Path) -> None:
 
 
 def write(path: Path, data: bytes, mode: int, *, step: str | None = None) -> None:
-    """Replace `path` with `data` (permission bits `mode`) atomically and durably; the temp file never outlives an error."""
+    """Replace `path` with `data` (permission bits `mode`) atomically and durably; the temp file never outlives
+    an error."""
     path = Path(path)
     tmp = tmp_path(path)
     try:

@@ -16,7 +16,18 @@ import operator
 
 from tpfuse.audit.arch import ArchBool, ArchNum, compare
 from tpfuse.audit.predicates import ALWAYS, ASSUMED_CUDA_VERSION, SEED_GLOBALS, VLLM_PLATFORM, fallback, getter_guess
-from tpfuse.audit.values import UNKNOWN, Const, External, LazyImport, ModuleRef, Obj, Partial, SeedFn, UserClass, UserFunc
+from tpfuse.audit.values import (
+    UNKNOWN,
+    Const,
+    External,
+    LazyImport,
+    ModuleRef,
+    Obj,
+    Partial,
+    SeedFn,
+    UserClass,
+    UserFunc,
+)
 
 _BINOPS = {
     ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
@@ -73,7 +84,8 @@ def ite(test: ArchBool, a, b):
             return a
         if _device_value(b) and isinstance(a, Const) and a.value is None:
             return b
-    if isinstance(a, Const) and isinstance(b, Const) and None not in test.values and not isinstance(a.value, bool) and not isinstance(b.value, bool):
+    if (isinstance(a, Const) and isinstance(b, Const) and None not in test.values and not isinstance(a.value, bool)
+        and not isinstance(b.value, bool)):
         # `"a" if major >= 9 else ""`: a value per architecture, e.g. for f"{sm}{suffix}" == "90a"
         return ArchNum(tuple(a.value if t else b.value for t in test.values))
     if isinstance(a, (ArchBool, Const)) and isinstance(b, (ArchBool, Const)):
@@ -168,7 +180,8 @@ class Evaluator:
         if self.local is not None and node.id in self.local:
             value = self.local[node.id]
             if isinstance(value, LazyImport):
-                value = self.local[node.id] = self.resolver.import_value(self.module, value.module, value.level, value.name)
+                value = self.local[node.id] = self.resolver.import_value(self.module, value.module, value.level,
+                                                                         value.name)
             return value
         return self.resolver.global_value(self.module, node.id)
 
@@ -239,7 +252,8 @@ class Evaluator:
 
     def _BoolOp(self, node):
         items = [self.eval(v) for v in node.values]
-        if isinstance(node.op, ast.Or) and isinstance(items[-1], ArchNum) and all(i is UNKNOWN or isinstance(i, External) for i in items[:-1]):
+        if (isinstance(node.op, ast.Or) and isinstance(items[-1], ArchNum)
+            and all(i is UNKNOWN or isinstance(i, External) for i in items[:-1])):
             # `sm = sm or get_device_sm()`: a caller's value when given, otherwise the device's.
             return items[-1]
         result = to_bool(items[0])
@@ -279,7 +293,8 @@ class Evaluator:
     # -- calls --------------------------------------------------------------------------
     def _Call(self, node):
         func_node = node.func
-        if isinstance(func_node, ast.Attribute) and isinstance(func_node.value, ast.Name) and func_node.value.id in ("self", "cls"):
+        if (isinstance(func_node, ast.Attribute) and isinstance(func_node.value, ast.Name)
+            and func_node.value.id in ("self", "cls")):
             # a method of the class being scanned (`cls.is_sm120()`, `self._use_fast()`): bound in its attributes;
             # one it inherits from a platform class means what a platform's method of that name means
             func = self.attrs.get(func_node.attr, UNKNOWN) if self.attrs is not None else UNKNOWN

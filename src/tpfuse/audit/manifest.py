@@ -70,7 +70,8 @@ def _encode(rel: str, text, original: bytes) -> bytes:
     except SourceSkip as exc:
         raise ManifestError(f"patch: {rel}: {exc}; nothing was written; fix its coding cookie") from None
     except UnicodeEncodeError as exc:
-        raise ManifestError(f"patch: the edit of {rel} cannot be written in its encoding {exc.encoding} ({exc.reason}); nothing was written; patch it by hand") from None
+        raise ManifestError(f"patch: the edit of {rel} cannot be written in its encoding {exc.encoding} "
+                            f"({exc.reason}); nothing was written; patch it by hand") from None
 
 
 # -- apply ------------------------------------------------------------------------------------
@@ -100,7 +101,8 @@ def _pending(cmd: str, root: Path, state_dir) -> str | None:
     if ps.has_manifest(sdir):
         manifest = ps.load_or_explain(cmd, root, sdir, state_dir)
         if manifest.get("complete", True):
-            return f"{cmd}: {root} already carries a tpfuse patch ({sdir / ps.MANIFEST}); run `{ps.revert_cmd(root, state_dir)}` first"
+            return (f"{cmd}: {root} already carries a tpfuse patch ({sdir / ps.MANIFEST}); "
+                    f"run `{ps.revert_cmd(root, state_dir)}` first")
         return (f"{cmd}: an earlier `patch --apply` on {root} was interrupted and may have written some of its "
                 f"{len(manifest['files'])} file(s) ({sdir / ps.MANIFEST}); run `{ps.revert_cmd(root, state_dir)}` "
                 f"to restore the originals first")
@@ -113,9 +115,10 @@ def _pending(cmd: str, root: Path, state_dir) -> str | None:
 
 
 def _lost_state(cmd: str, root: Path, sdir: Path, patched: list) -> str:
-    return (f"{cmd}: {root} carries a tpfuse patch ({ps.marker_path(root)}) whose state {sdir} is gone (a wiped cache?), "
-            f"and {', '.join(patched)} differ from the originals it recorded; nothing changed; reinstall the engine for "
-            f"the originals (pip install --force-reinstall --no-deps <package>==<version>), then remove {ps.marker_path(root).parent}")
+    return (f"{cmd}: {root} carries a tpfuse patch ({ps.marker_path(root)}) whose state {sdir} is gone (a wiped "
+            f"cache?), and {', '.join(patched)} differ from the originals it recorded; nothing changed; reinstall the "
+            "engine for the originals (pip install --force-reinstall --no-deps <package>==<version>), then remove "
+            f"{ps.marker_path(root).parent}")
 
 
 def existing_patch(root: Path, state_dir=None) -> str | None:
@@ -132,8 +135,8 @@ def _refuse_pending(root: Path, sdir: Path, state_dir) -> None:
         if leftover.exists():
             differ = ps.leftover_differs(root, leftover)
             if differ:
-                raise ManifestError(f"patch: {leftover} holds backups but no manifest, and {', '.join(differ)} differ from "
-                                    f"the files in {root}; {ps.recovery('patch', root, leftover, state_dir)}")
+                raise ManifestError(f"patch: {leftover} holds backups but no manifest, and {', '.join(differ)} differ "
+                                    f"from the files in {root}; {ps.recovery('patch', root, leftover, state_dir)}")
             ps.remove_state(leftover)  # an apply killed before its manifest: copies of the current files only
     ps.remove_marker(root)  # a marker whose files all hold their originals (its state is gone)
 
@@ -144,10 +147,11 @@ def _locked(cmd: str, root: Path, sdir: Path):
     try:
         fd = durable.lock(sdir.with_name(sdir.name + ".lock"))
     except BlockingIOError:
-        raise ManifestError(f"{cmd}: another tpfuse patch or revert is running on {root}; wait for it to finish, then run this again") from None
+        raise ManifestError(f"{cmd}: another tpfuse patch or revert is running on {root}; wait for it to finish, then "
+                            "run this again") from None
     except OSError as exc:
-        raise ManifestError(f"{cmd}: cannot create the patch state in {sdir.parent} ({exc.strerror or exc}); nothing was changed; "
-                            f"pass --state-dir DIR on a writable disk") from None
+        raise ManifestError(f"{cmd}: cannot create the patch state in {sdir.parent} ({exc.strerror or exc}); nothing "
+                            "was changed; pass --state-dir DIR on a writable disk") from None
     try:
         yield
     finally:
@@ -184,19 +188,24 @@ def _apply(root: Path, sdir: Path, changes: dict, expected: dict, meta: dict, st
         try:
             data = path.read_bytes()
         except OSError as exc:
-            raise ManifestError(f"patch: {rel} cannot be read ({exc.strerror or exc}); nothing was written; audit again") from None
+            raise ManifestError(f"patch: {rel} cannot be read ({exc.strerror or exc}); nothing was written; audit "
+                                "again") from None
         if ps.sha256(data) != expected.get(rel):
-            raise ManifestError(f"patch: {rel} changed since it was audited; run `tpfuse audit` again and re-select the gates")
-        if path.is_symlink():  # os.replace would put a file where the link was, and revert could not bring the link back
+            raise ManifestError(f"patch: {rel} changed since it was audited; run `tpfuse audit` again and re-select "
+                                "the gates")
+        # os.replace would put a file where the link was, and revert could not bring the link back
+        if path.is_symlink():
             real = path.resolve()
             if real.is_relative_to(root):
-                raise ManifestError(f"patch: {rel} is a symbolic link to {real.relative_to(root)} in the same tree; nothing was "
-                                    f"written; patch {real.relative_to(root)} itself (tpfuse audit lists it as the alias's file)")
+                raise ManifestError(f"patch: {rel} is a symbolic link to {real.relative_to(root)} in the same tree; "
+                                    f"nothing was written; patch {real.relative_to(root)} itself (tpfuse audit lists "
+                                    "it as the alias's file)")
             raise ManifestError(f"patch: {rel} is a symbolic link to {os.readlink(path)}; nothing was written; "
                                 f"patch the tree it points into instead (tpfuse patch {real.parent})")
         problem = _check_writable(path)
         if problem:
-            raise ManifestError(f"patch: {rel} is {problem}; nothing was written; make it writable (chmod u+w) or patch a copy")
+            raise ManifestError(f"patch: {rel} is {problem}; nothing was written; make it writable (chmod u+w) or "
+                                "patch a copy")
         originals[rel], new_bytes[rel] = data, _encode(rel, text, data)
         files.append({"path": rel, "sha256_before": ps.sha256(data), "sha256_after": ps.sha256(new_bytes[rel]),
                       "backup": str(sdir / ps.BACKUPS / rel), "mode": stat.S_IMODE(path.stat().st_mode)})
@@ -225,8 +234,9 @@ def _apply(root: Path, sdir: Path, changes: dict, expected: dict, meta: dict, st
         ps.clear_tree_dir(root)
         if not isinstance(exc, Exception):
             raise
-        raise ManifestError(f"patch: writing the backups to {sdir} or the marker {ps.marker_path(root)} failed ({exc}); no target "
-                            f"file was changed, nothing changed; free space there or pass --state-dir DIR on a writable disk") from exc
+        raise ManifestError(f"patch: writing the backups to {sdir} or the marker {ps.marker_path(root)} failed "
+                            f"({exc}); no target file was changed, nothing changed; free space there or pass "
+                            "--state-dir DIR on a writable disk") from exc
     done = 0
     try:
         for entry in files:
@@ -244,15 +254,17 @@ def _apply(root: Path, sdir: Path, changes: dict, expected: dict, meta: dict, st
         try:
             undone = _undo(root, sdir, files)
         except Exception as again:
-            raise ManifestError(f"patch: writing {what} failed ({exc}) and undoing it failed too ({again}); the originals are "
-                                f"safe in {sdir / ps.BACKUPS}; run `{ps.revert_cmd(root, state_dir)}`") from exc
+            raise ManifestError(f"patch: writing {what} failed ({exc}) and undoing it failed too ({again}); the "
+                                f"originals are safe in {sdir / ps.BACKUPS}; run "
+                                f"`{ps.revert_cmd(root, state_dir)}`") from exc
         if isinstance(exc, _ChangedDuringApply):
-            raise ManifestError(f"patch: {exc.rel} changed while the patch was being applied (edited after it was read); "
-                                f"kept its new bytes; restored the {undone} file(s) already written, nothing else changed; "
-                                f"audit again and re-run the patch") from None
+            raise ManifestError(f"patch: {exc.rel} changed while the patch was being applied (edited after it was "
+                                f"read); kept its new bytes; restored the {undone} file(s) already written, nothing "
+                                "else changed; audit again and re-run the patch") from None
         if not isinstance(exc, Exception):
             raise
-        raise ManifestError(f"patch: writing {what} failed ({exc}); restored the {undone} file(s) written, nothing changed") from exc
+        raise ManifestError(f"patch: writing {what} failed ({exc}); restored the {undone} file(s) written, nothing "
+                            "changed") from exc
     return sdir / ps.MANIFEST
 
 
@@ -283,8 +295,8 @@ def revert(root: Path, *, force: bool = False, state_dir=None) -> list[dict]:
     if not sdir.exists():
         if marker is not None:
             return _without_state(root, sdir, marker)
-        raise ManifestError(f"revert: no tpfuse patch recorded for {root} (no {ps.marker_path(root)}, nothing in {sdir}); "
-                            f"nothing to revert")
+        raise ManifestError(f"revert: no tpfuse patch recorded for {root} (no {ps.marker_path(root)}, nothing in "
+                            f"{sdir}); nothing to revert")
     with _locked("revert", root, sdir):
         rows = _revert(root, sdir, force, state_dir)
     ps.clear_tree_dir(root)
@@ -299,7 +311,8 @@ def _without_state(root: Path, sdir: Path, marker: dict) -> list[dict]:
         raise ManifestError(_lost_state("revert", root, sdir, patched))
     ps.remove_marker(root)
     ps.clear_tree_dir(root)
-    return [{"path": e["path"], "sha256": e["sha256_before"], "was_changed": False, "action": "already original"} for e in entries]
+    return [{"path": e["path"], "sha256": e["sha256_before"], "was_changed": False, "action": "already original"}
+            for e in entries]
 
 
 def _revert(root: Path, sdir: Path, force: bool, state_dir) -> list[dict]:
@@ -310,8 +323,8 @@ def _revert(root: Path, sdir: Path, force: bool, state_dir) -> list[dict]:
             ps.remove_state(sdir)
             return []
         if not force:
-            raise ManifestError(f"revert: {sdir} holds backups but no manifest, and {', '.join(differ)} differ from the files "
-                                f"in {root}; {ps.recovery('revert', root, sdir, state_dir)}")
+            raise ManifestError(f"revert: {sdir} holds backups but no manifest, and {', '.join(differ)} differ from "
+                                f"the files in {root}; {ps.recovery('revert', root, sdir, state_dir)}")
         return _restore_backups(root, sdir, state_dir)
     try:
         manifest = ps.read_manifest(sdir / ps.MANIFEST)
@@ -324,8 +337,8 @@ def _revert(root: Path, sdir: Path, force: bool, state_dir) -> list[dict]:
         rel = entry["path"]
         backup = sdir / ps.BACKUPS / rel
         if ps.hash_or_none(backup) != entry["sha256_before"]:
-            raise ManifestError(f"revert: the backup of {rel} ({backup}) is missing or does not match the manifest; nothing "
-                                f"restored; restore {rel} by hand (reinstall the engine for its original)")
+            raise ManifestError(f"revert: the backup of {rel} ({backup}) is missing or does not match the manifest; "
+                                f"nothing restored; restore {rel} by hand (reinstall the engine for its original)")
         current = seen[rel] = ps.hash_or_none(root / rel)
         if current not in (entry["sha256_before"], entry["sha256_after"]):
             changed.append(rel)
@@ -339,12 +352,12 @@ def _revert(root: Path, sdir: Path, force: bool, state_dir) -> list[dict]:
         durable.remove(durable.tmp_path(path))
         if row["action"] == "restored":
             if ps.hash_or_none(path) != seen[entry["path"]]:  # edited since it was checked: the user's bytes win
-                raise ManifestError(f"revert: {entry['path']} changed while the revert was running; kept its new bytes; the "
-                                    f"patch state is kept; run `{ps.revert_cmd(root, state_dir)}` again (--force to "
-                                    f"overwrite it with the original)")
+                raise ManifestError(f"revert: {entry['path']} changed while the revert was running; kept its new "
+                                    f"bytes; the patch state is kept; run `{ps.revert_cmd(root, state_dir)}` again "
+                                    "(--force to overwrite it with the original)")
             path.parent.mkdir(parents=True, exist_ok=True)
-            _restore(path, (sdir / ps.BACKUPS / entry["path"]).read_bytes(), entry.get("mode", 0o644), entry["path"], root,
-                     state_dir, force)
+            _restore(path, (sdir / ps.BACKUPS / entry["path"]).read_bytes(), entry.get("mode", 0o644), entry["path"],
+                     root, state_dir, force)
             durable.checkpoint(f"restored:{entry['path']}")
     ps.remove_marker(root)
     ps.remove_state(sdir)
@@ -356,8 +369,9 @@ def _restore(path: Path, data: bytes, mode: int, rel: str, root: Path, state_dir
     try:
         durable.write(path, data, mode, step=f"revert:{rel}")
     except OSError as exc:
-        raise ManifestError(f"revert: restoring {rel} failed ({exc}); the backups and the manifest are kept; make {path.parent} "
-                            f"writable and run `{ps.revert_cmd(root, state_dir, force=force)}` again") from None
+        raise ManifestError(f"revert: restoring {rel} failed ({exc}); the backups and the manifest are kept; make "
+                            f"{path.parent} writable and run `{ps.revert_cmd(root, state_dir, force=force)}` "
+                            "again") from None
 
 
 def _restore_backups(root: Path, sdir: Path, state_dir) -> list[dict]:
@@ -365,12 +379,13 @@ def _restore_backups(root: Path, sdir: Path, state_dir) -> list[dict]:
     rows = ps.backups(sdir)
     corrupt = [rel for rel, st in rows if st == "corrupt"]
     if corrupt:
-        raise ManifestError(f"revert: the backup(s) {', '.join(corrupt)} in {sdir / ps.BACKUPS} do not match {sdir / ps.SUMS}; "
-                            f"nothing restored; copy the intact ones back by hand (cp) and reinstall the engine for the others")
+        raise ManifestError(f"revert: the backup(s) {', '.join(corrupt)} in {sdir / ps.BACKUPS} do not match "
+                            f"{sdir / ps.SUMS}; nothing restored; copy the intact ones back by hand (cp) and reinstall "
+                            "the engine for the others")
     usable = [rel for rel, st in rows if st in ("verified", "unverified")]
     if not usable:
-        raise ManifestError(f"revert: no backup is in {sdir / ps.BACKUPS}; nothing restored; reinstall the engine for the "
-                            f"originals, then remove {sdir}")
+        raise ManifestError(f"revert: no backup is in {sdir / ps.BACKUPS}; nothing restored; reinstall the engine for "
+                            f"the originals, then remove {sdir}")
     out = []
     for rel in usable:
         backup, path = sdir / ps.BACKUPS / rel, root / rel
@@ -380,7 +395,8 @@ def _restore_backups(root: Path, sdir: Path, state_dir) -> list[dict]:
         if not same:
             path.parent.mkdir(parents=True, exist_ok=True)
             _restore(path, data, stat.S_IMODE(backup.stat().st_mode), rel, root, state_dir, True)
-        out.append({"path": rel, "sha256": ps.sha256(data), "was_changed": False, "action": "already original" if same else "restored"})
+        out.append({"path": rel, "sha256": ps.sha256(data), "was_changed": False,
+                    "action": "already original" if same else "restored"})
     ps.remove_marker(root)
     ps.remove_state(sdir)
     return out

@@ -13,7 +13,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# How far above a namespace directory its top package may be (sglang 0.5.23: kernels/ops/attention/minimax_sparse/decode/ is 5 below sglang/).
+# How far above a namespace directory its top package may be (sglang 0.5.23:
+# kernels/ops/attention/minimax_sparse/decode/ is 5 below sglang/).
 _NAMESPACE_DEPTH = 8
 
 
@@ -101,8 +102,10 @@ def collect_bindings(info: ModuleInfo, body: list) -> None:
         elif isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             info.bindings.setdefault(stmt.name, ("def", stmt))
         elif isinstance(stmt, ast.If):
-            if not (isinstance(stmt.test, (ast.Name, ast.Attribute)) and ast.unparse(stmt.test).endswith("TYPE_CHECKING")):
-                collect_bindings(info, stmt.body)  # `if TYPE_CHECKING:` declares types, and defaults that are not what runs
+            if not (isinstance(stmt.test, (ast.Name, ast.Attribute))
+                    and ast.unparse(stmt.test).endswith("TYPE_CHECKING")):
+                # `if TYPE_CHECKING:` declares types, and defaults that are not what runs
+                collect_bindings(info, stmt.body)
             collect_bindings(info, stmt.orelse)
         elif isinstance(stmt, ast.Try):
             collect_bindings(info, stmt.body)

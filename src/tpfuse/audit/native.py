@@ -21,14 +21,16 @@ from tpfuse.audit.verdict import ArchCondition, number_repeats, stable_id
 
 _PP_RE = re.compile(r"^\s*#\s*(if|elif)\b(.*)$")
 _FEAT_RE = re.compile(r"__CUDA_ARCH_FEAT_SM(\d+)_ALL")
-_CMAKE_LIST_RE = re.compile(r'"((?:\s*(?:sm_)?\d{1,2}\.?\d[af]?\s*;)+\s*(?:sm_)?\d{1,2}\.?\d[af]?\s*|(?:sm_)?\d{1,2}\.\d[af]?)"')
+_CMAKE_LIST_RE = re.compile(r'"((?:\s*(?:sm_)?\d{1,2}\.?\d[af]?\s*;)+\s*(?:sm_)?\d{1,2}\.?\d[af]?\s*'
+                            r'|(?:sm_)?\d{1,2}\.\d[af]?)"')
 _CMAKE_CONTEXT_RE = re.compile(r"arch|CUDA_ARCHS|ARCHITECTURES", re.IGNORECASE)
 
 
 def _translate(expr: str) -> str:
     """A C/C++ condition as Python expression text: `defined(X)` -> `__defined__X`, &&/||/! -> and/or/not."""
     expr = re.sub(r"//.*$|/\*.*?\*/", "", expr)
-    expr = re.sub(r"defined\s*\(\s*(\w+)\s*\)|defined\s+(\w+)", lambda m: f"__defined__{m.group(1) or m.group(2)}", expr)
+    expr = re.sub(r"defined\s*\(\s*(\w+)\s*\)|defined\s+(\w+)", lambda m: f"__defined__{m.group(1) or m.group(2)}",
+                  expr)
     # C++ spellings Python cannot parse, as opaque names: `ns::f<T, W>()` -> `ns__f()`, `p->x` -> `p.x`
     expr = re.sub(r"<[\w\s,:*&]*>(?=\s*(?:\(|::))", "", expr).replace("::", "__").replace("->", ".")
     expr = expr.replace("&&", " and ").replace("||", " or ")
@@ -115,7 +117,8 @@ def _finding(rel, line, kind, condition, value: ArchBool, language, guards):
 
 # Runtime capability integers in C++: `if (sm >= 100 && sm < 120)`,
 # `return smVersion == 100 || smVersion == 103;`, `TVM_FFI_ICHECK(sm_version >= 100)`.
-_CAP_NAME = r"(?:sm|sm_?version|smVersion|sm_?ver|sm_?arch|cap|cc|capability|cuda_device_capability|compute_capability|device_sm|arch)"
+_CAP_NAME = (r"(?:sm|sm_?version|smVersion|sm_?ver|sm_?arch|cap|cc|capability|cuda_device_capability"
+             r"|compute_capability|device_sm|arch)")
 _CAP_CALL_RE = re.compile(r"\b(?:getSMVersion|get_sm_version|GetCudaComputeCapability|getSmVersion)\s*\(\s*\)")
 _RUNTIME_RE = re.compile(
     r"^\s*(?:\}\s*else\s+)?(?:if|while)\s*\((.*)\)\s*\{?\s*$|^\s*return\s+(.*);\s*$|^\s*\w*CHECK\w*\s*\((.*)\)\s*;?\s*$"
@@ -143,7 +146,8 @@ def _statement(lines: list, i: int) -> str:
     text = _COMMENT_RE.sub("", lines[i])
     j = i
     while j + 1 < len(lines) and j - i < _MAX_JOINED and (
-            text.count("(") > text.count(")") or text.lstrip().startswith("return") and not text.rstrip().endswith(";")):
+            text.count("(") > text.count(")")
+            or text.lstrip().startswith("return") and not text.rstrip().endswith(";")):
         j += 1
         text += " " + _COMMENT_RE.sub("", lines[j]).strip()
     return text
@@ -164,7 +168,8 @@ def _runtime_findings(rel: str, lines: list) -> list:
         value = _runtime_value(expr)
         if value is None or not value.depends_on_arch:
             continue
-        out.append(_finding(rel, i + 1, "runtime-cpp", " ".join(expr.split()), value, "cuda", "code run under this condition"))
+        out.append(_finding(rel, i + 1, "runtime-cpp", " ".join(expr.split()), value, "cuda",
+                            "code run under this condition"))
     number_repeats(out)
     return out
 
@@ -188,7 +193,8 @@ def scan_native(rel: str, text: str) -> list:
             for m in _CMAKE_LIST_RE.finditer(line):
                 value = _cmake_set(m.group(1))
                 if value.depends_on_arch:
-                    out.append(_finding(rel, start + 1, "cmake-arch-list", " ".join(line.split())[:160], value, "cmake", "what is compiled"))
+                    out.append(_finding(rel, start + 1, "cmake-arch-list", " ".join(line.split())[:160], value, "cmake",
+                                        "what is compiled"))
             continue
         m = _PP_RE.match(line)
         if not m or "__CUDA_ARCH" not in m.group(2):

@@ -235,7 +235,8 @@ def parse_selected(source: str, filename: str, tokens: list, name_re: re.Pattern
             if k in classes:
                 if k not in trims:
                     arch_lines = {textmap.line_of(pos) - chunks[k][0] for pos in
-                                  tokens[bisect.bisect_left(tokens, offsets[k]):bisect.bisect_left(tokens, offsets[k + 1])]}
+                                  tokens[bisect.bisect_left(tokens, offsets[k]):
+                                         bisect.bisect_left(tokens, offsets[k + 1])]}
                     trims[k] = [None, _ClassTrim(texts[k], arch_lines), None, None]
                 if trims[k][0] != len(hot):
                     trimmed, ranges, exports = trims[k][1].trim(hot)
@@ -246,7 +247,8 @@ def parse_selected(source: str, filename: str, tokens: list, name_re: re.Pattern
             elif names[k] and names[k] not in hot:
                 if k not in flows:
                     arch_lines = {textmap.line_of(pos) for pos in
-                                  tokens[bisect.bisect_left(tokens, offsets[k]):bisect.bisect_left(tokens, offsets[k + 1])]}
+                                  tokens[bisect.bisect_left(tokens, offsets[k]):
+                                         bisect.bisect_left(tokens, offsets[k + 1])]}
                     flows[k] = _statements(lines, chunks[k][0], chunks[k][1], arch_lines)
                 if _flow(flows[k], hot)[0]:
                     hot.add(names[k])
@@ -334,7 +336,8 @@ class _ClassTrim:
         self.texts = ["".join(lines[a:b]) for a, b, _ in self.parts]
         arch = sorted(arch_lines)
         self.keep = [not is_method or bisect.bisect_left(arch, a) < bisect.bisect_left(arch, b)
-                     or any(_param_word(chunk, m) for m in _PARAM_RE.finditer(chunk)) or ("major" in chunk and "minor" in chunk)
+                     or any(_param_word(chunk, m) for m in _PARAM_RE.finditer(chunk))
+                     or ("major" in chunk and "minor" in chunk)
                      for (a, b, is_method), chunk in zip(self.parts, self.texts)]
         self.hot_words: set = set()
         self.exports: set = set()
@@ -439,7 +442,8 @@ def _statements(lines: list, first: int, last: int, arch_lines: set) -> list:
             names = {bound.group(1)} if bound else names
         elif head in _HEADERS:
             kind = "match" if head == "match" else "header"
-            bound = _FOR_RE.match(stripped) if head in ("for", "async") else _WITH_AS_RE.search(span) if head == "with" else None
+            bound = (_FOR_RE.match(stripped) if head in ("for", "async")
+                     else _WITH_AS_RE.search(span) if head == "with" else None)
             names = set(_WORD_RE.findall(bound.group(1))) if bound else names
         elif head in _CHAINED:
             kind = "chained"
@@ -451,8 +455,8 @@ def _statements(lines: list, first: int, last: int, arch_lines: set) -> list:
             kind = "decorator"
         elif head in ("from", "import"):
             kind = "import"
-            names = {m.group(2) or m.group(1).split(".")[0] for m in _IMPORTED_RE.finditer(span.split(" import ", 1)[-1]
-                                                                                              if head == "from" else span[6:])}
+            imported = span.split(" import ", 1)[-1] if head == "from" else span[6:]
+            names = {m.group(2) or m.group(1).split(".")[0] for m in _IMPORTED_RE.finditer(imported)}
         else:
             kind = "other"
         target = _TARGETS_RE.match(line) if kind == "other" else None
@@ -465,7 +469,8 @@ def _statements(lines: list, first: int, last: int, arch_lines: set) -> list:
                 else:
                     names.add(name)
         j = bisect.bisect_left(arch, first + start)
-        out.append((len(line) - len(stripped), kind, set(_WORD_RE.findall(span)), j < len(arch) and arch[j] < first + end,
+        out.append((len(line) - len(stripped), kind, set(_WORD_RE.findall(span)),
+                    j < len(arch) and arch[j] < first + end,
                     attrs, names, first + start, first + end))
     return out
 
@@ -538,7 +543,8 @@ def _flow(statements: list, hot: set) -> tuple[bool, set, set]:
 # counts), and the parse and scan time is in the long defs (engine forward and init methods).
 _THIN_MIN_LINES = 40
 # Parameter names a condition may read the capability from (scan.py seeds them, classify.capability_params).
-_CAP_PARAM_RE = re.compile(r"\w*capabilit\w*|\w*sm_version|device_sm|sm_arch|\w*_major|major|minor|cap|cc|\w*_arch|arch")
+_CAP_PARAM_RE = re.compile(r"\w*capabilit\w*|\w*sm_version|device_sm|sm_arch|\w*_major|major|minor|cap|cc"
+                           r"|\w*_arch|arch")
 
 
 def _thin(statements: list, relevant: set) -> list:

@@ -169,12 +169,14 @@ def propose_patch(result, findings: list, arch: Arch, like: Arch | None, *, forc
             break
         for row in bad:
             finding = next(f for f in findings if f.id == row["id"])
-            why = f"patch: gate {row['id']} ({row['path']}): the edit re-audits as {row['harm']}; refused, edit it by hand"
+            why = (f"patch: gate {row['id']} ({row['path']}): the edit re-audits as {row['harm']}; refused, "
+                   "edit it by hand")
             unplanned[row["id"]] = (finding, why, True)
             del proposal.plans[row["id"]]
     if proposal.changes:
         reopen = [f for f, _, deliberate in unplanned.values() if not deliberate]
-        proposal.opened = {row["id"]: row for row in reaudit(result, proposal.changes, reopen, arch) if row["includes_arch"]}
+        proposal.opened = {row["id"]: row
+                           for row in reaudit(result, proposal.changes, reopen, arch) if row["includes_arch"]}
     proposal.errors = [(gid, why) for gid, (_, why, _) in unplanned.items() if gid not in proposal.opened]
     return proposal
 
@@ -211,7 +213,8 @@ def _apply(result, plans: dict) -> dict:
     changes = {}
     for rel, file_plans in by_file.items():
         info = result.resolver.module(result.sites[file_plans[0].gate_id].module)
-        old = read_source(result.target.root / rel)[0]  # decoded as Python does (coding cookie, BOM); manifest.py re-encodes
+        # decoded as Python does (coding cookie, BOM); manifest.py re-encodes
+        old = read_source(result.target.root / rel)[0]
         assert old == info.source, f"patch: {rel} changed while it was being patched"
         new = apply_plans(old, file_plans)
         try:
@@ -242,13 +245,15 @@ def _match(after, finding, plans: dict):
     """The condition of the re-audit `after` that is `finding` (its lines shifted by inserted statements)."""
     inserted = {(s.lineno, code) for p in plans.values() if p.path == finding.path for s, code in p.statements}
     shift = sum(code.count("\n") + 1 for lineno, code in inserted if lineno < finding.line)
-    cands = [f for f in after.findings if f.path == finding.path and f.scope == finding.scope and f.kind == finding.kind]
+    cands = [f for f in after.findings if f.path == finding.path and f.scope == finding.scope
+             and f.kind == finding.kind]
     return min(cands, key=lambda f: abs(f.line - (finding.line + shift)), default=None)
 
 
 def _row(finding, best, arch, like) -> dict:
     return {
-        "id": finding.id, "path": finding.path, "new_id": best.id if best else None, "line": best.line if best else None,
+        "id": finding.id, "path": finding.path, "new_id": best.id if best else None,
+        "line": best.line if best else None,
         "condition": best.condition if best else None, "enables": best.enables if best else [],
         "includes_arch": bool(best and best.values[arch.name] is not False), "like": like.name if like else None,
         "harm": harm(finding, best, arch, like) if like else None,

@@ -157,7 +157,8 @@ def backups(sdir: Path) -> list:
             if path.is_file() and not path.name.endswith(durable.TMP_SUFFIX):
                 rel = path.relative_to(base).as_posix()
                 digest = hash_or_none(path)
-                found[rel] = "unverified" if sums is None or rel not in sums else "verified" if sums[rel] == digest else "corrupt"
+                found[rel] = ("unverified" if sums is None or rel not in sums
+                              else "verified" if sums[rel] == digest else "corrupt")
     for rel in sums or ():
         found.setdefault(rel, "missing")
     return sorted(found.items())
@@ -170,14 +171,16 @@ def recovery(cmd: str, root: Path, sdir: Path, state_dir) -> str:
     for rel, st in rows:
         by_state.setdefault(st, []).append(rel)
     if not by_state.get("verified") and not by_state.get("unverified"):
-        return (f"no usable backup is in {sdir / BACKUPS}, so tpfuse cannot restore the originals (reinstall the engine for them); "
-                f"remove {sdir} to {'patch again' if cmd == 'patch' else 'clear the state'}")
+        return (f"no usable backup is in {sdir / BACKUPS}, so tpfuse cannot restore the originals (reinstall the "
+                f"engine for them); remove {sdir} to {'patch again' if cmd == 'patch' else 'clear the state'}")
     parts = []
     labels = {"verified": "whose checksums match SHA256SUMS", "unverified": "with no checksum to verify them against",
-              "corrupt": "that do NOT match SHA256SUMS (kept, not restored)", "missing": "listed in SHA256SUMS but absent"}
+              "corrupt": "that do NOT match SHA256SUMS (kept, not restored)",
+              "missing": "listed in SHA256SUMS but absent"}
     for st in ("verified", "unverified", "corrupt", "missing"):
         if by_state.get(st):
-            shown = ", ".join(by_state[st][:8]) + (f" and {len(by_state[st]) - 8} more" if len(by_state[st]) > 8 else "")
+            more = len(by_state[st]) - 8
+            shown = ", ".join(by_state[st][:8]) + (f" and {more} more" if more > 0 else "")
             parts.append(f"{len(by_state[st])} original file(s) {labels[st]}: {shown}")
     return (f"recoverable from the backups in {sdir / BACKUPS}: {'; '.join(parts)}. "
             f"Restore them byte for byte with `{revert_cmd(root, state_dir, force=True)}`"
@@ -188,8 +191,8 @@ def load_or_explain(cmd: str, root: Path, sdir: Path, state_dir) -> dict:
     try:
         return read_manifest(sdir / MANIFEST)
     except Unreadable as why:
-        raise ManifestError(f"{cmd}: the patch manifest {sdir / MANIFEST} {why}, so it cannot say which files were patched; "
-                            f"{recovery(cmd, root, sdir, state_dir)}") from None
+        raise ManifestError(f"{cmd}: the patch manifest {sdir / MANIFEST} {why}, so it cannot say which files were "
+                            f"patched; {recovery(cmd, root, sdir, state_dir)}") from None
 
 
 def leftover_differs(root: Path, sdir: Path) -> list:

@@ -117,18 +117,19 @@ class Planner:
                              f"edit the build configuration by hand", deliberate=True)
         if finding.category == "inverse":
             raise PatchError(
-                f"patch: gate {finding.id} ({finding.path}:{finding.line}) is an inverse gate: it turns a feature off where it "
-                f"names an architecture (on elsewhere: {', '.join(finding.enables)}); it is never opened, edit it by hand if you must",
+                f"patch: gate {finding.id} ({finding.path}:{finding.line}) is an inverse gate: it turns a feature off "
+                f"where it names an architecture (on elsewhere: {', '.join(finding.enables)}); it is never opened, "
+                "edit it by hand if you must",
                 deliberate=True,
             )
         if finding.category != "gate":
-            raise PatchError(f"patch: {finding.id} ({finding.path}:{finding.line}) is a {finding.category}, not a gate; "
-                             f"nothing to patch", deliberate=True)
+            raise PatchError(f"patch: {finding.id} ({finding.path}:{finding.line}) is a {finding.category}, not a "
+                             "gate; nothing to patch", deliberate=True)
         needs = hardware_needs(finding, self.arch)
         if needs and not self.force_hardware:
             raise PatchError(
-                f"patch: gate {finding.id} ({finding.path}:{finding.line}) is a hardware exclusion: its guarded code needs "
-                f"{needs}, which {self.arch.name} lacks; pass --force-hardware to patch it anyway",
+                f"patch: gate {finding.id} ({finding.path}:{finding.line}) is a hardware exclusion: its guarded code "
+                f"needs {needs}, which {self.arch.name} lacks; pass --force-hardware to patch it anyway",
                 deliberate=True,
             )
         if finding.values[like.name] is False:
@@ -158,15 +159,17 @@ class Planner:
             if value.at(self.arch) is not False or value.at(like) is False:
                 continue
             if isinstance(atom, ast.Compare) and len(atom.ops) == 1 and isinstance(atom.ops[0], (ast.NotEq, ast.NotIn)):
-                blocked.append(ast.unparse(atom))  # `major != 12`: written to exclude it; `or major == 12` would undo that
+                # `major != 12`: written to exclude it; `or major == 12` would undo that
+                blocked.append(ast.unparse(atom))
                 continue
             # An atom that is the whole condition needs no parentheses around `atom or sibling`.
             plan.atom_edits.append(self._extend(site, atom, like, parent_or or atom is site.node, plan))
             overrides[id(atom)] = value.or_(arch_only)
         if self._gate_value(site, overrides).at(self.arch) is False:
-            why = f"it excludes {self.arch.name} explicitly ({'; '.join(blocked)})" if blocked else "no atom of it can be extended"
-            raise PatchError(f"patch: gate {finding.id} ({finding.path}:{finding.line}) cannot be opened for {self.arch.name}: {why}; "
-                             f"edit it by hand", deliberate=bool(blocked))
+            why = (f"it excludes {self.arch.name} explicitly ({'; '.join(blocked)})" if blocked
+                   else "no atom of it can be extended")
+            raise PatchError(f"patch: gate {finding.id} ({finding.path}:{finding.line}) cannot be opened for "
+                             f"{self.arch.name}: {why}; edit it by hand", deliberate=bool(blocked))
         return plan
 
     def _gate_value(self, site, overrides) -> ArchBool:
@@ -204,7 +207,8 @@ class Planner:
             if not isinstance(arg, (ast.List, ast.Tuple, ast.Set)) or not arg.elts:
                 continue
             values = [e.value for e in arg.elts if isinstance(e, ast.Constant)]
-            for old, new in ((like.cc_int, self.arch.cc_int), (str(like.cc_int), str(self.arch.cc_int)), (like.major, self.arch.major)):
+            for old, new in ((like.cc_int, self.arch.cc_int), (str(like.cc_int), str(self.arch.cc_int)),
+                             (like.major, self.arch.major)):
                 if old in values and type(old) is type(values[0]) and new not in values:
                     lit = repr(new)
                     if isinstance(new, str):  # in the list's own quotes
@@ -248,7 +252,8 @@ class Planner:
         if lit is None:
             return None
         if any(isinstance(o, (ast.In, ast.NotIn)) for o in atom.ops):
-            if not all(isinstance(e, (tuple, list, frozenset, set, dict)) and all(type(x) is type(lit) for x in e) for e in examples):
+            if not all(isinstance(e, (tuple, list, frozenset, set, dict)) and all(type(x) is type(lit) for x in e)
+                       for e in examples):
                 return None
         elif not all(type(e) is type(lit) for e in examples):
             return None
@@ -265,8 +270,8 @@ class Planner:
                 base = Evaluator(self.resolver, site.module, site.local, site.attrs).eval(node.value)
                 if isinstance(base, ModuleRef) and not self.resolver.defines(base.name, node.attr):
                     raise PatchError(
-                        f"patch: gate {plan.gate_id}: helper `{node.attr}` does not exist in {base.name} within the target; "
-                        f"add `{node.attr}` to {base.name} first"
+                        f"patch: gate {plan.gate_id}: helper `{node.attr}` does not exist in {base.name} within the "
+                        f"target; add `{node.attr}` to {base.name} first"
                     )
             if not isinstance(node, ast.Name) or node.id in old_names:
                 continue
@@ -276,7 +281,8 @@ class Planner:
         if self.resolver.missing:
             raise PatchError(f"patch: gate {plan.gate_id}: {self.resolver.missing[0]}; add it to the target first")
         if value is not None and value.at(self.arch) is False:
-            raise PatchError(f"patch: gate {plan.gate_id}: `{new_code}` is false on {self.arch.name} in the target; add an {self.arch.name} predicate first")
+            raise PatchError(f"patch: gate {plan.gate_id}: `{new_code}` is false on {self.arch.name} in the target; "
+                             f"add an {self.arch.name} predicate first")
 
     def _eval_new(self, site, tree, plan):
         if plan.statements or plan.imports:
@@ -289,7 +295,8 @@ class Planner:
         sibling = substitute_back(name, like, self.arch)
         binding = info.bindings.get(sibling)
         if binding is None:
-            raise PatchError(f"patch: gate {plan.gate_id}: `{name}` is not defined in {info.path.name} and has no sibling to copy; define it first")
+            raise PatchError(f"patch: gate {plan.gate_id}: `{name}` is not defined in {info.path.name} and has no "
+                             "sibling to copy; define it first")
         if binding[0] == "assign":
             stmt = _statement_of(info.tree, binding[1])
             new_stmt = substitute(ast.get_source_segment(info.source, stmt), like, self.arch)
@@ -313,8 +320,10 @@ class Planner:
             plan.imports.append((node, sibling, name))
             return
         if isinstance(self.resolver.global_value(site.module, sibling), UserFunc):
-            raise PatchError(f"patch: gate {plan.gate_id}: `{name}` is not defined next to `{sibling}` in {info.path.name}; define it first")
-        raise PatchError(f"patch: gate {plan.gate_id}: cannot add `{name}` (sibling `{sibling}` is bound by {binding[0]}); add it by hand")
+            raise PatchError(f"patch: gate {plan.gate_id}: `{name}` is not defined next to `{sibling}` in "
+                             f"{info.path.name}; define it first")
+        raise PatchError(f"patch: gate {plan.gate_id}: cannot add `{name}` (sibling `{sibling}` is bound by "
+                         f"{binding[0]}); add it by hand")
 
 
 def substitute_back(name: str, like: Arch, arch: Arch) -> str:

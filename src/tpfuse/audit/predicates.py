@@ -76,8 +76,10 @@ CAP_GUESSED = ArchNum.of(lambda a: Capability((a.major, a.minor)), weak=True)
 # `get_device_compute_capability()`), for calls whose definition cannot be read (a global set
 # elsewhere, an external package): they evaluate to the capability, marked weak. Lists, flags and
 # strings of the build's targets are not the device's capability.
-_GETTER_RE = re.compile(r"_?get_\w*(?:cuda_arch|gpu_arch|device_arch|arch_info|capabilit\w*|compute_cap\w*|sm_version|device_sm)")
-_NOT_A_CAPABILITY = re.compile(r"(?:list|lists|flags?|str|string|names?|suffix|targets?|archs|capabilities|_ptx|_nvcc)$")
+_GETTER_RE = re.compile(r"_?get_\w*(?:cuda_arch|gpu_arch|device_arch|arch_info|capabilit\w*|compute_cap\w*"
+                        r"|sm_version|device_sm)")
+_NOT_A_CAPABILITY = re.compile(r"(?:list|lists|flags?|str|string|names?|suffix|targets?|archs|capabilities"
+                               r"|_ptx|_nvcc)$")
 
 
 def getter_guess(name: str):
@@ -144,7 +146,8 @@ def _partial(args, kwargs):
     return Partial(args[0], tuple(args[1:]), dict(kwargs)) if args else UNKNOWN
 
 
-_PROPS = Obj("device_properties", lambda n: {"major": CAP_TUPLE.map(lambda v: v[0]), "minor": CAP_TUPLE.map(lambda v: v[1])}.get(n, UNKNOWN))
+_PROPS = Obj("device_properties",
+             lambda n: {"major": CAP_TUPLE.map(lambda v: v[0]), "minor": CAP_TUPLE.map(lambda v: v[1])}.get(n, UNKNOWN))
 
 _NOT_NVIDIA = ("is_hip", "is_rocm", "is_npu", "is_xpu", "is_musa", "is_cpu", "is_mps", "is_tpu", "is_hpu")
 
@@ -203,7 +206,8 @@ _FAMILY_WORDS = {"blackwell": (10, 11, 12), "hopper": (9,), "ampere": (8,), "ada
 
 _CUDA_NAME_RE = re.compile(r"_?is_cuda(?:_\w*)?")  # is_cuda_static, is_cuda_alike, _is_cuda_platform
 # Predicates of other vendors' devices (`is_gfx95_supported`, `_is_hip`, `is_mi300`): false on every audited NVIDIA GPU.
-_OTHER_VENDOR_RE = re.compile(r"_?(?:is|use|has)_\w*(?:gfx\d+|hip|rocm|musa|npu|xpu|hpu|mi\d{3}|amd|cdna|rdna)\w*", re.IGNORECASE)
+_OTHER_VENDOR_RE = re.compile(r"_?(?:is|use|has)_\w*(?:gfx\d+|hip|rocm|musa|npu|xpu|hpu|mi\d{3}|amd|cdna|rdna)\w*",
+                              re.IGNORECASE)
 
 
 def fallback(name: str):

@@ -76,7 +76,8 @@ def to_sarif(result, selected: list, arch: Arch) -> dict:
                     "artifactLocation": {"uri": f.path, "uriBaseId": "%SRCROOT%"},
                     "region": {"startLine": f.line, "endLine": max(f.end_line, f.line), "startColumn": f.column},
                 },
-                **({"logicalLocations": [{"fullyQualifiedName": f.scope}]} if f.scope not in ("<file>", "<module>") else {}),
+                **({"logicalLocations": [{"fullyQualifiedName": f.scope}]}
+                   if f.scope not in ("<file>", "<module>") else {}),
             }],
             "partialFingerprints": {"tpfuseGateId": f.id},
             "properties": {
@@ -138,17 +139,20 @@ def print_table(result, selected: list, arch: Arch, like: Arch | None, *, consol
             console.print(f"  {f.id} {f.path}:{f.line} `{f.condition[:80]}`: on for {' '.join(f.enables)}; {f.guards}")
     quirks = result.quirks(arch)
     if quirks:
-        console.print(f"{len(quirks)} quirk(s) tune or work around other architectures, not applied on {arch.name} (not gates):")
+        console.print(f"{len(quirks)} quirk(s) tune or work around other architectures, not applied on {arch.name} "
+                      "(not gates):")
         for f in quirks:
             console.print(f"  {f.id} {f.path}:{f.line} `{f.condition[:80]}`: on for {' '.join(f.enables)}; {f.guards}")
     counts = ", ".join(f"{v} {k}" for k, v in sorted(_counts(result).items()))
-    console.print(f"scanned {result.files_scanned} files in {result.seconds:.2f} s; all architecture conditions: {counts or 'none'}")
+    console.print(f"scanned {result.files_scanned} files in {result.seconds:.2f} s; all architecture conditions: "
+                  f"{counts or 'none'}")
     for skip in result.skipped:
         # escape: an error text such as "[Errno 13] ..." is not rich markup
-        console.print(f"[yellow]skipped[/] {escape(skip['path'])} ({skip.get('reason', 'unreadable')}): {escape(skip['error'])}", highlight=False)
+        console.print(f"[yellow]skipped[/] {escape(skip['path'])} ({skip.get('reason', 'unreadable')}): "
+                      f"{escape(skip['error'])}", highlight=False)
     for alias in result.target.aliases:
-        console.print(f"[dim]alias[/] {escape(alias['path'])} -> {escape(alias['target'])} (a link into the tree, audited as "
-                      f"{escape(alias['target'])})", highlight=False)
+        console.print(f"[dim]alias[/] {escape(alias['path'])} -> {escape(alias['target'])} (a link into the tree, "
+                      f"audited as {escape(alias['target'])})", highlight=False)
     if result.target.note:
         console.print(f"[yellow]note[/] {escape(result.target.note)}", highlight=False)
 

@@ -36,7 +36,8 @@ ARCH_RE = re.compile(
     re.IGNORECASE,
 )
 _FROM_IMPORT_RE = re.compile(r"^[ \t]*from[ \t]+(\.*)([\w.]*)[ \t]+import[ \t]+\(?([\w ,]+)", re.MULTILINE)
-# ARCH_RE for whole-text searches of lower-cased source (no anchors, no IGNORECASE: 5x faster).
+# ARCH_RE for whole-text searches of lower-cased source (no anchors, no IGNORECASE: faster; the figure is in
+# benchmarks/results/README.md).
 _ARCH_TEXT_RE = re.compile(ARCH_RE.pattern.replace("^_?", "").lower())
 # ARCH_RE inside a longer text (a def's), where its anchored `^_?is_cuda` can never match: the same
 # lower-cased way.
@@ -169,8 +170,8 @@ class Resolver:
             except (SyntaxError, ValueError, RecursionError) as exc:
                 self.errors[path] = f"{type(exc).__name__}: {exc}"
             else:
-                info = ModuleInfo(name, path, source, tree, path.name == "__init__.py", arch_offsets=hits, hot=hot, textmap=textmap,
-                                  hidden=hidden)
+                info = ModuleInfo(name, path, source, tree, path.name == "__init__.py", arch_offsets=hits, hot=hot,
+                                  textmap=textmap, hidden=hidden)
                 collect_bindings(info, tree.body)
                 for skipped_name in skipped:  # a def with no architecture text: bound, but opaque
                     info.bindings.setdefault(skipped_name, ("skipped",))
@@ -240,7 +241,8 @@ class Resolver:
         if id(node) not in self._inlinable:
             info = self.module(module)
             params = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
-            self._inlinable[id(node)] = bool(ARCH_RE.search(node.name) or _ARCH_INNER_RE.search(info.text_of(node).lower())
+            self._inlinable[id(node)] = bool(ARCH_RE.search(node.name)
+                                             or _ARCH_INNER_RE.search(info.text_of(node).lower())
                                              or any(a.arg == "arch" for a in params))
         return self._inlinable[id(node)]
 
@@ -461,7 +463,8 @@ class Resolver:
                         continue
                     for i, elt in enumerate(t.elts):  # major, minor = get_compute_capability(device)
                         if isinstance(elt, ast.Name):
-                            local[elt.id] = (value.map(lambda v, i=i: v[i]) if isinstance(value, ArchNum) else None) or UNKNOWN
+                            local[elt.id] = ((value.map(lambda v, i=i: v[i]) if isinstance(value, ArchNum) else None)
+                                             or UNKNOWN)
                 continue
             if isinstance(stmt, ast.If) and _returns(stmt.body):
                 test = to_bool(ev.eval(stmt.test))
@@ -473,7 +476,8 @@ class Resolver:
             if isinstance(stmt, (ast.Import, ast.ImportFrom, ast.Pass)):
                 if isinstance(stmt, ast.ImportFrom):
                     for alias in stmt.names:
-                        local[alias.asname or alias.name] = self.import_value(module, stmt.module, stmt.level, alias.name)
+                        local[alias.asname or alias.name] = self.import_value(module, stmt.module, stmt.level,
+                                                                              alias.name)
                 continue
             return UNKNOWN
         return Const(None)
@@ -483,7 +487,8 @@ def _imported(name: str, value):
     """A value read from another module: a flag or setting there (a bool, None or a string, such as
     vLLM's `envs.VLLM_USE_X: bool = False` defaults) is what runs only by default, so it is unknown
     here unless its name is an architecture's; tables and numbers (capability thresholds) are kept."""
-    if isinstance(value, Const) and (value.value is None or isinstance(value.value, (bool, str))) and not ARCH_RE.search(name):
+    if (isinstance(value, Const) and (value.value is None or isinstance(value.value, (bool, str)))
+        and not ARCH_RE.search(name)):
         return UNKNOWN
     return value
 

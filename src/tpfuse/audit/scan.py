@@ -271,15 +271,16 @@ class ModuleScanner:
 
     # -- evaluation --------------------------------------------------------------------
     def _evaluator(self, local, attrs) -> Evaluator:
-        return Evaluator(self.resolver, self.module, local, attrs, class_name=self._classes[-1] if self._classes else None)
+        return Evaluator(self.resolver, self.module, local, attrs,
+                         class_name=self._classes[-1] if self._classes else None)
 
     def _value(self, expr, local, attrs):
         if not self._mentions_arch(expr, local, attrs):
             return UNKNOWN
         return self._evaluator(local, attrs).eval(expr)
 
-    def _site(self, expr, kind, scope, local, attrs, stmt, *, guards, polarity=1, role=None, effect="enable", value=None,
-              table=None):
+    def _site(self, expr, kind, scope, local, attrs, stmt, *, guards, polarity=1, role=None, effect="enable",
+              value=None, table=None):
         if value is None:
             value = self._value(expr, local, attrs)
         if not isinstance(value, ArchBool) or not value.depends_on_arch:
@@ -414,9 +415,11 @@ class ModuleScanner:
                 if isinstance(method, (ast.FunctionDef, ast.AsyncFunctionDef)):
                     class_attrs[method.name] = UserFunc(self.module, method, class_attrs, bound=True)
             # `self.sm = get_device_sm()` in __init__ is visible to methods written above it.
-            first = [s for s in stmt.body if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef)) and s.name in _INIT_METHODS]
+            first = [s for s in stmt.body if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef))
+                     and s.name in _INIT_METHODS]
             self._classes.append(stmt.name)
-            self._block(first + [s for s in stmt.body if s not in first], scope + [stmt.name], class_attrs, class_attrs, None)
+            self._block(first + [s for s in stmt.body if s not in first], scope + [stmt.name], class_attrs,
+                        class_attrs, None)
             self._classes.pop()
             return
         self._expressions(stmt, scope, local, attrs)
@@ -426,15 +429,17 @@ class ModuleScanner:
             if bail:
                 rest = f"rest of {'.'.join(scope) or 'module'}"
                 guards = f"{rest} (otherwise {'raises' if bail == 'raise' else 'returns early'})"
-                test = self._site(stmt.test, "guard", scope, local, attrs, stmt, guards=guards, polarity=-1, table=table)
+                test = self._site(stmt.test, "guard", scope, local, attrs, stmt, guards=guards, polarity=-1,
+                                  table=table)
             elif classify.disables(stmt.body):
                 guards = lambda: f"what the branch turns off: {classify.effects(stmt.body)}"  # noqa: E731
-                test = self._site(stmt.test, kind, scope, local, attrs, stmt, guards=guards, polarity=-1, effect="disable",
-                                  table=table)
+                test = self._site(stmt.test, kind, scope, local, attrs, stmt, guards=guards, polarity=-1,
+                                  effect="disable", table=table)
             else:
                 orelse = stmt.orelse if not (len(stmt.orelse) == 1 and isinstance(stmt.orelse[0], ast.If)) else []
                 tune = classify.tunes(stmt.body) and (not orelse or classify.tunes(orelse))
-                test = self._site(stmt.test, kind, scope, local, attrs, stmt, guards=lambda: classify.effects(stmt.body),
+                test = self._site(stmt.test, kind, scope, local, attrs, stmt,
+                                  guards=lambda: classify.effects(stmt.body),
                                   effect="tune" if tune else "enable", table=table)
             # Each branch starts from the bindings before the `if`; after it, a name is what either
             # branch left it (`_join`): `use_fast = False; if major >= 10: use_fast = True`.
@@ -462,7 +467,8 @@ class ModuleScanner:
             self._site(stmt.test, "assert", scope, local, attrs, stmt, guards=guards, polarity=1)
         elif isinstance(stmt, ast.Return) and stmt.value is not None:
             table = self._table_site(stmt.value, "table", scope, local, attrs, stmt)
-            self._site(stmt.value, "return", scope, local, attrs, stmt, guards=f"{func or 'function'}() result", table=table)
+            self._site(stmt.value, "return", scope, local, attrs, stmt, guards=f"{func or 'function'}() result",
+                       table=table)
         elif isinstance(stmt, (ast.Assign, ast.AnnAssign)) and stmt.value is not None:
             self._assign(stmt, scope, local, attrs)
         elif isinstance(stmt, ast.AugAssign) and isinstance(stmt.target, ast.Name) and local is not None:
@@ -563,7 +569,8 @@ class ModuleScanner:
         ev = self._evaluator(local, attrs)
         found = None
         for node in ast.walk(expr):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get" and node.args:
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
+                and node.args):
                 container, key = node.func.value, node.args[0]
             elif isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.ops[0], (ast.In, ast.NotIn)):
                 container, key = node.comparators[0], node.left
@@ -572,7 +579,8 @@ class ModuleScanner:
             if isinstance(container, (ast.Tuple, ast.List, ast.Set)):
                 continue  # a literal in the condition itself, not a table elsewhere
             table, cap = ev.eval(container), ev.eval(key)
-            if not (isinstance(table, Const) and isinstance(table.value, (dict, frozenset, set, tuple)) and isinstance(cap, ArchNum)):
+            if not (isinstance(table, Const) and isinstance(table.value, (dict, frozenset, set, tuple))
+                    and isinstance(cap, ArchNum)):
                 continue
             keys = table.value
             present = compare("In", cap, keys)
@@ -632,7 +640,8 @@ class ModuleScanner:
         if isinstance(node, ast.IfExp):
             guards = lambda: f"{ast.unparse(node.body)[:40]} (else {ast.unparse(node.orelse)[:40]})"  # noqa: E731
             role = "message" if in_message or isinstance(stmt, ast.Raise) else None
-            if any(classify.call_name(b) in classify.SKIP_CALLS for b in (node.body, node.orelse) if isinstance(b, ast.Call)):
+            if any(classify.call_name(b) in classify.SKIP_CALLS
+                   for b in (node.body, node.orelse) if isinstance(b, ast.Call)):
                 role = "test-skip"  # `pytest.skip(...) if not family(100) else None`
             effect = "tune" if classify.tuning_choice(node, name) else "enable"
             self._site(node.test, "ternary", scope, local, attrs, node, guards=guards, role=role, effect=effect)

@@ -37,15 +37,16 @@ from tpfuse.env import audit_max_bytes
 
 PY_SUFFIXES = (".py",)
 NATIVE_SUFFIXES = (".cu", ".cuh", ".h", ".hpp", ".hh", ".cpp", ".cc", ".cxx", ".c", ".inl")
-_SKIP_DIRS = {"__pycache__", ".git", ".hg", ".svn", ".tox", ".venv", "node_modules", ".mypy_cache", ".pytest_cache", ".tpfuse", ".tpfuse-patch"}
+_SKIP_DIRS = {"__pycache__", ".git", ".hg", ".svn", ".tox", ".venv", "node_modules", ".mypy_cache", ".pytest_cache",
+              ".tpfuse", ".tpfuse-patch"}
 KNOWN_PACKAGES = ("sglang", "vllm", "flashinfer", "tensorrt_llm")
 # The largest Python file of sglang 0.5.23 is 282 KB (srt/managers/scheduler.py): 1 MiB leaves 3.6x room
 # while one file's parse stays within the audit's memory target (peak RSS per bound: benchmarks/results/README.md).
 MAX_SOURCE_BYTES = 2**20
 MAX_BYTES_ENV = "TPFUSE_AUDIT_MAX_BYTES"
 # Why a file was not scanned (the `reason` of a `skipped` entry); append-only, reports carry them.
-REASONS = ("symlink-loop", "dangling-link", "unreadable", "not-a-file", "too-large", "undecodable", "unparsable", "unlistable",
-           "linked-directory")
+REASONS = ("symlink-loop", "dangling-link", "unreadable", "not-a-file", "too-large", "undecodable", "unparsable",
+           "unlistable", "linked-directory")
 
 
 class SourceSkip(Exception):
@@ -58,7 +59,8 @@ class SourceSkip(Exception):
 
 
 def max_source_bytes() -> int:
-    """The per-file bound: TPFUSE_AUDIT_MAX_BYTES, else MAX_SOURCE_BYTES; ValueError naming the variable for a bad value."""
+    """The per-file bound: TPFUSE_AUDIT_MAX_BYTES, else MAX_SOURCE_BYTES; ValueError naming the variable for a bad
+    value."""
     return audit_max_bytes() or MAX_SOURCE_BYTES
 
 
@@ -81,7 +83,8 @@ def read_bytes(path: Path, *, limit: int | None = None) -> bytes:
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            kind = "directory" if stat.S_ISDIR(st.st_mode) else "FIFO" if stat.S_ISFIFO(st.st_mode) else "device or socket"
+            kind = ("directory" if stat.S_ISDIR(st.st_mode)
+                    else "FIFO" if stat.S_ISFIFO(st.st_mode) else "device or socket")
             raise SourceSkip("not-a-file", f"not a regular file (a {kind})")
         if st.st_size > limit:
             raise SourceSkip("too-large", _too_large(st.st_size, limit))
@@ -102,7 +105,8 @@ def read_bytes(path: Path, *, limit: int | None = None) -> bytes:
 
 
 def _too_large(size: int, limit: int) -> str:
-    return f"{size} bytes, above the audit's per-file bound of {limit} bytes; set {MAX_BYTES_ENV} to a larger byte count to scan it"
+    return (f"{size} bytes, above the audit's per-file bound of {limit} bytes; set {MAX_BYTES_ENV} to a larger byte "
+            "count to scan it")
 
 
 def stream_matches(path: Path, predicate, *, chunk: int = 1 << 20, overlap: int = 64) -> bool:
@@ -150,7 +154,9 @@ def decode_source(data: bytes) -> tuple[str, str]:
     try:
         return data.decode(encoding), encoding
     except UnicodeDecodeError as exc:
-        raise SourceSkip("undecodable", f"not valid {encoding} at byte {exc.start}; Python cannot import it either (declare its encoding with a coding cookie)") from None
+        raise SourceSkip("undecodable",
+                         f"not valid {encoding} at byte {exc.start}; Python cannot import it either (declare its "
+                         "encoding with a coding cookie)") from None
 
 
 def read_source(path: Path, *, limit: int | None = None) -> tuple[str, str, bytes]:
@@ -168,7 +174,8 @@ class Target:
     root: Path
     python_files: tuple
     native_files: tuple
-    unlisted: tuple = ()  # ({"path", "reason", "error"}, ...): directories that could not be listed or are linked from outside
+    # ({"path", "reason", "error"}, ...): directories that could not be listed or are linked from outside
+    unlisted: tuple = ()
     note: str | None = None  # why nothing was scanned (a file that is neither Python nor native source)
     aliases: tuple = ()  # ({"path", "target"}, ...): links into the tree, audited under their real paths
 
@@ -228,7 +235,8 @@ def resolve_target(spec: str, *, native: bool = True) -> Target:
     path = Path(spec).expanduser()
     if not path.exists():
         if os.sep in spec or spec.startswith(".") or not spec.isidentifier():
-            raise ValueError(f"TARGET: path {spec!r} does not exist; pass a directory, a .py file or an installed package name")
+            raise ValueError(f"TARGET: path {spec!r} does not exist; pass a directory, a .py file or an installed "
+                             "package name")
         found = _find_package(spec)
         if found is None:
             raise ValueError(
@@ -240,13 +248,15 @@ def resolve_target(spec: str, *, native: bool = True) -> Target:
     if path.is_file():
         is_native = path.suffix in NATIVE_SUFFIXES or _is_cmake(path.name)
         if not is_native and path.suffix not in PY_SUFFIXES:
-            return Target(spec, path.parent, (), (), note=f"{path.name} is not a Python (.py) or C/C++/CUDA/CMake source; nothing to audit")
+            return Target(spec, path.parent, (), (),
+                          note=f"{path.name} is not a Python (.py) or C/C++/CUDA/CMake source; nothing to audit")
         return Target(spec, path.parent, () if is_native else (path,), (path,) if is_native and native else ())
     py, nat, unlisted, aliases = [], [], [], []
 
     def unlistable(exc: OSError) -> None:
         rel = Path(exc.filename).relative_to(path).as_posix() if exc.filename else "."
-        unlisted.append({"path": rel, "reason": "unlistable", "error": f"directory cannot be listed ({exc.strerror or exc})"})
+        unlisted.append({"path": rel, "reason": "unlistable",
+                         "error": f"directory cannot be listed ({exc.strerror or exc})"})
 
     def linked(link: Path) -> None:
         rel = link.relative_to(path).as_posix()
@@ -260,7 +270,8 @@ def resolve_target(spec: str, *, native: bool = True) -> Target:
             aliases.append({"path": rel, "target": real.relative_to(path).as_posix()})
         else:
             unlisted.append({"path": rel, "reason": "linked-directory",
-                             "error": f"a link to a directory outside the tree ({real}), not followed; audit {real} itself"})
+                             "error": f"a link to a directory outside the tree ({real}), not followed; "
+                                      f"audit {real} itself"})
 
     for dirpath, dirnames, filenames in _walk(path, unlistable, linked):
         dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS and not d.endswith(".egg-info"))

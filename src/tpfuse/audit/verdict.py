@@ -79,7 +79,8 @@ class ArchCondition:
     @property
     def enables(self) -> list:
         """`sm90`, or `sm90?` where the value there is unknown (other clauses decide)."""
-        return [a.name + ("?" if self.values[a.name] is None else "") for a in ARCHS if self.values[a.name] is not False]
+        return [a.name + ("?" if self.values[a.name] is None else "")
+                for a in ARCHS if self.values[a.name] is not False]
 
     @property
     def category(self) -> str:

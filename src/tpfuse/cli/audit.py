@@ -21,10 +21,10 @@ from tpfuse.cli.exits import EXIT_NEGATIVE, EXIT_OK, UsageError, dumps_json
 
 EXIT_INCOMPLETE = 3  # audit: some file was not scanned (listed under `skipped`)
 AUDIT_EXIT_CODES = (
-    "exit codes: 0 scanned everything (gates or not, without --fail-on-gates); 1 gates found with --fail-on-gates; "
-    "2 usage or environment error (--sarif not writable included: checked before the scan); 3 incomplete scan: a file "
-    "could not be read, decoded or parsed, or is above the per-file size bound (TPFUSE_AUDIT_MAX_BYTES, default 1 MiB); "
-    "each is listed under 'skipped' with its reason; 3 wins over 1"
+    "exit codes: 0 scanned everything (gates or not, without --fail-on-gates); 1 gates found with --fail-on-gates; 2 "
+    "usage or environment error (--sarif not writable included: checked before the scan); 3 incomplete scan: a file "
+    "could not be read, decoded or parsed, or is above the per-file size bound (TPFUSE_AUDIT_MAX_BYTES, default 1 "
+    "MiB); each is listed under 'skipped' with its reason; 3 wins over 1"
 )
 PATCH_DESCRIPTION = (
     "Print the minimal edit that opens each gate false on --arch (all of them, or --only IDs) in the codebase's own "
@@ -34,18 +34,19 @@ PATCH_DESCRIPTION = (
     "during the apply stops it with the user's bytes kept."
 )
 PATCH_EXIT_CODES = (
-    "exit codes (the same for a dry run and --apply of the same plan): 0 every gate asked for opens (by its own edit or "
-    "through an edited helper or flag it reads); 1 some gate stays closed (inverse, hardware without --force-hardware, "
-    "no edit in its idiom; each listed with its reason; with --apply the others are written), or --apply refused "
-    "because an edit fails its re-audit (nothing written); 2 usage or environment error (nothing written), e.g. a tree "
-    "that already carries a patch: run `tpfuse revert` first"
+    "exit codes (the same for a dry run and --apply of the same plan): 0 every gate asked for opens (by its own edit "
+    "or through an edited helper or flag it reads); 1 some gate stays closed (inverse, hardware without "
+    "--force-hardware, no edit in its idiom; each listed with its reason; with --apply the others are written), or "
+    "--apply refused because an edit fails its re-audit (nothing written); 2 usage or environment error (nothing "
+    "written), e.g. a tree that already carries a patch: run `tpfuse revert` first"
 )
 REVERT_DESCRIPTION = (
     "Restore every file a `tpfuse patch --apply` changed, byte for byte and with its permission bits, from the undo "
     "the patched tree carries (or --state-dir); files changed after patching are kept unless --force; a revert that "
     "was interrupted is finished by running it again."
 )
-REVERT_EXIT_CODES = "exit codes: 0 restored (or nothing was left to restore); 2 nothing to revert, or a file changed after patching (without --force)"
+REVERT_EXIT_CODES = ("exit codes: 0 restored (or nothing was left to restore); 2 nothing to revert, or a file changed "
+                     "after patching (without --force)")
 
 
 def add_parser(subparsers) -> None:
@@ -64,9 +65,11 @@ def add_parser(subparsers) -> None:
     _common(p)
     p.add_argument("--only", nargs="+", metavar="ID", help="patch only these gate IDs (from `tpfuse audit`)")
     p.add_argument("--apply", action="store_true", help="write the edit (atomically, with backups and a manifest)")
-    p.add_argument("--audit-json", metavar="FILE", help="refuse files whose hash differs from this earlier `audit --json` output")
+    p.add_argument("--audit-json", metavar="FILE",
+                   help="refuse files whose hash differs from this earlier `audit --json` output")
     p.add_argument("--state-dir", metavar="DIR",
-                   help="keep the backups and the manifest in DIR instead of inside the tree (the tree's marker names DIR)")
+                   help="keep the backups and the manifest in DIR instead of inside the tree (the tree's marker names "
+                        "DIR)")
     p.add_argument("--force-hardware", action="store_true",
                    help="also patch hardware gates (guarded code needs what --arch lacks); warns")
     p.set_defaults(run=run_patch)
@@ -76,13 +79,16 @@ def add_parser(subparsers) -> None:
     p.add_argument("target", metavar="TARGET", help="the directory, file or package that was patched")
     p.add_argument("--force", action="store_true", help="restore even files changed after patching, or, when the "
                    "manifest is unreadable, every backup SHA256SUMS verifies")
-    p.add_argument("--state-dir", metavar="DIR", help="where the patch's state was written, if the tree's marker is gone")
+    p.add_argument("--state-dir", metavar="DIR",
+                   help="where the patch's state was written, if the tree's marker is gone")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(run=run_revert)
 
 
 def _common(p) -> None:
-    p.add_argument("target", metavar="TARGET", help="a directory, a .py file, or an installed package name (sglang, vllm, flashinfer, tensorrt_llm)")
+    p.add_argument("target", metavar="TARGET",
+                   help="a directory, a .py file, or an installed package name (sglang, vllm, flashinfer, "
+                        "tensorrt_llm)")
     p.add_argument("--arch", required=True, help="the GPU architecture to audit for, e.g. sm120")
     p.add_argument("--like", help="report/patch only gates true on this architecture, e.g. sm100")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -97,7 +103,8 @@ def _archs(args):
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     if like == arch:
-        raise UsageError(f"--like {like.name} is the same as --arch; pick an architecture the gates already enable, e.g. sm100")
+        raise UsageError(f"--like {like.name} is the same as --arch; pick an architecture the gates already enable, "
+                         "e.g. sm100")
     return arch, like
 
 
@@ -185,8 +192,10 @@ def run_patch(args) -> int:
         known = {f.id: f for f in result.findings}
         unknown = [i for i in args.only if i not in known]
         if unknown:
-            raise UsageError(f"--only: no gate with ID {', '.join(unknown)} in {result.target.root}; run `tpfuse audit` for the IDs")
-        candidates = [known[i] for i in args.only]  # an inverse gate or non-gate asked for by ID is refused with its reason
+            raise UsageError(f"--only: no gate with ID {', '.join(unknown)} in {result.target.root}; run `tpfuse "
+                             "audit` for the IDs")
+        # an inverse gate or non-gate asked for by ID is refused with its reason
+        candidates = [known[i] for i in args.only]
     else:
         candidates = [f for f in candidates if not f.report_only]
     proposal = propose_patch(result, candidates, arch, like, force_hardware=args.force_hardware)
