@@ -114,12 +114,15 @@ class MoE(nn.Module):
         i, h = cfg.expert_inter, cfg.hidden
         w13 = torch.empty(num_local, 2 * i, h, dtype=dtype, device=device)
         w2 = torch.empty(num_local, h, i, dtype=dtype, device=device)
+
+        def draw(expert: int, name: str, shape: tuple[int, int], fan_in: int) -> torch.Tensor:
+            return random_tensor(shape, seed=seed, layer=layer, name=f"experts.{expert}.{name}", std=fan_in**-0.5,
+                                 dtype=dtype, device=device)
+
         for local, e in enumerate(range(self.first_expert, self.first_expert + num_local)):
-            draw = lambda name, shape, fan_in: random_tensor(shape, seed=seed, layer=layer, name=f"experts.{e}.{name}",  # noqa: E731
-                                                             std=fan_in**-0.5, dtype=dtype, device=device)
-            w13[local, :i] = draw("gate", (i, h), h)
-            w13[local, i:] = draw("up", (i, h), h)
-            w2[local] = draw("down", (h, i), i)
+            w13[local, :i] = draw(e, "gate", (i, h), h)
+            w13[local, i:] = draw(e, "up", (i, h), h)
+            w2[local] = draw(e, "down", (h, i), i)
         self.w13 = nn.Parameter(w13, requires_grad=False)  # (E_local, 2I, H)
         self.w2 = nn.Parameter(w2, requires_grad=False)  # (E_local, H, I)
         self.shared = None
