@@ -161,9 +161,18 @@ def propose_patch(result, findings: list, arch: Arch, like: Arch | None, *, forc
             proposal.plans[finding.id] = planner.plan(finding, like)
         except PatchError as exc:
             unplanned[finding.id] = (finding, str(exc), exc.deliberate)
+    # The gates without an edit that other edits may open; the loop below only adds deliberate
+    # refusals, so this list is final, and one re-audit per round checks the edits and these.
+    reopen = [f for f, _, deliberate in unplanned.values() if not deliberate]
+    after = None
     while True:
         proposal.changes = _apply(result, proposal.plans)
-        proposal.checks = verify(result, proposal.changes, findings, proposal.plans, arch) if proposal.changes else []
+        if not proposal.changes:
+            proposal.checks = []
+            break
+        after = _audit_patched(result, proposal.changes, {f.path for f in reopen})
+        proposal.checks = [_row(f, _match(after, f, proposal.plans), arch, proposal.plans[f.id].like)
+                           for f in findings if f.id in proposal.plans]
         bad = [row for row in proposal.checks if row["harm"]]
         if not bad:
             break
@@ -174,9 +183,8 @@ def propose_patch(result, findings: list, arch: Arch, like: Arch | None, *, forc
             unplanned[row["id"]] = (finding, why, True)
             del proposal.plans[row["id"]]
     if proposal.changes:
-        reopen = [f for f, _, deliberate in unplanned.values() if not deliberate]
-        proposal.opened = {row["id"]: row
-                           for row in reaudit(result, proposal.changes, reopen, arch) if row["includes_arch"]}
+        rows = (_row(f, _match(after, f, {}), arch, None) for f in reopen)
+        proposal.opened = {row["id"]: row for row in rows if row["includes_arch"]}
     proposal.errors = [(gid, why) for gid, (_, why, _) in unplanned.items() if gid not in proposal.opened]
     return proposal
 
@@ -260,17 +268,14 @@ def _row(finding, best, arch, like) -> dict:
     }
 
 
+def _audit_patched(result, changes: dict, also: set = frozenset(), *, from_disk: bool = False):
+    """The audit of the patched files (in memory, or from disk after writing) and of the files in
+    `also`, with the rest of the tree as it is."""
+    overlay = {} if from_disk else {result.target.root / rel: new for rel, (_, new) in changes.items()}
+    return audit(result.target.spec, native=False, overlay=overlay, only=set(changes) | set(also))
+
+
 def verify(result, changes: dict, findings: list, plans: dict, arch, *, from_disk: bool = False) -> list:
     """Re-audit the patched files (in memory, or from disk after writing); one row per planned gate."""
-    overlay = {} if from_disk else {result.target.root / rel: new for rel, (_, new) in changes.items()}
-    after = audit(result.target.spec, native=False, overlay=overlay, only=set(changes))
+    after = _audit_patched(result, changes, from_disk=from_disk)
     return [_row(f, _match(after, f, plans), arch, plans[f.id].like) for f in findings if f.id in plans]
-
-
-def reaudit(result, changes: dict, findings: list, arch) -> list:
-    """Re-audit `findings` (gates without an edit of their own) in the text `changes` patch, in memory."""
-    if not findings:
-        return []
-    overlay = {result.target.root / rel: new for rel, (_, new) in changes.items()}
-    after = audit(result.target.spec, native=False, overlay=overlay, only=set(changes) | {f.path for f in findings})
-    return [_row(f, _match(after, f, {}), arch, None) for f in findings]
