@@ -82,7 +82,7 @@ def literal_for(example, arch: Arch):
 
 
 class Planner:
-    """Plans edits for sites of one `AuditResult` (engine.py)."""
+    """Plans edits for sites of one `AuditResult` (driver.py)."""
 
     def __init__(self, result, arch: Arch, *, force_hardware: bool = False):
         self.result = result
