@@ -64,12 +64,12 @@ def _first_and_second_start(tmp_path, device, hidden, env=None):
     cache = str(tmp_path / "cache")
     first = run_ranks(_start, 2, args=(cache, device, hidden), env=env, timeout_s=500)
     for out in first:
-        assert out["served"], out["log"]
+        assert out["served"], "\n".join(out["log"])  # a string: pytest shortens a list
     (table,) = sorted((tmp_path / "cache").glob("dispatch-*.json"))
     written = table.stat().st_mtime_ns
     second = run_ranks(_start, 2, args=(cache, device, hidden), env=env, timeout_s=500)
     for out in second:
-        assert out["served"], out["log"]
+        assert out["served"], "\n".join(out["log"])  # a string: pytest shortens a list
     assert table.stat().st_mtime_ns == written  # loaded, not measured again
     xs = [small_integer_inputs(r, 24, hidden, torch.bfloat16) for r in range(2)]
     want = all_reduce_residual_rmsnorm_ref(xs, small_integer_inputs(100, 24, hidden, torch.bfloat16),
@@ -99,3 +99,35 @@ def test_first_start_calibrates_within_budget_and_the_second_loads_the_table_cpu
 def test_first_start_calibrates_within_budget_and_the_second_loads_the_table_shared_gpu(tmp_path):
     first, _ = _first_and_second_start(tmp_path, "cuda", 4096, env=GPU_ENV)
     assert first[0]["table_tokens"] == list(BUCKETS)[:len(first[0]["table_tokens"])]  # smallest first
+
+
+def _one_rank_fails_rank(rank, world_size, cache):
+    import os
+
+    import torch.distributed as dist
+
+    from tpfuse.integrations import runtime
+
+    os.environ["TPFUSE_CACHE_DIR"] = cache
+    group = runtime.EngineGroup("tp:0", dist.new_group([0, 1]), dist.new_group([0, 1], backend="gloo"), "cpu")
+    served = runtime.prepare("vllm", group, hidden=64, dtype=torch.bfloat16, max_tokens=8, buckets=(1, 2, 4, 8))
+    reason = runtime.state("tp:0").down
+    runtime.close_all()
+    return served, reason
+
+
+@pytest.mark.gloo
+def test_a_rank_failing_mid_calibration_stands_every_rank_down_naming_the_cause_first(tmp_path):
+    """Rank 1 fails inside the measurement; rank 0, left in a collective with it, loses its peer.
+    Every rank stands down with one reason, and the reason leads with rank 1's own error, not with
+    the PeerLostError that follows from it."""
+    env = {"TPFUSE_STRATEGIES": "raises_on_rank_one_later=support.raising_strategy:RaisesOnRankOneLater",
+           "TPFUSE_TIMEOUT_S": "5"}
+    results = run_ranks(_one_rank_fails_rank, 2, args=(str(tmp_path / "cache"),), env=env, timeout_s=200)
+    assert results[0] == results[1]
+    served, reason = results[0]
+    assert not served
+    assert reason.startswith("calibration failed on rank 1: RuntimeError: raises_on_rank_one_later: rank 1 failed "
+                             "on the device"), reason
+    assert "; rank 0: PeerLostError: " in reason, reason
+    assert not list((tmp_path / "cache").glob("dispatch-*.json"))  # nothing measured is saved

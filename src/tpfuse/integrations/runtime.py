@@ -110,9 +110,14 @@ def down_reason(name: str) -> str:
 # ---- set-up: collective, every step agreed ---------------------------------------------------
 
 
+# How the error of a rank that failed only because a peer did begins (`_attempt`'s form).
+_CONSEQUENCE = "PeerLostError: "
+
+
 def agree(group: EngineGroup, step: str, error: str) -> str:
     """Collective on the group's CPU group: "" when `step` succeeded on every rank, else one reason,
-    the same string on every rank.
+    the same string on every rank: the ranks' errors, causes before the `PeerLostError`s of ranks
+    whose peer failed.
 
     Each rank sends (tag, step, error, early). A rank that failed outside a collective reaches
     this gather while the others may still be inside one of the step's object collectives; the two
@@ -135,6 +140,9 @@ def agree(group: EngineGroup, step: str, error: str) -> str:
     failed = early or [(r, m[2]) for r, m in enumerate(everyone) if m[2]]
     if not failed:
         return ""
+    # A rank that lost its peer (PeerLostError) failed because another rank did: the other ranks'
+    # errors are the cause and come first (stable order otherwise).
+    failed.sort(key=lambda item: item[1].startswith(_CONSEQUENCE))
     by_reason: dict[str, list[int]] = {}
     for rank, reason in failed:
         by_reason.setdefault(reason, []).append(rank)
