@@ -137,6 +137,12 @@ def _alive(pid: int) -> bool:
             return False
 
 
+def _sigint_as_in_a_terminal() -> None:
+    """SIGINT as a shell's foreground command gets it: a run of the tests in the background (`&` in a
+    script, as CI may start them) passes SIGINT on ignored, and a process ignoring it never sees Ctrl-C."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("target,sig", [("parent", signal.SIGKILL), ("parent", signal.SIGTERM),
                                         ("parent", signal.SIGINT), ("rank", signal.SIGKILL)],
@@ -150,7 +156,8 @@ def test_a_killed_tune_takes_every_rank_with_it_and_writes_no_table(tmp_path, ta
     parent = subprocess.Popen(
         [sys.executable, "-m", "tpfuse.cli", "tune", "--hidden", "16", "--max-tokens", "1", "--op", "all_reduce",
          "--strategies", "reference,pid_then_block", "--world-size", "2", "--cache-dir", str(cache), "--json"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=_sigint_as_in_a_terminal)
     try:
         deadline = time.monotonic() + 120
         while len([p for p in os.listdir(pids) if p.isdigit()]) < 2:
