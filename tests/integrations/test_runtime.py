@@ -222,3 +222,22 @@ def test_engine_op_captured_and_replayed_with_oneshot_on_a_shared_gpu():
                 small_integer_inputs(101, GRAPH_M, GRAPH_H, GRAPH_DTYPE, seed=step)[0])
             assert torch.equal(new_res, want[1]), step  # small-integer sums are exact
             assert torch.equal(normed, want[0]), step
+
+
+def test_the_plan_line_covers_every_token_count_with_the_bucket_that_serves_it():
+    from types import SimpleNamespace
+
+    from tpfuse.integrations.runtime import EngineGroup, plan_text
+
+    table = {1: "ring", 2: "reference", 4: "reference", 8: "ring"}  # measured buckets; larger: the default
+
+    def strategy_for(op, tokens, hidden, dtype):
+        if tokens in table:
+            return SimpleNamespace(name=table[tokens], source="table", reason="")
+        return SimpleNamespace(name="reference", source="default", reason="no bucket")
+
+    comm = SimpleNamespace(strategy_for=strategy_for, world_size=2, facts=SimpleNamespace(backend="gloo",
+                                                                                        device_type="cpu"))
+    line = plan_text("vllm", EngineGroup("tp:0", None, None, "cpu"), comm, 256, torch.bfloat16, 64)
+    assert line.endswith("hidden 256 bfloat16: tokens 1: ring (measured); tokens 2-4: reference (measured); "
+                         "tokens 5-8: ring (measured); tokens 9-64: reference (no bucket)"), line

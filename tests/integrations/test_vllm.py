@@ -108,7 +108,7 @@ def test_first_start_calibrates_and_the_second_loads(starts):
         assert out["prepared"] == {"tp:0 256 bfloat16": 64}  # max_num_batched_tokens
         plans = [m for m in out["log"] if m.startswith("tpfuse: vllm group tp:0 (world size 2, gloo, cpu)")]
         assert len(plans) == 1 and _plan_runs(plans[0])[-1].startswith(
-            "tokens 16-64: reference (conservative default (the dispatch table has no bucket"), plans
+            "tokens 9-64: reference (conservative default (the dispatch table has no bucket"), plans
         assert all(run.endswith("(measured)") for run in _plan_runs(plans[0])[:-1]), plans
 
 

@@ -296,16 +296,19 @@ def close_all() -> None:
 
 
 def plan_text(engine: str, group: EngineGroup, comm, hidden: int, dtype: torch.dtype, max_tokens: int) -> str:
-    """One line: the strategy of each run of token buckets that share strategy and source
-    ("measured" for the dispatch table's buckets, else the first bucket's reason)."""
+    """One line: the strategy of each run of token counts that share strategy and source
+    ("measured" for the dispatch table's buckets, else the first bucket's reason). A bucket serves
+    every count above the bucket before it (the table's lookup), so the runs cover 1..max_tokens."""
     runs: list[list] = []  # [first, last, name, source, label]
+    below = 0
     for tokens in buckets(max_tokens):
         choice = comm.strategy_for(Op.ALL_REDUCE_RESIDUAL_RMSNORM, tokens, hidden, dtype)
         if runs and runs[-1][2:4] == [choice.name, choice.source]:
             runs[-1][1] = tokens
         else:
-            runs.append([tokens, tokens, choice.name, choice.source,
+            runs.append([below + 1, tokens, choice.name, choice.source,
                          "measured" if choice.source == "table" else choice.reason])
+        below = tokens
     head = (f"tpfuse: {engine} group {group.name} (world size {comm.world_size}, {comm.facts.backend}, "
             f"{comm.facts.device_type}), allreduce + residual + RMSNorm, hidden {hidden} "
             f"{str(dtype).removeprefix('torch.')}:")
