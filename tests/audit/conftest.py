@@ -10,6 +10,8 @@ import pytest
 from tpfuse.audit.arch import ARCHS
 from tpfuse.audit.driver import audit
 
+from .sglang_source import SGLANG_VERSION, sglang_source
+
 collect_ignore_glob = ["fixtures/*"]
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -45,3 +47,12 @@ def find(result, path, condition_part, kind=None):
             if f.path == path and condition_part in f.condition and (kind is None or f.kind == kind)]
     assert len(hits) == 1, [(f.line, f.condition) for f in result.findings if f.path == path]
     return hits[0]
+
+
+@pytest.fixture(scope="module")
+def source():
+    """The extracted source of sglang SGLANG_VERSION (skipped with the reason when unavailable)."""
+    path, why = sglang_source()
+    if path is None:
+        pytest.skip(f"sglang {SGLANG_VERSION} source unavailable: {why}")
+    return path

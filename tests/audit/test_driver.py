@@ -24,7 +24,7 @@ from tpfuse.audit.patch import propose_patch
 
 from .conftest import FIXTURES
 from .corpus_harness import FAMILIES, TREE_DIRS, load, score, score_trees, trees
-from .sglang_source import ADD_NORM, SGLANG_VERSION, runtime_gate, sglang_source
+from .sglang_source import ADD_NORM, runtime_gate, sglang_source
 
 SM120, SM100 = parse_arch("sm120"), parse_arch("sm100")
 _NEGATED = re.compile(r"\bnot\b|!=|\bnot in\b")
@@ -136,13 +136,6 @@ def test_the_real_trees_agree(cases):
         assert s[lang]["recall"] >= (0.95 if lang == "python" else 0.9), s[lang]["misses"]
         assert s[lang]["precision"] >= 0.95, s[lang]["misses"]
 
-
-@pytest.fixture(scope="module")
-def source():
-    path, why = sglang_source()
-    if path is None:
-        pytest.skip(f"sglang {SGLANG_VERSION} source unavailable: {why}")
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from tpfuse.audit.patch import propose_patch
 from tpfuse.cli.main import main
 
 from .conftest import find
-from .sglang_source import ADD_NORM, SGLANG_VERSION, runtime_gate, sglang_source
+from .sglang_source import ADD_NORM, runtime_gate
 
 RUNTIME_GATE = "allreduce_fusion_applies() result"
 SM120, SM100 = parse_arch("sm120"), parse_arch("sm100")
@@ -301,13 +301,6 @@ def test_dry_run_and_apply_of_one_plan_exit_alike_then_revert(capsys, engine, st
     assert run(capsys, *argv, "--only", gid, "--apply", "--state-dir", str(state_dir))[0] == 0
     assert run(capsys, "revert", str(engine), "--state-dir", str(state_dir))[0] == 0 and snapshot(engine) == before
 
-
-@pytest.fixture(scope="module")
-def source():
-    path, why = sglang_source()
-    if path is None:
-        pytest.skip(f"sglang {SGLANG_VERSION} source unavailable: {why}")
-    return path
 
 
 @pytest.mark.slow
