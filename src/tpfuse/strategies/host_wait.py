@@ -77,6 +77,17 @@ def goes_through_host(group, device) -> bool:
     return device.type == "cpu" or "nccl" not in str(dist.get_backend(group)).lower()
 
 
+def refuse_capture(where: str) -> None:
+    """Raise RuntimeError when the current CUDA stream is capturing a graph: a strategy that stages
+    CUDA tensors through the host (gloo) has copies and host waits no graph can hold. Called at the
+    entry of every op, before any exchange, so every rank of a capture refuses at the same point;
+    refused later, the ranks part ways (a ring step whose send is empty on one rank posts its
+    receive and waits, while the neighbour's staging copy fails at once)."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"{where}: moves CUDA tensors through the host over gloo, which a CUDA graph cannot "
+                           "capture; run it eagerly, or capture over an NCCL group or with a peer strategy")
+
+
 _REMEDY = "the process group is out of step: destroy the process group and start every rank again"
 
 

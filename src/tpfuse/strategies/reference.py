@@ -10,7 +10,8 @@ Peer failure: over gloo the allreduce runs on a `HostGroup` (a private gloo grou
 timeout is `timeout_s`: Communicator option, default TPFUSE_TIMEOUT_S) and is waited on for at most
 that long, then raises `PeerLostError` naming the ranks that failed; later calls refuse at once, and
 `close()` and process exit return within the bound (`tpfuse.strategies.host_wait`). CUDA tensors
-of a gloo group are staged through host memory. Over NCCL, NCCL's watchdog and the group timeout apply.
+of a gloo group are staged through host memory (refused under CUDA-graph capture). Over NCCL,
+NCCL's watchdog and the group timeout apply.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from tpfuse.quant import KINDS
 from tpfuse.reference import accumulation_dtype, residual_rmsnorm_quant_ref, residual_rmsnorm_ref
 from tpfuse.spec import Needs
 from tpfuse.strategies.base import Strategy
-from tpfuse.strategies.host_wait import HostGroup, PeerGuard, goes_through_host, strategy_timeout_s
+from tpfuse.strategies.host_wait import HostGroup, PeerGuard, goes_through_host, refuse_capture, strategy_timeout_s
 
 
 class ReferenceStrategy(Strategy):
@@ -48,6 +49,8 @@ class ReferenceStrategy(Strategy):
         self._host = None
 
     def _reduced(self, x: torch.Tensor) -> torch.Tensor:
+        if self._host is not None and x.is_cuda:
+            refuse_capture(self.name)
         acc = x.to(accumulation_dtype(x.dtype), copy=True)
         if self.ctx.world_size == 1:
             return acc

@@ -13,7 +13,8 @@ the reference's 0..W-1, which changes nothing for exact sums (small integers) an
 last bit of random fp32 sums (within `reference.TOLERANCE`).
 
 Runs wherever torch.distributed point-to-point runs: gloo on CPU, NCCL on GPUs. Gloo sends host
-memory only, so CUDA tensors over a gloo group are staged through the host. Not fused
+memory only, so CUDA tensors over a gloo group are staged through the host (no CUDA graph can
+hold that: such a call refuses under capture, on every rank at the op's entry). Not fused
 (`fused = False`): it is an unfused baseline that tune may choose on its own merits.
 
 Peer failure: over gloo the exchanges run on a `HostGroup` (a private gloo group whose own timeout
@@ -34,7 +35,7 @@ from tpfuse.quant import KINDS
 from tpfuse.reference import accumulation_dtype, residual_rmsnorm_quant_ref, residual_rmsnorm_ref
 from tpfuse.spec import Needs
 from tpfuse.strategies.base import Strategy
-from tpfuse.strategies.host_wait import HostGroup, PeerGuard, goes_through_host, strategy_timeout_s
+from tpfuse.strategies.host_wait import HostGroup, PeerGuard, goes_through_host, refuse_capture, strategy_timeout_s
 
 
 class RingStrategy(Strategy):
@@ -108,6 +109,8 @@ class RingStrategy(Strategy):
             chunks[recv_idx] = incoming
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self._stage:
+            refuse_capture(self.name)
         acc = x.to(accumulation_dtype(x.dtype)).reshape(-1)
         if self.ctx.world_size == 1:
             return acc.to(x.dtype).view(x.shape)
@@ -121,6 +124,8 @@ class RingStrategy(Strategy):
         return torch.cat(chunks).view(x.shape)
 
     def all_reduce_residual_rmsnorm(self, x, residual, weight, eps, *, quant=None):
+        if self._stage:
+            refuse_capture(self.name)
         if quant is not None:
             # Quantized rows mix codes and scales of other shapes, so the ring all-gathers the sum
             # (the plain allreduce) and every rank quantizes all rows with the reference.
