@@ -65,3 +65,26 @@ def test_every_folder_of_test_files_is_a_package():
                   - {str(p.parent.relative_to(TESTS)) for p in TESTS.rglob("__init__.py")})
     assert not bare, (f"{', '.join(bare)}: add an __init__.py, so that its test files may share names "
                       "with those of other folders")
+
+
+def test_every_import_of_a_test_module_names_one_that_exists():
+    """A GPU test that imports a helper of another test file runs only on a GPU machine: a file
+    renamed or merged would leave it failing there and nowhere else. Every `tests.` import, at
+    module level or inside a function, names a module or package under tests/."""
+    import ast
+
+    missing = []
+    for path in sorted(TESTS.rglob("*.py")):
+        rel = path.relative_to(TESTS)
+        if any(PurePosixPath(rel.as_posix()).is_relative_to(skip) for skip in NOT_TESTS):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0
+                     else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            for name in names:
+                if name == "tests" or not name.startswith("tests."):
+                    continue
+                target = ROOT.joinpath(*name.split("."))
+                if not (target.with_suffix(".py").is_file() or (target / "__init__.py").is_file()):
+                    missing.append(f"tests/{rel.as_posix()}:{node.lineno} imports {name}")
+    assert not missing, "; ".join(missing) + ": no such test module (renamed or merged?); import it from where it is"

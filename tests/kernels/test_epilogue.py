@@ -197,8 +197,7 @@ def test_prebound_launch_replays_in_a_cuda_graph_and_unaligned_views_stay_correc
 
 @pytest.mark.gpu
 def test_prebound_quantized_launches_repeat_the_reference_quantizer():
-    from tests.kernels.test_quant_gpu import MODEL_SPECS, _cpu, _on
-    from tests.kernels.test_quant_interpreter import _same
+    from tests.kernels.test_quant import MODEL_SPECS, _cpu, _on, _same
 
     from tpfuse.kernels.epilogue import residual_rmsnorm
 
