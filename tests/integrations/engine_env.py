@@ -20,13 +20,14 @@ import os
 import shutil
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import tomllib
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-ENGINES = ("sglang", "vllm")
+ENGINES = ("sglang", "sglang-legacy", "vllm")
 
 
 def cache_dir() -> Path:
@@ -107,6 +108,37 @@ sys.modules.update({"torchvision": _tv, "torchvision.transforms": _tr, "torchvis
 def install_torchvision_shim() -> None:
     if "torchvision" not in sys.modules:
         exec(TORCHVISION_SHIM, {})
+
+
+class _StandIn(types.ModuleType):
+    """A module whose every public attribute is a function that raises when called: it satisfies
+    `from m import name` at import time and fails loudly if anything ever calls it."""
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+
+        def absent(*args, **kwargs):
+            raise RuntimeError(f"{self.__name__}.{name} is a test stand-in; nothing on the allreduce path calls it")
+
+        absent.__name__ = name
+        return absent
+
+
+def install_legacy_stand_ins() -> None:
+    """What sglang 0.5.10's modules import at module level beyond the torchvision shim, none of it
+    on the allreduce path: `torchvision.io.decode_jpeg` (sglang.srt.utils.common) and `sgl_kernel`,
+    its CUDA kernel package (`sgl_kernel.kvcacheio`, imported by the host KV cache that the CUDA-graph
+    runner's module pulls in), whose wheels need a GPU build of torch."""
+    install_torchvision_shim()
+    vision = sys.modules["torchvision"]
+    if not hasattr(vision, "io"):
+        vision.__path__ = []  # a package, so that `torchvision.io` resolves
+        vision.io = sys.modules["torchvision.io"] = _StandIn("torchvision.io")
+    if "sgl_kernel" not in sys.modules:
+        kernel = sys.modules["sgl_kernel"] = _StandIn("sgl_kernel")
+        kernel.__path__ = []
+        kernel.kvcacheio = sys.modules["sgl_kernel.kvcacheio"] = _StandIn("sgl_kernel.kvcacheio")
 
 
 if __name__ == "__main__":
