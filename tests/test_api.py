@@ -123,7 +123,7 @@ def _steady_rank(rank, world_size):
         out["3d"] = (x3, comm.all_reduce_residual_rmsnorm(x3, None, w))
         comm.all_reduce_residual_rmsnorm(x3, None, w)
         out["after_other_shape"] = dict(counts)
-        out["routes"] = len(comm._routes)
+        out["routes"] = sum(len(routes) for routes in comm._routes.values())
     return out
 
 

@@ -120,7 +120,8 @@ class Communicator:
                        else torch.device("cpu"))
         self._instances: dict[str, Strategy] = {}
         self._choices: dict[tuple, Choice] = {}
-        self._routes: dict[tuple, _Route] = {}
+        # Routes per op, keyed by (tokens, hidden, dtype, has residual, quantized-output kind)
+        self._routes: dict[Op, dict[tuple, _Route]] = {op: {} for op in Op}
         self._closed = False
         # Collective: every rank loads its dispatch table and all agree on its digest, or all
         # use none (tpfuse.dispatch.agree). Loaded once; `tpfuse tune` output applies to new
@@ -136,11 +137,11 @@ class Communicator:
         m, h = rows.shape
         if self.debug:
             self._check_ranks_agree(Op.ALL_REDUCE, rows)
-        route = self._routes.get((Op.ALL_REDUCE, m, h, x.dtype, False, None)) or self._route(
+        route = self._routes[Op.ALL_REDUCE].get((m, h, x.dtype, False, None)) or self._route(
             Op.ALL_REDUCE, rows, has_residual=False)
         if m == 0:
             return torch.empty_like(x, memory_format=torch.contiguous_format)
-        if torch.is_grad_enabled():
+        if x.requires_grad and torch.is_grad_enabled():
             with torch.no_grad():  # inference-only: outputs never carry autograd history (README)
                 out = route.call(rows)
         else:
@@ -172,7 +173,7 @@ class Communicator:
         op = Op.ALL_REDUCE_RESIDUAL_RMSNORM
         if self.debug:
             self._check_ranks_agree(op, rows)
-        route = self._routes.get((op, m, h, x.dtype, residual is not None, kind)) or self._route(
+        route = self._routes[op].get((m, h, x.dtype, residual is not None, kind)) or self._route(
             op, rows, has_residual=residual is not None, quant=kind)
         weight, eps = weight.contiguous(), float(eps)
         if m == 0:
@@ -182,9 +183,15 @@ class Communicator:
                 return _shaped(residual_rmsnorm_quant_ref(rows, res_rows, weight, eps, quant), x.shape, kind)
             empty = torch.empty_like(x, memory_format=torch.contiguous_format)
             return empty, empty.clone()
-        if torch.is_grad_enabled():
+        # Autograd records nothing unless an input requires grad, so only then is no_grad needed
+        # (entering it costs more than the rest of the host path's checks).
+        if (x.requires_grad or weight.requires_grad or (residual is not None and residual.requires_grad)
+                or quant is not None) and torch.is_grad_enabled():
             with torch.no_grad():  # inference-only: outputs never carry autograd history (README)
                 return self._fused(route, x, rows, res_rows, weight, eps, quant)
+        if quant is None:  # the steady call, inline
+            normed, new_residual = route.call(rows, res_rows, weight, eps)
+            return (normed, new_residual) if rows is x else (normed.view(x.shape), new_residual.view(x.shape))
         return self._fused(route, x, rows, res_rows, weight, eps, quant)
 
     def prepare(self, *, hidden: int, dtype: torch.dtype, max_tokens: int) -> None:
@@ -221,7 +228,8 @@ class Communicator:
         if self._closed:
             return
         self._closed = True
-        self._routes.clear()  # a later call misses its route, and _route raises
+        for routes in self._routes.values():
+            routes.clear()  # a later call misses its route, and _route raises
         for instance in self._instances.values():
             instance.close()
         self._instances.clear()
@@ -254,8 +262,13 @@ class Communicator:
         if m == 0:  # nothing is communicated: no strategy is chosen
             return _Route(problem, None, None)
         instance = self._strategy(problem)
-        call = instance.all_reduce if op is Op.ALL_REDUCE else instance.all_reduce_residual_rmsnorm
-        route = self._routes[(op, m, h, rows.dtype, has_residual, quant)] = _Route(problem, self._choose(problem), call)
+        if op is Op.ALL_REDUCE:
+            call = instance.all_reduce
+        elif quant is None:
+            call = instance.fused_route(m, h, rows.dtype, has_residual=has_residual)
+        else:
+            call = instance.all_reduce_residual_rmsnorm
+        route = self._routes[op][(m, h, rows.dtype, has_residual, quant)] = _Route(problem, self._choose(problem), call)
         return route
 
     def _choose(self, problem: Problem) -> Choice:
@@ -323,7 +336,8 @@ class Communicator:
 
 class _Route(NamedTuple):
     """What a call of one (op, shape, dtype, residual, quantized-output format) needs, made once:
-    its problem, the strategy's choice and the bound method of the strategy instance to call."""
+    its problem, the strategy's choice and what of the strategy instance to call (a bound op, or
+    the instance's route for that shape: `Strategy.fused_route`)."""
 
     problem: Problem
     choice: Choice | None

@@ -63,12 +63,17 @@ def check_all_reduce(x, *, device: torch.device) -> None:
 
 def _plain_residual_rmsnorm(x, residual, weight, eps, device: torch.device) -> bool:
     """True for a call that the checks of `check_residual_rmsnorm` accept, read in a few attribute
-    reads (a Python float eps, every tensor on `device`); False only means: check in full."""
-    return (type(eps) is float and 0.0 <= eps < math.inf and _plain_tensor(x, device)
-            and isinstance(weight, torch.Tensor) and weight.dtype is x.dtype and weight.device == device
-            and weight.shape == (x.shape[-1],)
-            and (residual is None or (isinstance(residual, torch.Tensor) and residual.dtype is x.dtype
-                                      and residual.device == device and residual.shape == x.shape)))
+    reads, each once (a Python float eps, every tensor on `device`); False only means: check in full."""
+    if type(eps) is not float or not 0.0 <= eps < math.inf or not isinstance(x, torch.Tensor) \
+            or not isinstance(weight, torch.Tensor):  # weights are often nn.Parameter
+        return False
+    dtype, shape, where = x.dtype, x.shape, x.device
+    if dtype not in _SUPPORTED or where != device or not shape or not shape[-1]:
+        return False
+    if weight.dtype is not dtype or weight.device != where or weight.shape != shape[-1:]:
+        return False
+    return residual is None or (isinstance(residual, torch.Tensor) and residual.dtype is dtype
+                                and residual.device == where and residual.shape == shape)
 
 
 def check_residual_rmsnorm(x, residual, weight, eps, *, device: torch.device) -> None:

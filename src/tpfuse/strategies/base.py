@@ -73,6 +73,13 @@ class Strategy(ABC):
         of one of them) and then return a tpfuse.quant.QuantOutput; they are called with it only
         for problems whose `quant` they admitted."""
 
+    def fused_route(self, num_tokens: int, hidden: int, dtype: torch.dtype, *, has_residual: bool):
+        """What serves unquantized `all_reduce_residual_rmsnorm` calls of this shape, called as that
+        method is (x, residual, weight, eps), validated rows only. The Communicator asks once per
+        shape and keeps it; strategies with a per-shape route of their own return it, so a steady
+        call skips their lookup. Default: the method itself."""
+        return self.all_reduce_residual_rmsnorm
+
     def check(self) -> None:
         """Raise if an earlier asynchronous call failed on the device (e.g. a peer timeout seen
         only after CUDA-graph replays); synchronises. Strategies without device-side state pass."""

@@ -265,6 +265,11 @@ class PeerStrategy(Strategy):
         s = self._run(x, None, None, 0.0, has_norm=False)[0]
         return residual_rmsnorm(s, residual, weight, eps, quant=quant)
 
+    def fused_route(self, num_tokens: int, hidden: int, dtype: torch.dtype, *, has_residual: bool):
+        """The cached route of unquantized fused calls of this shape (made now, as a first call makes it)."""
+        ws = self._workspace(dtype, num_tokens, hidden)
+        return self._route(ws, num_tokens, hidden, dtype, has_residual, True, None, compile_now=True)
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         return self._run(x, None, None, 0.0, has_norm=False)[0]
 
@@ -297,7 +302,7 @@ class _Fused:
     def __init__(self, ws, launch) -> None:
         self.ws, self.launch = ws, launch
 
-    def __call__(self, x, residual, weight, eps, quant):
+    def __call__(self, x, residual, weight, eps, quant=None):
         self.ws.before_call()
         return self.launch(x, residual, weight, eps, quant=quant)
 
@@ -310,7 +315,7 @@ class _Unfused:
     def __init__(self, strategy: Strategy, has_norm: bool) -> None:
         self.strategy, self.has_norm = strategy, has_norm
 
-    def __call__(self, x, residual, weight, eps, quant):
+    def __call__(self, x, residual, weight, eps, quant=None):
         if self.has_norm:
             return self.strategy.all_reduce_residual_rmsnorm(x, residual, weight, eps, quant=quant)
         return self.strategy.all_reduce(x), None
@@ -324,5 +329,5 @@ class _QuantizeAfter:
     def __init__(self, strategy: PeerStrategy) -> None:
         self.strategy = strategy
 
-    def __call__(self, x, residual, weight, eps, quant):
+    def __call__(self, x, residual, weight, eps, quant=None):
         return self.strategy._quantize_after(x, residual, weight, eps, quant)

@@ -196,6 +196,9 @@ class LamportWorkspace:
         self.errmap = torch.zeros(ERR_WORDS, dtype=torch.int32, pin_memory=True) if device.type == "cuda" else self.err
         self._errmap_words = self.errmap.numpy()  # host reads without a torch op
         self._stream = None  # the raw handle of the stream of the last eager call
+        # The device index each call reads its current stream on (one attribute read, not two)
+        self._cuda_index = None if device.type != "cuda" else (
+            device.index if device.index is not None else torch.cuda.current_device())
         self._closed = False
         self._barrier()
 
@@ -211,8 +214,8 @@ class LamportWorkspace:
         and order this call after the workspace's earlier eager calls on other streams."""
         if self._errmap_words[ERR_CODE] or self._closed:
             self._raise_recorded()
-        if self.device.type == "cuda":
-            stream = torch._C._cuda_getCurrentRawStream(self.device.index)
+        if self._cuda_index is not None:
+            stream = torch._C._cuda_getCurrentRawStream(self._cuda_index)
             if stream != self._stream and not torch.cuda.is_current_stream_capturing():
                 self._bind_stream(stream)
 
