@@ -59,6 +59,13 @@ class Strategy(ABC):
     def prepare(self, *, hidden: int, dtype: torch.dtype, max_tokens: int) -> None:
         """Allocate whatever the ops need for shapes up to `max_tokens x hidden`, outside graph capture."""
 
+    def prepare_bucket(self, *, hidden: int, dtype: torch.dtype, max_tokens: int, num_tokens: int) -> None:
+        """What tune calls before it measures calls of `num_tokens` (of at most `max_tokens`): sizes as
+        for prepare(max_tokens), set-up work only for calls of `num_tokens`, so a budgeted tune pays
+        for the buckets it reaches. Override where prepare() costs much more than one bucket's share
+        (the peer strategies compile a kernel variant per plan); by default tune calls prepare() once."""
+        self.prepare(hidden=hidden, dtype=dtype, max_tokens=max_tokens)
+
     @abstractmethod
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of `x` over the group's ranks, out of place, same dtype and shape."""

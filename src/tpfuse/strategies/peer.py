@@ -114,6 +114,7 @@ class PeerStrategy(Strategy):
         self._routes: dict = {}
         self._fallback: Strategy | None = None
         self._prepare_tokens = 0
+        self._unfused_prepared: set[tuple] = set()
         self.handle = register_instance(self)
 
     def _pdl_mode(self, value, shares: bool) -> int:
@@ -186,12 +187,20 @@ class PeerStrategy(Strategy):
 
     def prepare(self, *, hidden: int, dtype: torch.dtype, max_tokens: int) -> None:
         """Allocate the workspace for max_tokens x hidden and compile every kernel variant those calls use."""
+        self._prepare(hidden, dtype, max_tokens, None)
+
+    def prepare_bucket(self, *, hidden: int, dtype: torch.dtype, max_tokens: int, num_tokens: int) -> None:
+        """The workspace as prepare(max_tokens) allocates it; the kernel variants of `num_tokens` only."""
+        self._prepare(hidden, dtype, max_tokens, num_tokens)
+
+    def _prepare(self, hidden: int, dtype: torch.dtype, max_tokens: int, only: int | None) -> None:
         cap = max(1, MAX_INPUT_BYTES // dtype.itemsize // hidden)
         tokens = min(max_tokens, cap)  # admission caps one rank's input, so more tokens buy nothing
         self._prepare_tokens = tokens
         ws = self._workspaces.get(dtype) or self._workspace(dtype, 1, hidden)
         compiled = set()
-        for m in range(1, tokens + 1):
+        counts = range(1, tokens + 1) if only is None else [m for m in (only,) if m <= tokens]
+        for m in counts:
             for has_res, has_norm in ((True, True), (False, True), (False, False)):
                 route = self._route(ws, m, hidden, dtype, has_res, has_norm, None, compile_now=False)
                 launch = getattr(route, "launch", None)
@@ -200,7 +209,9 @@ class PeerStrategy(Strategy):
                     launch.compile()
                     compiled.add(variant)
         # the unfused path serves calls that do not fit: ready before any capture, like the kernels
-        self._unfused().prepare(hidden=hidden, dtype=dtype, max_tokens=max_tokens)
+        if (hidden, dtype, max_tokens) not in self._unfused_prepared:
+            self._unfused().prepare(hidden=hidden, dtype=dtype, max_tokens=max_tokens)
+            self._unfused_prepared.add((hidden, dtype, max_tokens))
         ws._barrier()  # every rank has compiled before any rank's first launch can start spinning
 
     def _route(self, ws, m: int, h: int, dtype, has_res: bool, has_norm: bool, quant, *, compile_now: bool):

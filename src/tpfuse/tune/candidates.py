@@ -1,9 +1,9 @@
 """Candidates for one problem: the admitted strategies, their instances, and their timed calls.
 
 `CandidatePool` creates each strategy instance once for a whole tune or verify run (bound to the
-caller's group), prepares it for every hidden size before any timing, and closes them all in
-registry order at the end (close may be collective for strategies holding peer buffers, so every
-rank closes the same instances in the same order).
+caller's group), prepares it before timing it (for every hidden size; tune: bucket by bucket), and
+closes them all in registry order at the end (close may be collective for strategies holding peer
+buffers, so every rank closes the same instances in the same order).
 """
 
 from __future__ import annotations
@@ -52,13 +52,21 @@ class CandidatePool:
         return cls(group=group, rank=dist.get_rank(group), world_size=dist.get_world_size(group), facts=facts,
                    caps=caps, device=dev, options=options)
 
-    def get(self, name: str, *, hidden: int, dtype: torch.dtype, max_tokens: int) -> Strategy:
+    def get(self, name: str, *, hidden: int, dtype: torch.dtype, max_tokens: int,
+            num_tokens: int | None = None) -> Strategy:
+        """The instance of `name`, prepared for calls of up to `max_tokens`; with `num_tokens`, for
+        those calls only (`Strategy.prepare_bucket`), so that a budgeted tune sets up only the
+        buckets it reaches."""
         instance = self._instances.get(name)
         if instance is None:
             instance = self._instances[name] = get_strategy(name)(self._ctx)
-        key = (name, hidden, dtype, max_tokens)
+        per_bucket = num_tokens is not None and type(instance).prepare_bucket is not Strategy.prepare_bucket
+        key = (name, hidden, dtype, max_tokens, num_tokens if per_bucket else None)
         if key not in self._prepared:
-            instance.prepare(hidden=hidden, dtype=dtype, max_tokens=max_tokens)
+            if per_bucket:
+                instance.prepare_bucket(hidden=hidden, dtype=dtype, max_tokens=max_tokens, num_tokens=num_tokens)
+            else:
+                instance.prepare(hidden=hidden, dtype=dtype, max_tokens=max_tokens)
             self._prepared.add(key)
         return instance
 

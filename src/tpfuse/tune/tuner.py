@@ -158,7 +158,8 @@ def _tune_bucket(spec, pool, op, hidden, num_tokens, dtype, max_tokens, facts, c
     passing = []
     for name in names:
         try:
-            instance, local = pool.get(name, hidden=hidden, dtype=dtype, max_tokens=max_tokens), ""
+            instance = pool.get(name, hidden=hidden, dtype=dtype, max_tokens=max_tokens, num_tokens=num_tokens)
+            local = ""
         except Exception as exc:  # reported, then agreed: a candidate missing on one rank is out everywhere
             instance, local = None, f"{type(exc).__name__}: {exc}"
         everyone: list = [None] * world_size
@@ -179,8 +180,9 @@ def _tune_bucket(spec, pool, op, hidden, num_tokens, dtype, max_tokens, facts, c
         )
 
     def calls(selected):
-        return {n: timed_call(pool.get(n, hidden=hidden, dtype=dtype, max_tokens=max_tokens), op, rank=rank,
-                              num_tokens=num_tokens, hidden=hidden, dtype=dtype, device=dev) for n in selected}
+        return {n: timed_call(pool.get(n, hidden=hidden, dtype=dtype, max_tokens=max_tokens, num_tokens=num_tokens),
+                              op, rank=rank, num_tokens=num_tokens, hidden=hidden, dtype=dtype, device=dev)
+                for n in selected}
 
     first = time_interleaved(calls(passing), group=group, device=dev, rounds=spec.rounds, warmup=spec.warmup)
     times = {n: summary(s) for n, s in first.items()}
