@@ -129,7 +129,7 @@ class Case:
             if chunk is None:
                 return make_plan(m, hidden, dtype.itemsize, self.plan_programs)
             nc = -(-hidden // chunk)
-            return Plan(chunk, nc, m * nc, max(1, chunk * dtype.itemsize // 512))
+            return Plan(chunk, nc, m * nc, max(1, chunk * dtype.itemsize // 512), self.plan_programs)
 
         self.plans = {m: plan_for(m) for m in set(tokens_seq)}
         need = max(region_elems_for(m, hidden, world, p, twoshot=twoshot) for m, p in self.plans.items())

@@ -52,9 +52,7 @@ def test_a_steady_call_is_one_launch(name):
 
 
 def test_shape_facts_are_fixed_at_construction():
-    from tpfuse.kernels.protocol import TWOSHOT_ROWS_PER_RANK
-
-    m = 2 * TWOSHOT_ROWS_PER_RANK
+    m = 2 * 4  # two ranks, each with as many rows as its plan's 4 programs
     ws, launch = _launch("twoshot", world=2, m=m)
     assert bool(launch.C.rows_owned) and not bool(launch.C.split)  # enough rows a rank: whole rows
     _, forced = _launch("twoshot", world=2, m=m, owns_rows=False)

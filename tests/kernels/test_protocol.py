@@ -56,10 +56,13 @@ def test_buffer_layout_parts_are_aligned_and_disjoint():
             assert (lay.total_elems - lay.rows_elems) * itemsize == NUM_SLOTS * t * 8
 
 
-def test_twoshot_owns_rows_from_a_measured_rows_per_rank():
-    from tpfuse.kernels.protocol import TWOSHOT_ROWS_PER_RANK, tag_words_for, twoshot_owns_rows
+def test_twoshot_owns_rows_from_as_many_rows_a_rank_as_its_plan_has_programs():
+    from tpfuse.kernels.protocol import PLAN_PROGRAMS_PER_GPU, plan_programs, tag_words_for, twoshot_owns_rows
 
-    k = TWOSHOT_ROWS_PER_RANK
-    assert not twoshot_owns_rows(8 * k - 1, 8) and twoshot_owns_rows(8 * k, 8) and twoshot_owns_rows(k, 1)
+    shared = plan_programs(8, True)  # 8 ranks on one GPU: 16 programs a rank
+    assert not twoshot_owns_rows(64, 8, shared) and twoshot_owns_rows(256, 8, shared)  # as measured there
+    alone = plan_programs(1, False)
+    assert not twoshot_owns_rows(64, 1, alone) and twoshot_owns_rows(PLAN_PROGRAMS_PER_GPU, 1, alone)
+    assert make_plan(64, 6144, 2, shared).programs == shared  # the plan carries what it was made for
     plan = make_plan(3, 6144, 2, 16)
     assert tag_words_for(plan, 3) == plan.items >= 3

@@ -93,7 +93,7 @@ class EmulatedRanks:
             if chunk is None:
                 return make_plan(m, hidden, dtype.itemsize, self.programs)
             nc = -(-hidden // chunk)
-            return Plan(chunk, nc, m * nc, max(1, chunk * dtype.itemsize // 512))
+            return Plan(chunk, nc, m * nc, max(1, chunk * dtype.itemsize // 512), self.programs)
 
         self.plan_for = plan_for
         sizes = range(1, max_tokens + 1)

@@ -134,7 +134,8 @@ class PeerLaunch:
     def __init__(self, kernel, where: str, ws, num_tokens: int, hidden: int, dtype: torch.dtype, *, has_res: bool,
                  has_norm: bool, quant, plan: Plan, max_programs: int, timeout_s: float, twoshot: bool,
                  options: LaunchOptions = LaunchOptions(), owns_rows: bool | None = None) -> None:
-        rows = twoshot and (twoshot_owns_rows(num_tokens, len(ws.peers.views)) if owns_rows is None else owns_rows)
+        rows = twoshot and (twoshot_owns_rows(num_tokens, len(ws.peers.views), plan.programs) if owns_rows is None
+                            else owns_rows)
         check_fits(where, num_tokens, hidden, ws, plan, twoshot=twoshot, quant=quant, rows=rows)
         self.kernel, self.where, self.ws, self.plan = kernel, where, ws, plan
         self.num_tokens, self.hidden, self.dtype, self.has_norm, self.quant = num_tokens, hidden, dtype, has_norm, quant

@@ -91,6 +91,7 @@ class Plan:
     num_chunks: int  # items per row
     items: int  # tokens x num_chunks
     num_warps: int
+    programs: int = PLAN_PROGRAMS_PER_GPU  # the parallelism it was made for (make_plan's `programs`)
 
     @property
     def split(self) -> bool:
@@ -122,7 +123,7 @@ def make_plan(num_tokens: int, hidden: int, itemsize: int, programs: int) -> Pla
             best = (serial, chunk, num_chunks)
         chunk //= 2
     _, chunk, num_chunks = best
-    return Plan(chunk, num_chunks, num_tokens * num_chunks, max(1, chunk * itemsize // MIN_CHUNK_BYTES))
+    return Plan(chunk, num_chunks, num_tokens * num_chunks, max(1, chunk * itemsize // MIN_CHUNK_BYTES), programs)
 
 
 def region_elems_for(num_tokens: int, hidden: int, world_size: int, plan: Plan, *, twoshot: bool) -> int:
@@ -162,19 +163,15 @@ def buffer_layout(region_elems: int, num_regions: int, tag_words: int, itemsize:
     return Layout(header, tags, rows, rows + NUM_SLOTS * tag_words * 8 // itemsize)
 
 
-# Tokens per rank from which two-shot's owners hold whole rows. Measured with 8 ranks emulated on
-# one H200 (benchmarks/results/peer_kernels_v3_emulated.jsonl, `rows1` / `rows0` rows): chunk
-# owners were faster at 16 and 64 tokens (2 and 8 a rank), whole rows at 256 (32 a rank).
-TWOSHOT_ROWS_PER_RANK = 32
-
-
-def twoshot_owns_rows(num_tokens: int, world_size: int) -> bool:
-    """Whether two-shot's owners hold whole rows (at least TWOSHOT_ROWS_PER_RANK rows a rank): an
-    owner then computes each row's norm itself and pushes the row's sum of squares with its sums,
-    and no rank exchanges partials; one program reduces a row chunk after chunk, which lengthens
-    the chain at small sizes. Below that, owners hold runs of chunks, so that even one token is
-    spread over every rank and many programs."""
-    return num_tokens >= TWOSHOT_ROWS_PER_RANK * world_size
+def twoshot_owns_rows(num_tokens: int, world_size: int, programs: int) -> bool:
+    """Whether two-shot's owners hold whole rows: from as many rows a rank as the rank's plan has
+    programs (`Plan.programs`), so that whole rows still fill them. An owner then computes each
+    row's norm itself and pushes the row's sum of squares with its sums, and no rank exchanges
+    partials; but one program reduces a row chunk after chunk, so with fewer rows than programs
+    the chain is longer and programs idle. Below that, owners hold runs of chunks, so that even one
+    token is spread over every rank and many programs. The measurements behind the rule (8 ranks
+    emulated on one H200, and one rank): benchmarks/results/README.md, "Two-shot's cut"."""
+    return num_tokens >= programs * world_size
 
 
 def tag_words_for(plan: Plan, num_tokens: int) -> int:

@@ -20,7 +20,7 @@ programs. Program p handles items p, p + G, ... in every phase:
 Own sums are produced by the same program that later reads them (item i goes to program i % G
 in both phases), so a wait never names this rank itself.
 
-Row owners (from TWOSHOT_ROWS_PER_RANK rows a rank): owner o holds rows [o*R, (o+1)*R), R = ceil(M / W),
+Row owners (from as many rows a rank as its plan has programs): owner o holds rows [o*R, (o+1)*R), R = ceil(M / W),
 each row reduced by one program chunk after chunk (the next chunk's sources loaded before the
 current one is finished), so the owner knows the row's sum of squares itself. It pushes each
 chunk's sum as above, then the row's sum of squares as one epoch-tagged 64-bit row word (the

@@ -262,7 +262,7 @@ class PeerStrategy(Strategy):
         agreed group facts, so every rank takes the same path."""
         from tpfuse.kernels.device import hardware_fp4
 
-        if self.twoshot and twoshot_owns_rows(num_tokens, self.ctx.world_size):
+        if self.twoshot and twoshot_owns_rows(num_tokens, self.ctx.world_size, plan.programs):
             return False
         if quant.kind == "nvfp4" and not hardware_fp4(self.ctx.device):
             return False

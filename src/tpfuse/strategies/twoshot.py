@@ -3,9 +3,9 @@
 One Triton kernel (`tpfuse.kernels.twoshot`) over the same peer buffers and Lamport protocol
 as `oneshot` (`tpfuse.strategies.peer`: options, workspace lifetime, errors). Each input byte
 crosses the fabric about twice instead of W - 1 times: the better trade once messages are large.
-From `tpfuse.kernels.protocol.TWOSHOT_ROWS_PER_RANK` tokens a rank, owners hold whole rows and
-push each row's sum of squares with its sums, so no rank exchanges norm partials; quantized output
-is then written by the epilogue after the allreduce.
+From as many tokens a rank as its plan has programs (`tpfuse.kernels.protocol.twoshot_owns_rows`),
+owners hold whole rows and push each row's sum of squares with its sums, so no rank exchanges norm
+partials; quantized output is then written by the epilogue after the allreduce.
 """
 
 from __future__ import annotations
