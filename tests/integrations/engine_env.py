@@ -7,11 +7,13 @@ ever installing a torch (both engines pin a newer, CUDA one); the engine code ru
 interpreter with that directory on PYTHONPATH, so this test process and the installed torch are
 untouched. Tests skip with pip's error when the registry is unreachable.
 
-    python tests/integrations/engine_env.py sglang vllm     # fill the cache ahead (CI does)
+    python tests/integrations/engine_env.py sglang sglang-legacy vllm     # fill the cache ahead
 
-Also here: a `tpfuse` distribution stub whose entry points are read from pyproject.toml, put
-first on the child's path, so the engines discover this checkout's entry points however tpfuse
-itself was installed; and the torchvision stand-in sglang needs (see `TORCHVISION_SHIM`).
+Also here: `run_child`, which runs one of the child programs (`*_ranks.py`) and returns what it
+pickled; a `tpfuse` distribution stub whose entry points are read from pyproject.toml, put first
+on the child's path, so the engines discover this checkout's entry points however tpfuse itself
+was installed; the torchvision stand-in sglang needs (see `TORCHVISION_SHIM`); and the stand-ins
+sglang 0.5.10 needs besides (`install_legacy_stand_ins`).
 """
 
 from __future__ import annotations
@@ -84,6 +86,27 @@ def child_env(engine_path: Path, stub_path: Path, **extra: str) -> dict[str, str
     env["PYTHONPATH"] = os.pathsep.join([str(stub_path), str(REPO / "src"), str(HERE), str(engine_path)])
     env.update(extra)
     return env
+
+
+def run_child(engine: str, program: str, tmp: Path, scenario: str, cache: Path, **extra: str):
+    """Run the child program `program` (a file beside this one: `python PROGRAM OUT.pkl SCENARIO`)
+    with `engine` on its path and TPFUSE_CACHE_DIR=`cache`, and return what it pickled; the test
+    skips, naming why, when the engine cannot be installed."""
+    import pickle
+
+    import pytest
+
+    path, why = engine_dir(engine)
+    if path is None:
+        pytest.skip(f"{engine} ({requirements(engine).name}) not available: {why}")
+    stub = distribution_stub(tmp / "stub")
+    out = tmp / f"{scenario}-{len(list(tmp.iterdir()))}.pkl"
+    proc = subprocess.run([sys.executable, str(HERE / program), str(out), scenario],
+                          env=child_env(path, stub, TPFUSE_CACHE_DIR=str(cache), **extra),
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    with open(out, "rb") as f:
+        return pickle.load(f)
 
 
 # sglang 0.5.23's model configs import torchvision at module level (InternVL, DeepSeek-OCR image

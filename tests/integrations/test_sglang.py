@@ -19,10 +19,7 @@ the two agree within the bf16 tolerance, and exactly on the residual of small-in
 from __future__ import annotations
 
 import json
-import pickle
 import shutil
-import subprocess
-import sys
 
 import engine_env
 import pytest
@@ -43,17 +40,7 @@ CAPTURE_BS = (1, 2, 4, 8)
 
 
 def _run(tmp, scenario: str, cache, **env):
-    path, why = engine_env.engine_dir("sglang")
-    if path is None:
-        pytest.skip(f"sglang 0.5.23 not available: {why}")
-    stub = engine_env.distribution_stub(tmp / "stub")
-    out = tmp / f"{scenario}-{len(list(tmp.iterdir()))}.pkl"
-    proc = subprocess.run([sys.executable, str(engine_env.HERE / "sglang_ranks.py"), str(out), scenario],
-                          env=engine_env.child_env(path, stub, TPFUSE_CACHE_DIR=str(cache), **env),
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    with open(out, "rb") as f:
-        return pickle.load(f)
+    return engine_env.run_child("sglang", "sglang_ranks.py", tmp, scenario, cache, **env)
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,6 @@ allreduce, then its native add + RMSNorm) is computed in the child on the same i
 from __future__ import annotations
 
 import importlib
-import pickle
-import subprocess
 import sys
 
 import engine_env
@@ -57,17 +55,7 @@ H, TOKENS, WORLD = 256, 5, 2
 
 
 def _run(tmp, scenario: str):
-    path, why = engine_env.engine_dir("sglang-legacy")
-    if path is None:
-        pytest.skip(f"sglang 0.5.10 not available: {why}")
-    stub = engine_env.distribution_stub(tmp / "stub")
-    out = tmp / f"{scenario}.pkl"
-    proc = subprocess.run([sys.executable, str(engine_env.HERE / "sglang_legacy_ranks.py"), str(out), scenario],
-                          env=engine_env.child_env(path, stub, TPFUSE_CACHE_DIR=str(tmp / "cache")),
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    with open(out, "rb") as f:
-        return pickle.load(f)
+    return engine_env.run_child("sglang-legacy", "sglang_legacy_ranks.py", tmp, scenario, tmp / "cache")
 
 
 @pytest.fixture(scope="module")

@@ -17,9 +17,6 @@ Without vLLM (plain tier): the pass stands down where vLLM fuses the allreduce i
 
 from __future__ import annotations
 
-import pickle
-import subprocess
-import sys
 import types
 
 import engine_env
@@ -41,17 +38,7 @@ TPFUSE_GRAPH = ["<built-in function getitem>", "aten.detach.default",
 
 
 def _run(tmp, scenario, cache):
-    path, why = engine_env.engine_dir("vllm")
-    if path is None:
-        pytest.skip(f"vLLM 0.33.0 not available: {why}")
-    stub = engine_env.distribution_stub(tmp / "stub")
-    out = tmp / f"{scenario}-{len(list(tmp.iterdir()))}.pkl"
-    proc = subprocess.run([sys.executable, str(engine_env.HERE / "vllm_ranks.py"), str(out), scenario],
-                          env=engine_env.child_env(path, stub, TPFUSE_CACHE_DIR=str(cache)),
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    with open(out, "rb") as f:
-        return pickle.load(f)
+    return engine_env.run_child("vllm", "vllm_ranks.py", tmp, scenario, cache)
 
 
 @pytest.fixture(scope="module")
