@@ -118,6 +118,37 @@ def test_case_rejects_unknown_kinds_and_ops():
         V.Case("exact", "all_gather", 1, 8, "float32")
 
 
+def test_checks_run_on_the_rank_s_share_of_the_host_threads_and_restore_them(monkeypatch):
+    monkeypatch.setattr(V.os, "cpu_count", lambda: 16)
+    before = torch.get_num_threads()
+    torch.set_num_threads(16)
+    seen = []
+    try:
+        with V.host_share_of_threads(2):
+            seen.append(torch.get_num_threads())
+            with V.host_share_of_threads(64):  # more ranks than cores: one thread each
+                seen.append(torch.get_num_threads())
+            seen.append(torch.get_num_threads())
+        seen.append(torch.get_num_threads())
+        torch.set_num_threads(4)
+        with V.host_share_of_threads(2):  # never more threads than the caller had
+            seen.append(torch.get_num_threads())
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [8, 1, 8, 16, 4]
+    # the candidate runs on the caller's threads, the check on the share
+    during = []
+    torch.set_num_threads(2)
+    monkeypatch.setattr(V.os, "cpu_count", lambda: 2)
+    try:
+        case = V.Case("exact", Op.ALL_REDUCE.value, 2, 8, "float32")
+        check = V.run_case(lambda x, r, w: during.append(torch.get_num_threads()) or (x.clone(),), case, rank=0,
+                           world_size=2, device="cpu")
+    finally:
+        torch.set_num_threads(before)
+    assert during == [2] and not check.passed  # one rank's input is not the sum of two
+
+
 def test_run_case_catches_a_strategy_that_writes_nothing():
     """Fresh, never written outputs: poisoned blocks (NaN) where the allocator reuses them, else
     whatever memory held; never the reference's answer."""

@@ -26,7 +26,9 @@ exception) rejects the candidate on every rank, with the failing ranks and their
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -192,17 +194,40 @@ def op_call(target, op: str) -> Callable[..., tuple[torch.Tensor, ...]]:
     return lambda x, residual, weight: tuple(target.all_reduce_residual_rmsnorm(x, residual, weight, EPS))
 
 
+@contextlib.contextmanager
+def host_share_of_threads(world_size: int):
+    """torch's intra-op CPU threads limited to this rank's share of the host's cores
+    (cores // world_size, at least one) inside the block, restored after it.
+
+    For the checks' own CPU work (inputs, float64 reference, comparisons): every rank of a group
+    runs it at the same moment, and ranks that each keep torch's default of one thread per core
+    oversubscribe the host, their OpenMP pools spinning against each other's."""
+    before = torch.get_num_threads()
+    share = max(1, (os.cpu_count() or 1) // max(1, world_size))
+    if share < before:
+        torch.set_num_threads(share)
+    try:
+        yield
+    finally:
+        if share < before:
+            torch.set_num_threads(before)
+
+
 def run_case(fn: Callable[..., Sequence[torch.Tensor]], case: Case, *, rank: int, world_size: int, device,
              tolerance_fallback: bool = False) -> Check:
     """Poison, call `fn(x, residual, weight)` on this rank's inputs of `case`, check the outputs.
-    Exceptions from `fn` propagate (each caller decides what a raising strategy means)."""
-    inputs = case_inputs(case, world_size)
-    x, residual, weight = inputs.for_rank(rank, device)
+    Exceptions from `fn` propagate (each caller decides what a raising strategy means). The
+    inputs and the check run on this rank's share of the host's threads
+    (`host_share_of_threads`); `fn` runs with the caller's, as it would when serving."""
+    with host_share_of_threads(world_size):
+        inputs = case_inputs(case, world_size)
+        x, residual, weight = inputs.for_rank(rank, device)
     poison_allocator((case.num_tokens, case.hidden), x.dtype, device)
     outputs = tuple(fn(x, residual, weight))
     if x.device.type == "cuda":
         torch.cuda.synchronize(x.device)
-    return check_outputs(case, inputs, outputs, x=x, tolerance_fallback=tolerance_fallback)
+    with host_share_of_threads(world_size):
+        return check_outputs(case, inputs, outputs, x=x, tolerance_fallback=tolerance_fallback)
 
 
 def candidate_cases(op: Op, *, num_tokens: int, hidden: int, dtype: str) -> list[Case]:
