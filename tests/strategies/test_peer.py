@@ -152,9 +152,13 @@ def _bucket_rank(rank, world_size, name):
 
     compiled = []
     compile_ = PeerLaunch.compile
-    PeerLaunch.compile = lambda self: compiled.append(self.num_tokens) or compile_(self)
+    PeerLaunch.compile = lambda self: compiled.append((self.num_tokens, self.has_norm)) or compile_(self)
     strategy = cpu_strategy(name, rank, world_size, timeout_s=5.0)
-    strategy.prepare_bucket(hidden=32, dtype=torch.float32, max_tokens=16, num_tokens=2)
+    strategy.prepare_buckets(hidden=32, dtype=torch.float32, max_tokens=16, buckets=(2,),
+                             op=Op.ALL_REDUCE_RESIDUAL_RMSNORM)
+    fused_only = sorted(set(compiled))
+    compiled.clear()
+    strategy.prepare_buckets(hidden=32, dtype=torch.float32, max_tokens=16, buckets=(2,))
     per_bucket = sorted(set(compiled))
     x = small_integer_inputs(rank, 16, 32, torch.float32)
     served = type(strategy._route(strategy._workspace(torch.float32, 16, 32), 16, 32, torch.float32, True, True,
@@ -166,20 +170,21 @@ def _bucket_rank(rank, world_size, name):
     everything = sorted(set(compiled))
     strategy.close()
     PeerLaunch.compile = compile_
-    return per_bucket, served, everything, got
+    return fused_only, per_bucket, served, everything, got
 
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("name", ["oneshot", "twoshot"])
 def test_a_bucket_prepares_its_own_variants_in_a_workspace_sized_for_every_bucket(name):
     """tune measures bucket by bucket within a budget: preparing one bucket compiles only its
-    kernel variants, and the workspace still takes the largest bucket (served by the peer kernel,
-    not the unfused path)."""
+    kernel variants (of the op it measures, when named), and the workspace still takes the largest
+    bucket (served by the peer kernel, not the unfused path)."""
     results = run_ranks(_bucket_rank, 2, args=(name,), env=INTERP, timeout_s=300)
     xs = [small_integer_inputs(r, 16, 32, torch.float32) for r in range(2)]
-    for rank, (per_bucket, served, everything, got) in enumerate(results):
-        assert per_bucket == [2], per_bucket  # the variants of 2 tokens, nothing else
-        assert set(everything) - {2}, everything  # prepare() compiles the variants of other sizes too
+    for rank, (fused_only, per_bucket, served, everything, got) in enumerate(results):
+        assert fused_only == [(2, True)], fused_only  # the fused op's forms of 2 tokens: no plain all_reduce
+        assert per_bucket == [(2, False), (2, True)], per_bucket  # every form of 2 tokens, nothing else
+        assert {m for m, _ in everything} - {2}, everything  # prepare() compiles the variants of other sizes too
         assert served == "_Fused", served  # 16 tokens fit the workspace a 2-token bucket allocated
         want = all_reduce_residual_rmsnorm_ref(xs, xs[rank], torch.ones(32))
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

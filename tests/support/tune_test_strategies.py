@@ -7,7 +7,12 @@
 - `ReferenceCopy`: the reference strategy under another name: equal speed, for verify's KEEP.
 - `WrongOnRankOne`: correct on rank 0, adds one to every sum on rank 1: one rank's failure must
   reject it on every rank.
+- `SlowSetup`: the reference strategy whose per-bucket preparation takes `SETUP_S` seconds (as a
+  cold kernel compile does) and records the token counts it was asked to prepare.
 """
+
+import time
+
 
 import torch
 import torch.distributed as dist
@@ -63,8 +68,21 @@ class WrongOnRankOne(ReferenceStrategy):
         return acc + 1 if self.ctx.rank == 1 else acc
 
 
+SETUP_S = 1.5
+
+
+class SlowSetup(ReferenceStrategy):
+    name = "slow_setup"
+    prepared: list = []  # per process: the `buckets` of every prepare_buckets call
+
+    def prepare_buckets(self, *, hidden, dtype, max_tokens, buckets, op=None):
+        time.sleep(SETUP_S)
+        SlowSetup.prepared.append(tuple(buckets))
+
+
 PLUGINS = ",".join(
     f"{name}=support.tune_test_strategies:{cls}"
     for name, cls in (("slow_broadcast", "SequentialBroadcast"), ("slow_fused", "SlowFused"),
-                      ("reference_copy", "ReferenceCopy"), ("wrong_on_rank_one", "WrongOnRankOne"))
+                      ("reference_copy", "ReferenceCopy"), ("wrong_on_rank_one", "WrongOnRankOne"),
+                      ("slow_setup", "SlowSetup"))
 )

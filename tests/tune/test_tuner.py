@@ -11,7 +11,7 @@ import warnings
 import pytest
 import torch
 
-from support.tune_test_strategies import PLUGINS
+from support.tune_test_strategies import PLUGINS, SETUP_S
 from tpfuse.reference import all_reduce_residual_rmsnorm_ref, random_inputs
 from tpfuse.spawn import run_ranks
 from tpfuse.tune.tuner import decide
@@ -135,6 +135,28 @@ FUSED = {"oneshot", "twoshot"}
 
 def is_fused(name):
     return name in FUSED
+
+
+def _budget_rank(rank, world_size):
+    from support.tune_test_strategies import SlowSetup
+    from tpfuse.tune.tuner import TuneSpec, tune_in_group
+
+    spec = TuneSpec(hiddens=(H,), buckets=BUCKETS, ops=("all_reduce_residual_rmsnorm",),
+                    strategies=("reference", "slow_setup"), rounds=3, confirm_rounds=3, warmup=1,
+                    budget_s=2 * SETUP_S)
+    table = tune_in_group(spec)
+    return [e.tokens for e in table.entries], SlowSetup.prepared
+
+
+@pytest.mark.gloo
+def test_a_budget_is_spent_on_measuring_after_one_preparation_of_every_bucket():
+    """A candidate whose preparation takes most of the budget (a cold compile) prepares every
+    bucket at once, at the first, and the budget's prediction of the next bucket leaves that set-up
+    out: every bucket is measured (a prediction of twice the first bucket, set-up included, would
+    stop after it)."""
+    for tokens, prepared in run_ranks(_budget_rank, 2, env=ENV, timeout_s=120):
+        assert tokens == list(BUCKETS), tokens
+        assert prepared == [BUCKETS], prepared  # one preparation, for every bucket
 
 
 def test_decide_chooses_fused_only_past_the_margin():

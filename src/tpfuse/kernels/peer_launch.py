@@ -27,6 +27,8 @@ benchmarks/bench_peer_kernels.py).
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -56,6 +58,8 @@ INTERPRETER_SPINS_PER_S = 1_000
 # Items a two-shot receiver polls at once with whole-row owners: enough loads in flight to cover
 # a read's latency (four 4 KB chunks a program), few enough registers to stay resident.
 TWOSHOT_PER_POLL = 4
+# Compiles `compile_all` runs at once at most (each one thread of the compiler and one assembler process).
+MAX_COMPILE_THREADS = 8
 # Hopper and Ampere SM limits, for the occupancy check where torch does not report them.
 DEFAULT_REGS_PER_SM, DEFAULT_THREADS_PER_SM, DEFAULT_BLOCKS_PER_SM = 65536, 2048, 32
 
@@ -169,11 +173,13 @@ class PeerLaunch:
         """Compile this variant without launching it (and check that its grid can be resident)."""
         if interpreting():
             return
+        self._check_resident(self._warmup())
+
+    def _warmup(self):
+        """Triton's compile of this variant (a future inside `triton.AsyncCompileMode`)."""
         x = torch.zeros(self.num_tokens, self.hidden, dtype=self.dtype, device=self.device)
         _, qargs, _ = self._outputs(x, None, self.quant) if self.quant is not None else (None, _plain_qargs(x), None)
-        args = self.args(x, x, x[0], 1e-6, x, x, qargs)
-        compiled = self.kernel.warmup(*args, grid=self.grid, **self.meta())
-        self._check_resident(compiled)
+        return self.kernel.warmup(*self.args(x, x, x[0], 1e-6, x, x, qargs), grid=self.grid, **self.meta())
 
     def _check_resident(self, compiled) -> None:
         if self._checked or compiled is None or self.device.type != "cuda":
@@ -239,6 +245,20 @@ class PeerLaunch:
         if quant is not None:
             return QuantOutput(buf.out, buf.scale, new_res, normed)
         return target, (new_res if self.has_norm else None)
+
+
+def compile_all(launches: list[PeerLaunch]) -> None:
+    """`launch.compile()` of every launch, the variants compiled concurrently where this Triton
+    can (`triton.AsyncCompileMode`: a compile's assembler and native passes run on worker threads),
+    so a cold kernel cache costs about the longest compile instead of their sum; each launch's
+    residency is then checked one after another, as `compile()` does."""
+    if len(launches) > 1 and not interpreting() and hasattr(triton, "AsyncCompileMode"):
+        workers = min(len(launches), os.cpu_count() or 1, MAX_COMPILE_THREADS)
+        with ThreadPoolExecutor(max_workers=workers) as pool, triton.AsyncCompileMode(pool):
+            for launch in launches:
+                launch._warmup()
+    for launch in launches:  # loads each compiled variant (cached now) and checks its residency
+        launch.compile()
 
 
 def _plain_qargs(x) -> tuple:

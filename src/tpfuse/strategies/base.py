@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
-from tpfuse.spec import GroupFacts, Needs, Problem, Verdict
+from tpfuse.spec import GroupFacts, Needs, Op, Problem, Verdict
 
 if TYPE_CHECKING:
     import torch
@@ -59,11 +59,13 @@ class Strategy(ABC):
     def prepare(self, *, hidden: int, dtype: torch.dtype, max_tokens: int) -> None:
         """Allocate whatever the ops need for shapes up to `max_tokens x hidden`, outside graph capture."""
 
-    def prepare_bucket(self, *, hidden: int, dtype: torch.dtype, max_tokens: int, num_tokens: int) -> None:
-        """What tune calls before it measures calls of `num_tokens` (of at most `max_tokens`): sizes as
-        for prepare(max_tokens), set-up work only for calls of `num_tokens`, so a budgeted tune pays
-        for the buckets it reaches. Override where prepare() costs much more than one bucket's share
-        (the peer strategies compile a kernel variant per plan); by default tune calls prepare() once."""
+    def prepare_buckets(self, *, hidden: int, dtype: torch.dtype, max_tokens: int, buckets: tuple[int, ...],
+                        op: Op | None = None) -> None:
+        """What tune calls before it measures calls of the token counts `buckets` (each at most
+        `max_tokens`): sizes as for prepare(max_tokens), set-up work only for calls of those counts
+        (of `op` alone when given), not for every count up to max_tokens. Override where prepare()
+        costs much more than the buckets' share (the peer strategies compile a kernel variant per
+        plan); by default tune calls prepare() once."""
         self.prepare(hidden=hidden, dtype=dtype, max_tokens=max_tokens)
 
     @abstractmethod

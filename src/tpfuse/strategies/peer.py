@@ -60,11 +60,14 @@ from tpfuse.kernels.protocol import (
     twoshot_owns_rows,
 )
 from tpfuse.quant import KINDS, admission_reason
-from tpfuse.spec import Needs, Problem, Verdict
+from tpfuse.spec import Needs, Op, Problem, Verdict
 from tpfuse.strategies.base import Strategy
 
 FUSED_DTYPES = ("float16", "bfloat16", "float32")
 PDL_MODES = {"off": 0, "end": 1, "early": 2}
+# The kernel forms (residual, norm) an op's calls take.
+FORMS_OF = {Op.ALL_REDUCE_RESIDUAL_RMSNORM: ((True, True), (False, True)), Op.ALL_REDUCE: ((False, False),)}
+ALL_FORMS = FORMS_OF[Op.ALL_REDUCE_RESIDUAL_RMSNORM] + FORMS_OF[Op.ALL_REDUCE]
 
 
 class PeerStrategy(Strategy):
@@ -187,27 +190,32 @@ class PeerStrategy(Strategy):
 
     def prepare(self, *, hidden: int, dtype: torch.dtype, max_tokens: int) -> None:
         """Allocate the workspace for max_tokens x hidden and compile every kernel variant those calls use."""
-        self._prepare(hidden, dtype, max_tokens, None)
+        self._prepare(hidden, dtype, max_tokens, None, ALL_FORMS)
 
-    def prepare_bucket(self, *, hidden: int, dtype: torch.dtype, max_tokens: int, num_tokens: int) -> None:
-        """The workspace as prepare(max_tokens) allocates it; the kernel variants of `num_tokens` only."""
-        self._prepare(hidden, dtype, max_tokens, num_tokens)
+    def prepare_buckets(self, *, hidden: int, dtype: torch.dtype, max_tokens: int, buckets: tuple[int, ...],
+                        op: Op | None = None) -> None:
+        """The workspace as prepare(max_tokens) allocates it; the kernel variants of the `buckets`'
+        token counts only (compiled together, concurrently), and of `op`'s forms only when given
+        (the fused op with and without a residual; all_reduce)."""
+        self._prepare(hidden, dtype, max_tokens, buckets, ALL_FORMS if op is None else FORMS_OF[op])
 
-    def _prepare(self, hidden: int, dtype: torch.dtype, max_tokens: int, only: int | None) -> None:
+    def _prepare(self, hidden: int, dtype: torch.dtype, max_tokens: int, only: tuple[int, ...] | None,
+                 forms) -> None:
         cap = max(1, MAX_INPUT_BYTES // dtype.itemsize // hidden)
         tokens = min(max_tokens, cap)  # admission caps one rank's input, so more tokens buy nothing
         self._prepare_tokens = tokens
         ws = self._workspaces.get(dtype) or self._workspace(dtype, 1, hidden)
-        compiled = set()
-        counts = range(1, tokens + 1) if only is None else [m for m in (only,) if m <= tokens]
+        variants = {}
+        counts = range(1, tokens + 1) if only is None else sorted({m for m in only if m <= tokens})
         for m in counts:
-            for has_res, has_norm in ((True, True), (False, True), (False, False)):
+            for has_res, has_norm in forms:
                 route = self._route(ws, m, hidden, dtype, has_res, has_norm, None, compile_now=False)
                 launch = getattr(route, "launch", None)
-                variant = None if launch is None else (launch.C, launch.Q, launch.plan.num_warps)
-                if variant is not None and variant not in compiled:
-                    launch.compile()
-                    compiled.add(variant)
+                if launch is not None:
+                    variants.setdefault((launch.C, launch.Q, launch.plan.num_warps), launch)
+        from tpfuse.kernels.peer_launch import compile_all
+
+        compile_all(list(variants.values()))
         # the unfused path serves calls that do not fit: ready before any capture, like the kernels
         if (hidden, dtype, max_tokens) not in self._unfused_prepared:
             self._unfused().prepare(hidden=hidden, dtype=dtype, max_tokens=max_tokens)

@@ -8,6 +8,7 @@ buffers, so every rank closes the same instances in the same order).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
@@ -35,6 +36,7 @@ class CandidatePool:
                                     caps=caps, device=device, options=dict(options or {}))
         self._instances: dict[str, Strategy] = {}
         self._prepared: set[tuple] = set()
+        self.setup_s = 0.0
 
     @classmethod
     def for_group(cls, group=None, *, device=None, options: dict | None = None, handshake_group=None) -> CandidatePool:
@@ -53,22 +55,28 @@ class CandidatePool:
                    caps=caps, device=dev, options=options)
 
     def get(self, name: str, *, hidden: int, dtype: torch.dtype, max_tokens: int,
-            num_tokens: int | None = None) -> Strategy:
-        """The instance of `name`, prepared for calls of up to `max_tokens`; with `num_tokens`, for
-        those calls only (`Strategy.prepare_bucket`), so that a budgeted tune sets up only the
-        buckets it reaches."""
-        instance = self._instances.get(name)
-        if instance is None:
-            instance = self._instances[name] = get_strategy(name)(self._ctx)
-        per_bucket = num_tokens is not None and type(instance).prepare_bucket is not Strategy.prepare_bucket
-        key = (name, hidden, dtype, max_tokens, num_tokens if per_bucket else None)
-        if key not in self._prepared:
-            if per_bucket:
-                instance.prepare_bucket(hidden=hidden, dtype=dtype, max_tokens=max_tokens, num_tokens=num_tokens)
-            else:
-                instance.prepare(hidden=hidden, dtype=dtype, max_tokens=max_tokens)
-            self._prepared.add(key)
-        return instance
+            buckets: tuple[int, ...] | None = None, op: Op | None = None) -> Strategy:
+        """The instance of `name`, prepared for calls of up to `max_tokens`; with `buckets`, for
+        calls of those token counts only, of `op` only when given (`Strategy.prepare_buckets`), so
+        that a tune sets up only the buckets and the op it measures. The seconds spent creating
+        and preparing instances add up in `setup_s`."""
+        started = time.perf_counter()
+        try:
+            instance = self._instances.get(name)
+            if instance is None:
+                instance = self._instances[name] = get_strategy(name)(self._ctx)
+            per_bucket = buckets is not None and type(instance).prepare_buckets is not Strategy.prepare_buckets
+            key = (name, hidden, dtype, max_tokens) + ((tuple(buckets), op) if per_bucket else (None, None))
+            if key not in self._prepared:
+                if per_bucket:
+                    instance.prepare_buckets(hidden=hidden, dtype=dtype, max_tokens=max_tokens, buckets=tuple(buckets),
+                                             op=op)
+                else:
+                    instance.prepare(hidden=hidden, dtype=dtype, max_tokens=max_tokens)
+                self._prepared.add(key)
+            return instance
+        finally:
+            self.setup_s += time.perf_counter() - started
 
     def close(self) -> None:
         for instance in self._instances.values():

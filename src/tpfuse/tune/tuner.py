@@ -17,10 +17,15 @@ Per (op, hidden, token bucket):
 All decisions use times already reduced across ranks, and rank 0's table is broadcast at the end,
 so every rank returns the identical table (same digest).
 
+Candidates are created and prepared when the first bucket of an (op, hidden) admits them, for
+every bucket of the step at once (`CandidatePool.get(buckets=...)`: the peer strategies compile
+all those kernel variants together, concurrently), so later buckets only measure.
+
 With `TuneSpec.budget_s` (an engine's start-up calibration), buckets are measured smallest first
 until the budget is spent: before each bucket after the first, rank 0's clock decides (the
-decision is broadcast) whether the time spent plus twice the last bucket's duration stays within
-the budget; the table then holds only the buckets measured. `handshake_group` carries the object
+decision is broadcast) whether the time spent plus twice the last bucket's measuring time (its
+candidates' creation and preparation left out: a later bucket has none) stays within the budget;
+the table then holds only the buckets measured. `handshake_group` carries the object
 collectives (an engine's gloo group) while the data and timing run on `group`.
 """
 
@@ -117,20 +122,21 @@ def tune_in_group(spec: TuneSpec, *, group=None, device=None, progress: Callable
     handshake = handshake_group if handshake_group is not None else group
     dtype = getattr(torch, spec.dtype)
     max_tokens = max(spec.buckets)
+    buckets = tuple(sorted(spec.buckets))
     steps = [(Op(op_name), hidden, num_tokens) for op_name in spec.ops for hidden in spec.hiddens
-             for num_tokens in sorted(spec.buckets)]
+             for num_tokens in buckets]
     entries = []
     started, last_s = time.perf_counter(), 0.0
     try:
         for op, hidden, num_tokens in steps:
             # The next bucket holds up to twice the tokens of the last (engines capture 1, 2, 4, 8,
-            # ...), so it is predicted to take up to twice as long.
+            # ...), so it is predicted to measure for up to twice as long.
             if entries and spec.budget_s is not None and _budget_spent(started, 2 * last_s, spec.budget_s, handshake):
                 break
-            began = time.perf_counter()
-            entries.append(_tune_bucket(spec, pool, op, hidden, num_tokens, dtype, max_tokens, facts, caps,
+            began, setup_before = time.perf_counter(), pool.setup_s
+            entries.append(_tune_bucket(spec, pool, op, hidden, num_tokens, buckets, dtype, max_tokens, facts, caps,
                                         group, rank, world_size, dev, handshake))
-            last_s = time.perf_counter() - began
+            last_s = time.perf_counter() - began - (pool.setup_s - setup_before)
             if progress is not None:
                 progress(f"{op.value} {num_tokens}x{hidden}: {entries[-1].choice}")
     finally:
@@ -150,15 +156,15 @@ def _budget_spent(started: float, next_s: float, budget_s: float, group) -> bool
     return bool(box[0])
 
 
-def _tune_bucket(spec, pool, op, hidden, num_tokens, dtype, max_tokens, facts, caps, group, rank, world_size, dev,
-                 handshake) -> Entry:
+def _tune_bucket(spec, pool, op, hidden, num_tokens, buckets, dtype, max_tokens, facts, caps, group, rank, world_size,
+                 dev, handshake) -> Entry:
     problem = Problem(op, num_tokens, hidden, spec.dtype, facts, has_residual=op == Op.ALL_REDUCE_RESIDUAL_RMSNORM)
     names, verdicts = admitted(problem, caps, list(spec.strategies) if spec.strategies else None)
     rejected = {n: f"not admitted: {v.reason}" for n, v in verdicts.items() if not v.ok}
     passing = []
     for name in names:
         try:
-            instance = pool.get(name, hidden=hidden, dtype=dtype, max_tokens=max_tokens, num_tokens=num_tokens)
+            instance = pool.get(name, hidden=hidden, dtype=dtype, max_tokens=max_tokens, buckets=buckets, op=op)
             local = ""
         except Exception as exc:  # reported, then agreed: a candidate missing on one rank is out everywhere
             instance, local = None, f"{type(exc).__name__}: {exc}"
@@ -180,7 +186,7 @@ def _tune_bucket(spec, pool, op, hidden, num_tokens, dtype, max_tokens, facts, c
         )
 
     def calls(selected):
-        return {n: timed_call(pool.get(n, hidden=hidden, dtype=dtype, max_tokens=max_tokens, num_tokens=num_tokens),
+        return {n: timed_call(pool.get(n, hidden=hidden, dtype=dtype, max_tokens=max_tokens, buckets=buckets, op=op),
                               op, rank=rank, num_tokens=num_tokens, hidden=hidden, dtype=dtype, device=dev)
                 for n in selected}
 
