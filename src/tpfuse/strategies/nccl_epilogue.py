@@ -56,10 +56,18 @@ class NcclEpilogueStrategy(Strategy):
         from tpfuse.kernels.epilogue import launch_config, launch_residual_rmsnorm
 
         self._epilogue, self._launch_config = launch_residual_rmsnorm, launch_config
+        # The process group's own allreduce with its options built once: what dist.all_reduce
+        # does without its per-call Python checks (torch's NCCL watchdog still covers the call).
+        self._group = ctx.group if ctx.group is not None else dist.group.WORLD
+        self._options = dist.AllreduceOptions()
+        self._options.reduceOp = dist.ReduceOp.SUM
+        if hasattr(self._options, "asyncOp"):  # torch >= 2.7: on the caller's stream, as async_op=False runs
+            self._options.asyncOp = False
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         y = x.clone()
-        dist.all_reduce(y, group=self.ctx.group)  # also at world size 1, so one GPU exercises the NCCL path
+        # also at world size 1, so one GPU exercises the NCCL path
+        self._group.allreduce([y], self._options).wait()
         return y
 
     def all_reduce_residual_rmsnorm(self, x, residual, weight, eps, *, quant=None):
