@@ -67,7 +67,9 @@ class NcclEpilogueStrategy(Strategy):
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         y = x.clone()
         # also at world size 1, so one GPU exercises the NCCL path
-        self._group.allreduce([y], self._options).wait()
+        work = self._group.allreduce([y], self._options)
+        if work is not None:  # NCCL with asyncOp=False ran it on this stream and returns no work
+            work.wait()
         return y
 
     def all_reduce_residual_rmsnorm(self, x, residual, weight, eps, *, quant=None):
