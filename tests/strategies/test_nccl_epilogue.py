@@ -76,3 +76,39 @@ def test_without_triton_the_reason_names_both_install_commands(monkeypatch):
         verdict = get_strategy(name).admits(_problem(NCCL), fake_caps(4))
         assert not verdict.ok
         assert "`pip install 'tpfuse[triton]'` (from a checkout: `pip install '.[triton]'`)" in verdict.reason, name
+
+
+class _Group:
+    """A process group stand-in: its allreduce doubles the tensor (two ranks of equal inputs) and
+    returns `work`, as NCCL returns no work for a call it ran on the caller's stream."""
+
+    def __init__(self, work):
+        self.work, self.options = work, []
+
+    def allreduce(self, tensors, options):
+        self.options.append(options)
+        tensors[0].mul_(2)
+        return self.work
+
+
+class _Work:
+    waited = 0
+
+    def wait(self):
+        _Work.waited += 1
+        return True
+
+
+@pytest.mark.parametrize("work", [None, _Work()], ids=["no work (NCCL, caller's stream)", "a work to wait on"])
+def test_all_reduce_enters_the_group_once_out_of_place_and_waits_only_on_a_work(work):
+    from tpfuse.strategies.base import StrategyContext
+
+    group = _Group(work)
+    ctx = StrategyContext(group=group, rank=0, world_size=2, facts=NCCL, caps=fake_caps(), device=torch.device("cpu"))
+    strategy = get_strategy("nccl_epilogue")(ctx)
+    x = random_inputs(0, 3, 64, torch.float32)
+    before, waited = x.clone(), _Work.waited
+    y = strategy.all_reduce(x)
+    assert torch.equal(y, 2 * before) and torch.equal(x, before)  # out of place: the input is left alone
+    assert len(group.options) == 1 and group.options[0].reduceOp == torch.distributed.ReduceOp.SUM
+    assert _Work.waited == waited + (work is not None)
