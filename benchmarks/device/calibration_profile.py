@@ -10,7 +10,14 @@ correctness check (`check_candidate`), graph capture (`timing._capture`), eager 
 samples, the object collectives; rank 0 of the warm run is also profiled (cProfile, top functions
 by cumulative time). Needs a CUDA GPU; MPS on (nvidia-cuda-mps-control -d) as the GPU tests run.
 
-    python benchmarks/device/calibration_profile.py --out $OUT/calibration_profile.json
+    python benchmarks/device/calibration_profile.py --out $OUT/calibration_profile.json \
+        --rows $OUT/calibration.jsonl
+
+Rows (`--rows`): op "calibration", strategy "vllm start (cold kernel cache)" / "(warm ...)", one
+row for the whole start-up step (`runtime.prepare`: calibration and the Communicator's
+preparation) and one per bucket, unit s, one sample each (median = p20 = p80), the bucket's
+choice and phases in `extra`. `--rows-from FILE` writes them from an earlier run's JSON, with
+the GPU and versions of a row file of that same run (`--env-from`).
 """
 
 from __future__ import annotations
@@ -104,16 +111,51 @@ def _rank(rank, world_size, table_cache, hidden, profile, device):
         top = text.getvalue()
     down = runtime.state("tp:0").down
     runtime.close_all()
-    return {"rank": rank, "served": served, "down": down, "prepare_s": round(total, 3), "buckets": buckets,
+    return {"rank": rank, "hidden": hidden, "served": served, "down": down, "prepare_s": round(total, 3), "buckets": buckets,
             "phases": {k: (c, round(s, 4)) for k, (c, s) in phases.items()}, "profile": top}
+
+
+def rows_of(results: dict, env_row: dict | None = None) -> list:
+    """The result rows of both runs (see the module doc); `env_row`: take gpu/versions/date from it."""
+    import dataclasses
+
+    from tpfuse.results import make_row
+
+    rows = []
+    for run, result in results.items():
+        r0 = result["ranks"][0]
+        name = f"vllm start ({run} kernel cache)"
+        shape = {"hidden": r0.get("hidden", 4096), "buckets": list(BUCKETS)}
+        common = dict(ranks_share_one_gpu=True, served=r0["served"], note="2 ranks sharing one GPU under MPS")
+        rows.append(make_row("calibration", name, shape, "bfloat16", 2, [r0["prepare_s"]], "s", step="prepare",
+                             buckets_measured=len(r0["buckets"]), **common))
+        for b in r0["buckets"]:
+            rows.append(make_row("calibration", name, {**shape, "tokens": b["tokens"]}, "bfloat16", 2, [b["seconds"]],
+                                 "s", step="bucket", choice=b["choice"], medians_us=b["medians"],
+                                 phases={k: {"calls": c, "s": t} for k, (c, t) in b["phases"].items()}, **common))
+    if env_row is not None:
+        rows = [dataclasses.replace(r, gpu=env_row["gpu"], versions=env_row["versions"], date=env_row["date"])
+                for r in rows]
+    return rows
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True, help="JSON file for both runs' results")
+    ap.add_argument("--out", help="JSON file for both runs' results (needed unless --rows-from)")
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a dry run of the harness")
+    ap.add_argument("--rows", help="append result rows here (JSON lines)")
+    ap.add_argument("--rows-from", help="write the rows of this earlier run's --out JSON instead of running")
+    ap.add_argument("--env-from", help="with --rows-from: a row file of the same run to take gpu/versions from")
     args = ap.parse_args(argv)
+    from tpfuse.results import append_rows
+
+    if args.rows_from:
+        env_row = json.loads(Path(args.env_from).read_text().splitlines()[0]) if args.env_from else None
+        append_rows(args.rows, rows_of(json.loads(Path(args.rows_from).read_text()), env_row))
+        return 0
+    if not args.out:
+        ap.error("--out FILE is needed to run the profile (or --rows-from FILE --rows FILE to write rows)")
     from tpfuse.spawn import run_ranks
 
     kernels = tempfile.mkdtemp(prefix="tpfuse-kernel-cache-")
@@ -131,6 +173,8 @@ def main(argv=None) -> int:
             print(f"  {b['tokens']:>3} tok {b['seconds']:6.2f} s {b['choice']:10} " +
                   ", ".join(f"{k} {c}x {s:.2f}" for k, (c, s) in top))
     Path(args.out).write_text(json.dumps(results, indent=1))
+    if args.rows:
+        append_rows(args.rows, rows_of(results))
     print(results["warm"]["ranks"][0]["profile"][:6000])
     return 0
 

@@ -14,7 +14,7 @@ mkdir -p "$OUT"
 timeout "${BENCH_S:-80}" python3 benchmarks/bench_host_path.py --out "$OUT/host_path.jsonl" > "$OUT/bench.txt" 2>&1
 echo "bench exit $?" >> "$OUT/bench.txt"
 timeout "${TESTS_S:-45}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_epilogue.py \
-    tests/kernels/test_gpu.py -k "(prebound and not quantized) or nccl_epilogue_world or (epilogue_on_gpu and 6144)" \
+    tests/strategies/test_nccl_epilogue.py -k "(prebound and not quantized) or nccl_epilogue_world or (epilogue_on_gpu and 6144)" \
     > "$OUT/gpu_tests.txt" 2>&1
 echo "tests exit $?" >> "$OUT/gpu_tests.txt"
 timeout "${QUANT_S:-30}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_epilogue.py -k quantized \

@@ -114,12 +114,14 @@ def test_first_start_calibrates_within_budget_and_the_second_loads_the_table_cpu
 
 @pytest.mark.gpu
 def test_first_start_calibrates_within_budget_and_the_second_loads_the_table_shared_gpu(tmp_path):
-    """The peer strategies compile one kernel variant per plan: a cold kernel cache may take the
-    budget of the first start before every bucket, and the next start measures the rest."""
+    """The peer strategies compile one kernel variant per plan, every bucket's at the first bucket,
+    concurrently: run on a cold kernel cache (a fresh TRITON_CACHE_DIR), the first start's budget
+    still reaches every bucket and the second start loads the table."""
     starts = _starts(tmp_path, "cuda", 4096, env=GPU_ENV)
     print(f"starts until the table was complete: {len(starts) - 1}; the log of each first rank:")
     for results in starts:
         print("\n".join(results[0]["log"]))
+    assert len(starts) == 2, "\n".join(line for results in starts for line in results[0]["log"])
 
 
 def _one_rank_fails_rank(rank, world_size, cache):
