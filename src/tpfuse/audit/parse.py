@@ -137,15 +137,22 @@ def code_tokens(textmap: TextMap, offsets: list) -> list:
     return [pos for pos in offsets if textmap.is_code(pos)]
 
 
+_COLUMN0_RE = re.compile(r"^[^ \t\r\n#)\]}'\"]", re.MULTILINE)
+
+
 def _chunks(textmap: TextMap) -> list:
     """[(first line index, last line index + 1, is_def)] of the module's top-level pieces."""
     starts, kinds = [], []
     prev_deco = False
-    for i, line in enumerate(textmap.lines):
-        c = line[:1]
-        if not c or c in " \t\r\n#)]}'\"" or not line.strip() or textmap.in_triple_string(textmap.starts[i]):
+    lines, line_starts = textmap.lines, textmap.starts
+    # Only the lines that begin with code at column 0 can start a chunk: one regex pass finds them
+    # (a test per line was a tenth of the parse).
+    for m in _COLUMN0_RE.finditer(textmap.source):
+        i = bisect.bisect_right(line_starts, m.start()) - 1
+        line = lines[i]
+        if not line.strip() or textmap.in_triple_string(line_starts[i]):
             continue
-        is_deco = c == "@"
+        is_deco = line[0] == "@"
         is_def = is_deco or bool(_DEF_RE.match(line))
         if not prev_deco:
             starts.append(i)
@@ -245,6 +252,8 @@ def parse_selected(source: str, filename: str, tokens: list, name_re: re.Pattern
                         grew = True
                     trims[k][0], trims[k][2], trims[k][3] = len(hot), trimmed, ranges
             elif names[k] and names[k] not in hot:
+                if k not in flows and k not in arch_chunks and (not hot or hot.isdisjoint(words_of(k))):
+                    continue  # no architecture token and no hot word in its text: no return can depend on them
                 if k not in flows:
                     arch_lines = {textmap.line_of(pos) for pos in
                                   tokens[bisect.bisect_left(tokens, offsets[k]):
@@ -334,7 +343,7 @@ class _ClassTrim:
             prev_deco = is_deco
         self.parts = [(a, b, is_method) for (a, is_method), (b, _) in zip(starts, starts[1:] + [(len(lines), False)])]
         self.texts = ["".join(lines[a:b]) for a, b, _ in self.parts]
-        arch = sorted(arch_lines)
+        self.arch_sorted = arch = sorted(arch_lines)
         self.keep = [not is_method or bisect.bisect_left(arch, a) < bisect.bisect_left(arch, b)
                      or any(_param_word(chunk, m) for m in _PARAM_RE.finditer(chunk))
                      or ("major" in chunk and "minor" in chunk)
@@ -344,6 +353,18 @@ class _ClassTrim:
         self.words: dict = {}
         self.flows: dict = {}
         self.done: dict = {}
+
+    def _may_flow(self, j: int, hot_words: set) -> bool:
+        """Can `_flow` of part `j` find anything: an architecture token in it, or a hot word in its text
+        (strings and comments included: more words than its code has)?"""
+        a, b, _ = self.parts[j]
+        if bisect.bisect_left(self.arch_sorted, a) < bisect.bisect_left(self.arch_sorted, b):
+            return True
+        if not hot_words:
+            return False
+        if j not in self.words:
+            self.words[j] = set(_WORD_RE.findall(self.texts[j]))
+        return not hot_words.isdisjoint(self.words[j])
 
     def _returns_arch(self, j: int) -> bool:
         """Does method `j` return an architecture value (its name is exported): others inline it whole."""
@@ -362,10 +383,13 @@ class _ClassTrim:
             grew = False
             for j, chunk in enumerate(self.texts):
                 if self.keep[j]:
-                    if j not in self.flows:
-                        self.flows[j] = _statements(lines, parts[j][0], parts[j][1], self.arch_lines)
                     if self.done.get(j) == len(hot_words):
                         continue
+                    if j not in self.flows and not self._may_flow(j, hot_words):
+                        self.done[j] = len(hot_words)  # what `_flow` gives it: nothing (read again if hot grows)
+                        continue
+                    if j not in self.flows:
+                        self.flows[j] = _statements(lines, parts[j][0], parts[j][1], self.arch_lines)
                     returns, names, attrs = _flow(self.flows[j], hot_words)
                     attrs = attrs if parts[j][2] else names  # a class-level name is a class attribute
                     name = _METHOD_NAME_RE.match(chunk) if parts[j][2] and returns else None
@@ -419,23 +443,23 @@ def _statements(lines: list, first: int, last: int, arch_lines: set) -> list:
     n = last - first
     arch = sorted(arch_lines)
     starts, depth, continued = [], 0, False
-    for i in range(n):
-        c = code_lines[i]
-        if depth <= 0 and not continued and c.strip():
+    for i, c in enumerate(code_lines[:n]):
+        # (`c and not c.isspace()` is `c.strip()` without a copy of every line)
+        if depth <= 0 and not continued and c and not c.isspace():
             starts.append(i)
             depth = 0
         if "(" in c or ")" in c or "[" in c or "]" in c or "{" in c or "}" in c:
             depth += _depth(c)
-        continued = c.rstrip().endswith("\\")
+        continued = "\\" in c and c.rstrip().endswith("\\")
     out = []
     for s_i, start in enumerate(starts):
         end = starts[s_i + 1] if s_i + 1 < len(starts) else n
         line = code_lines[start]
         stripped = line.lstrip()
-        span = "\n".join(code_lines[start:end])
+        span = line if end - start == 1 else "\n".join(code_lines[start:end])
         word = _FIRST_WORD_RE.match(line)
         head = word.group(1) if word else ""
-        attrs, names = set(), set()
+        attrs = names = _NO_NAMES  # most statements bind nothing: one shared empty set, never mutated
         if head in ("def", "class") or head == "async" and stripped.startswith("async def"):
             kind = "def"
             bound = _DEF_NAME_RE.match(stripped)
@@ -462,17 +486,24 @@ def _statements(lines: list, first: int, last: int, arch_lines: set) -> list:
         target = _TARGETS_RE.match(line) if kind == "other" else None
         if target:
             kind = "assign"
+            attrs, names = set(), set()
             for name in target.group(1).split(","):
                 name = name.strip()
                 if name.startswith(("self.", "cls.")):
                     attrs.add(name.split(".", 1)[1])
                 else:
                     names.add(name)
-        j = bisect.bisect_left(arch, first + start)
-        out.append((len(line) - len(stripped), kind, set(_WORD_RE.findall(span)),
-                    j < len(arch) and arch[j] < first + end,
+        if arch:
+            j = bisect.bisect_left(arch, first + start)
+            has_arch = j < len(arch) and arch[j] < first + end
+        else:
+            has_arch = False
+        out.append((len(line) - len(stripped), kind, set(_WORD_RE.findall(span)), has_arch,
                     attrs, names, first + start, first + end))
     return out
+
+
+_NO_NAMES = frozenset()
 
 
 # Strings (triple-quoted first) and comments, which `_statements` blanks (`_newlines_only`).
