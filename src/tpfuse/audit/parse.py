@@ -35,6 +35,12 @@ _CONSTANT_NAMES = frozenset({"get_platform", "current_platform", "is_cuda", "_is
 _COMPARES_RE = re.compile(r"==|!=|<=|>=| in | not in |[<>]")
 
 
+def _may_name_param(text: str) -> bool:
+    """Can `_PARAM_RE` match in `text`? Each of its words holds one of these (substring tests are
+    several times faster than the regex on a text that holds none)."""
+    return "arch" in text or "capability" in text or "sm_version" in text or "device_sm" in text or "_major" in text
+
+
 def _param_word(text: str, m: re.Match) -> bool:
     """A `_PARAM_RE` match that can name a capability: `arch` only as a whole word (a parameter
     `arch` that a caller passes the device's `major * 10 + minor` to), not `model_arch`."""
@@ -188,7 +194,8 @@ def parse_selected(source: str, filename: str, tokens: list, name_re: re.Pattern
     offsets = [textmap.starts[a] for a, _, _ in chunks] + [len(source)]
     arch_chunks = {bisect.bisect_right(offsets, pos) - 1 for pos in tokens}
     param_chunks: set = set()
-    for m in _PARAM_RE.finditer(source):  # only a def chunk not already kept needs the (slower) code test
+    # Only a def chunk not already kept needs the (slower) code test.
+    for m in _PARAM_RE.finditer(source) if _may_name_param(source) else ():
         k = bisect.bisect_right(offsets, m.start()) - 1
         if k in param_chunks or k in arch_chunks or not chunks[k][2]:
             continue
@@ -196,13 +203,7 @@ def parse_selected(source: str, filename: str, tokens: list, name_re: re.Pattern
             param_chunks.add(k)
     if "minor" in source:
         param_chunks |= {k for k, t in enumerate(texts) if "minor" in t and "major" in t}
-    words: dict = {}
-
-    def words_of(k: int) -> set:
-        if k not in words:
-            words[k] = set(_WORD_RE.findall(texts[k]))
-        return words[k]
-
+    words = _Words(texts)
     hot: set = set(extra_hot)
     # Imported helpers named like arch predicates (`is_cuda_sm_at_least`), found at the tokens; not the
     # platform objects and `is_cuda`, constant on every audited arch unless an arch token follows them.
@@ -229,13 +230,13 @@ def parse_selected(source: str, filename: str, tokens: list, name_re: re.Pattern
     while grew:
         grew = False
         for k, bound in pending:
-            if not bound <= hot and (k in arch_chunks or hot and not hot.isdisjoint(words_of(k))):
+            if not bound <= hot and (k in arch_chunks or words.touches(k, hot)):
                 hot |= bound
                 grew = True
         for k, (_, _, is_def) in enumerate(chunks):
             if not is_def:
                 continue
-            if not wanted[k] and hot and not hot.isdisjoint(words_of(k)):
+            if not wanted[k] and words.touches(k, hot):
                 wanted[k] = grew = True
             if not wanted[k]:
                 continue
@@ -252,7 +253,7 @@ def parse_selected(source: str, filename: str, tokens: list, name_re: re.Pattern
                         grew = True
                     trims[k][0], trims[k][2], trims[k][3] = len(hot), trimmed, ranges
             elif names[k] and names[k] not in hot:
-                if k not in flows and k not in arch_chunks and (not hot or hot.isdisjoint(words_of(k))):
+                if k not in flows and k not in arch_chunks and not words.touches(k, hot):
                     continue  # no architecture token and no hot word in its text: no return can depend on them
                 if k not in flows:
                     arch_lines = {textmap.line_of(pos) for pos in
@@ -302,6 +303,30 @@ def parse_selected(source: str, filename: str, tokens: list, name_re: re.Pattern
 _CLASS_RE = re.compile(r"^class\s", re.MULTILINE)
 
 
+class _Words:
+    """Do texts hold one of a growing set of names as a word (`_WORD_RE`)? A substring test first;
+    a text's word set only once a name is in it (most texts hold none of the few hot names, and
+    splitting every def into words was a tenth of the parse)."""
+
+    def __init__(self, texts: list):
+        self.texts = texts
+        self.sets: dict = {}  # text index -> its words
+        self.absent: dict = {}  # text index -> names found in it as no substring at all
+
+    def touches(self, k: int, names: set) -> bool:
+        """`not names.isdisjoint(set(_WORD_RE.findall(texts[k])))`."""
+        if not names:
+            return False
+        found = self.sets.get(k)
+        if found is None:
+            absent, text = self.absent.get(k), self.texts[k]
+            if not any(w in text for w in (names - absent if absent else names)):
+                self.absent[k] = absent | names if absent else set(names)
+                return False
+            found = self.sets[k] = set(_WORD_RE.findall(text))
+        return not names.isdisjoint(found)
+
+
 def _trim_class(text: str, arch_lines: set, hot: set) -> tuple[str, list, set]:
     """`_ClassTrim(text, arch_lines).trim(hot)`."""
     return _ClassTrim(text, arch_lines).trim(hot)
@@ -345,12 +370,12 @@ class _ClassTrim:
         self.texts = ["".join(lines[a:b]) for a, b, _ in self.parts]
         self.arch_sorted = arch = sorted(arch_lines)
         self.keep = [not is_method or bisect.bisect_left(arch, a) < bisect.bisect_left(arch, b)
-                     or any(_param_word(chunk, m) for m in _PARAM_RE.finditer(chunk))
+                     or _may_name_param(chunk) and any(_param_word(chunk, m) for m in _PARAM_RE.finditer(chunk))
                      or ("major" in chunk and "minor" in chunk)
                      for (a, b, is_method), chunk in zip(self.parts, self.texts)]
         self.hot_words: set = set()
         self.exports: set = set()
-        self.words: dict = {}
+        self.words = _Words(self.texts)
         self.flows: dict = {}
         self.done: dict = {}
 
@@ -360,11 +385,7 @@ class _ClassTrim:
         a, b, _ = self.parts[j]
         if bisect.bisect_left(self.arch_sorted, a) < bisect.bisect_left(self.arch_sorted, b):
             return True
-        if not hot_words:
-            return False
-        if j not in self.words:
-            self.words[j] = set(_WORD_RE.findall(self.texts[j]))
-        return not hot_words.isdisjoint(self.words[j])
+        return self.words.touches(j, hot_words)
 
     def _returns_arch(self, j: int) -> bool:
         """Does method `j` return an architecture value (its name is exported): others inline it whole."""
@@ -400,11 +421,8 @@ class _ClassTrim:
                         self.exports |= attrs
                         grew = True
                     self.done[j] = len(hot_words)
-                elif hot_words:
-                    if j not in self.words:
-                        self.words[j] = set(_WORD_RE.findall(chunk))
-                    if not hot_words.isdisjoint(self.words[j]):
-                        self.keep[j] = grew = True
+                elif self.words.touches(j, hot_words):
+                    self.keep[j] = grew = True
         out, ranges = lines[: parts[0][0]], [(a, b) for (a, b, _), k in zip(parts, self.keep) if not k]
         for j, ((a, b, is_method), k) in enumerate(zip(parts, self.keep)):
             if not k:

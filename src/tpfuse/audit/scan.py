@@ -212,12 +212,17 @@ class ModuleScanner:
             if words is None:
                 words = cache[first] = frozenset(_WORD_RE.findall(lines[first - 1]))
             return words
-        out: set = set()
+        key = (first, last)  # a statement's lines are read for each of its tests: its union once
+        out = cache.get(key)
+        if out is not None:
+            return out
+        out = set()
         for i in range(first, min(last, len(lines)) + 1):
             words = cache.get(i)
             if words is None:
                 words = cache[i] = frozenset(_WORD_RE.findall(lines[i - 1]))
             out |= words
+        cache[key] = out
         return out
 
     def _globals(self) -> set:
