@@ -41,6 +41,30 @@ def _may_name_param(text: str) -> bool:
     return "arch" in text or "capability" in text or "sm_version" in text or "device_sm" in text or "_major" in text
 
 
+# Where a match of _PARAM_RE can start: each of its words begins with one of these.
+_PARAM_PREFIXES = ("capability", "sm_", "device_", "_major", "arch")
+
+
+def _param_matches(text: str) -> list:
+    """`list(_PARAM_RE.finditer(text))`, from the prefixes' substring searches (the regex's alternation
+    is tried at every position of the text otherwise)."""
+    starts = []
+    for prefix in _PARAM_PREFIXES:
+        i = text.find(prefix)
+        while i >= 0:
+            starts.append(i)
+            i = text.find(prefix, i + 1)
+    out, end = [], -1
+    for i in sorted(starts):
+        if i < end:
+            continue
+        m = _PARAM_RE.match(text, i)
+        if m:
+            out.append(m)
+            end = m.end()
+    return out
+
+
 def _param_word(text: str, m: re.Match) -> bool:
     """A `_PARAM_RE` match that can name a capability: `arch` only as a whole word (a parameter
     `arch` that a caller passes the device's `major * 10 + minor` to), not `model_arch`."""
@@ -195,7 +219,7 @@ def parse_selected(source: str, filename: str, tokens: list, name_re: re.Pattern
     arch_chunks = {bisect.bisect_right(offsets, pos) - 1 for pos in tokens}
     param_chunks: set = set()
     # Only a def chunk not already kept needs the (slower) code test.
-    for m in _PARAM_RE.finditer(source) if _may_name_param(source) else ():
+    for m in _param_matches(source):
         k = bisect.bisect_right(offsets, m.start()) - 1
         if k in param_chunks or k in arch_chunks or not chunks[k][2]:
             continue
