@@ -180,6 +180,7 @@ class _Run:
         self.precise = len(self.modules) == 1 or only is not None
         self._rels = [_relative(path, self.target.root) for path, _ in self.modules]
         self._index = {rel: i for i, rel in enumerate(self._rels)}
+        self._root = self.target.root.resolve()
 
     def run(self) -> AuditResult:
         total = len(self.modules) + len(self.target.native_files)
@@ -292,7 +293,7 @@ class _Run:
             return
         for cond_id in [c.id for c in self.by_path.get(rel, [])]:
             self.sites.pop(cond_id, None)
-        self.by_path[rel] = _collect(module_sites, rel, scanner.lines, self.sites, self.target.root.resolve())
+        self.by_path[rel] = _collect(module_sites, rel, scanner.lines, self.sites, self._root)
         if not self.precise:
             self.exports |= resolver.exports_of(name)
         if not self.keep_trees:
@@ -409,14 +410,18 @@ def _providers_first(pending: list, imports: dict) -> list:
 def _module_names(target: Target) -> tuple[list, list]:
     """[(path, dotted name)] of the target's Python files and their import roots; names are unique."""
     modules, roots, taken = [], [], {}
-    by_dir: dict = {}  # directory -> (package prefix, import root): one walk up per directory, not per file
+    # directory -> (package prefix, import root): one walk up per directory, not per file; the keys are
+    # strings (hashing and taking apart thousands of paths with pathlib was a visible part of an audit)
+    by_dir: dict = {}
     for path in target.python_files:
-        if path.parent not in by_dir:
-            name, root = module_name_for(path.parent / "__init__.py", lambda d=path.parent: _import_heads(d))
-            by_dir[path.parent] = ("" if root == path.parent.resolve() else name, root)
-        pkg, root = by_dir[path.parent]
-        stem = "" if path.name == "__init__.py" else path.stem
-        name = ".".join(p for p in (pkg, stem) if p) or path.stem
+        directory, base = os.path.split(str(path))
+        if directory not in by_dir:
+            parent = path.parent
+            name, root = module_name_for(parent / "__init__.py", lambda d=parent: _import_heads(d))
+            by_dir[directory] = ("" if root == parent.resolve() else name, root)
+        pkg, root = by_dir[directory]
+        stem = base[:-3] if base.endswith(".py") and len(base) > 3 else path.stem
+        name = ".".join(p for p in (pkg, "" if base == "__init__.py" else stem) if p) or stem
         if taken.setdefault(name, path) != path:
             # Two plain script directories with the same file name: the path from the target root tells them apart.
             name = ".".join(path.relative_to(target.root).with_suffix("").parts)
@@ -429,9 +434,13 @@ def _module_names(target: Target) -> tuple[list, list]:
 def _import_heads(directory: Path) -> str:
     """The first lines of a few of the directory's modules: where their absolute imports are."""
     heads = []
-    for path in sorted(directory.glob("*.py"))[:5]:
+    try:  # what `sorted(directory.glob("*.py"))` lists, by name
+        names = sorted(n for n in os.listdir(directory) if n.endswith(".py"))[:5]
+    except OSError:
+        names = []
+    for name in names:
         try:
-            with open(path, "rb") as fh:
+            with open(os.path.join(directory, name), "rb") as fh:
                 heads.append(fh.read(8192).decode("utf-8", errors="replace"))
         except OSError:
             continue

@@ -35,6 +35,36 @@ _CONSTANT_NAMES = frozenset({"get_platform", "current_platform", "is_cuda", "_is
 _COMPARES_RE = re.compile(r"==|!=|<=|>=| in | not in |[<>]")
 
 
+def _may_name_param(text: str) -> bool:
+    """Can `_PARAM_RE` match in `text`? Each of its words holds one of these (substring tests are
+    several times faster than the regex on a text that holds none)."""
+    return "arch" in text or "capability" in text or "sm_version" in text or "device_sm" in text or "_major" in text
+
+
+# Where a match of _PARAM_RE can start: each of its words begins with one of these.
+_PARAM_PREFIXES = ("capability", "sm_", "device_", "_major", "arch")
+
+
+def _param_matches(text: str) -> list:
+    """`list(_PARAM_RE.finditer(text))`, from the prefixes' substring searches (the regex's alternation
+    is tried at every position of the text otherwise)."""
+    starts = []
+    for prefix in _PARAM_PREFIXES:
+        i = text.find(prefix)
+        while i >= 0:
+            starts.append(i)
+            i = text.find(prefix, i + 1)
+    out, end = [], -1
+    for i in sorted(starts):
+        if i < end:
+            continue
+        m = _PARAM_RE.match(text, i)
+        if m:
+            out.append(m)
+            end = m.end()
+    return out
+
+
 def _param_word(text: str, m: re.Match) -> bool:
     """A `_PARAM_RE` match that can name a capability: `arch` only as a whole word (a parameter
     `arch` that a caller passes the device's `major * 10 + minor` to), not `model_arch`."""
@@ -137,15 +167,22 @@ def code_tokens(textmap: TextMap, offsets: list) -> list:
     return [pos for pos in offsets if textmap.is_code(pos)]
 
 
+_COLUMN0_RE = re.compile(r"^[^ \t\r\n#)\]}'\"]", re.MULTILINE)
+
+
 def _chunks(textmap: TextMap) -> list:
     """[(first line index, last line index + 1, is_def)] of the module's top-level pieces."""
     starts, kinds = [], []
     prev_deco = False
-    for i, line in enumerate(textmap.lines):
-        c = line[:1]
-        if not c or c in " \t\r\n#)]}'\"" or not line.strip() or textmap.in_triple_string(textmap.starts[i]):
+    lines, line_starts = textmap.lines, textmap.starts
+    # Only the lines that begin with code at column 0 can start a chunk: one regex pass finds them
+    # (a test per line was a tenth of the parse).
+    for m in _COLUMN0_RE.finditer(textmap.source):
+        i = bisect.bisect_right(line_starts, m.start()) - 1
+        line = lines[i]
+        if not line.strip() or textmap.in_triple_string(line_starts[i]):
             continue
-        is_deco = c == "@"
+        is_deco = line[0] == "@"
         is_def = is_deco or bool(_DEF_RE.match(line))
         if not prev_deco:
             starts.append(i)
@@ -181,7 +218,8 @@ def parse_selected(source: str, filename: str, tokens: list, name_re: re.Pattern
     offsets = [textmap.starts[a] for a, _, _ in chunks] + [len(source)]
     arch_chunks = {bisect.bisect_right(offsets, pos) - 1 for pos in tokens}
     param_chunks: set = set()
-    for m in _PARAM_RE.finditer(source):  # only a def chunk not already kept needs the (slower) code test
+    # Only a def chunk not already kept needs the (slower) code test.
+    for m in _param_matches(source):
         k = bisect.bisect_right(offsets, m.start()) - 1
         if k in param_chunks or k in arch_chunks or not chunks[k][2]:
             continue
@@ -189,13 +227,7 @@ def parse_selected(source: str, filename: str, tokens: list, name_re: re.Pattern
             param_chunks.add(k)
     if "minor" in source:
         param_chunks |= {k for k, t in enumerate(texts) if "minor" in t and "major" in t}
-    words: dict = {}
-
-    def words_of(k: int) -> set:
-        if k not in words:
-            words[k] = set(_WORD_RE.findall(texts[k]))
-        return words[k]
-
+    words = _Words(texts)
     hot: set = set(extra_hot)
     # Imported helpers named like arch predicates (`is_cuda_sm_at_least`), found at the tokens; not the
     # platform objects and `is_cuda`, constant on every audited arch unless an arch token follows them.
@@ -222,13 +254,13 @@ def parse_selected(source: str, filename: str, tokens: list, name_re: re.Pattern
     while grew:
         grew = False
         for k, bound in pending:
-            if not bound <= hot and (k in arch_chunks or hot and not hot.isdisjoint(words_of(k))):
+            if not bound <= hot and (k in arch_chunks or words.touches(k, hot)):
                 hot |= bound
                 grew = True
         for k, (_, _, is_def) in enumerate(chunks):
             if not is_def:
                 continue
-            if not wanted[k] and hot and not hot.isdisjoint(words_of(k)):
+            if not wanted[k] and words.touches(k, hot):
                 wanted[k] = grew = True
             if not wanted[k]:
                 continue
@@ -245,6 +277,8 @@ def parse_selected(source: str, filename: str, tokens: list, name_re: re.Pattern
                         grew = True
                     trims[k][0], trims[k][2], trims[k][3] = len(hot), trimmed, ranges
             elif names[k] and names[k] not in hot:
+                if k not in flows and k not in arch_chunks and not words.touches(k, hot):
+                    continue  # no architecture token and no hot word in its text: no return can depend on them
                 if k not in flows:
                     arch_lines = {textmap.line_of(pos) for pos in
                                   tokens[bisect.bisect_left(tokens, offsets[k]):
@@ -293,6 +327,30 @@ def parse_selected(source: str, filename: str, tokens: list, name_re: re.Pattern
 _CLASS_RE = re.compile(r"^class\s", re.MULTILINE)
 
 
+class _Words:
+    """Do texts hold one of a growing set of names as a word (`_WORD_RE`)? A substring test first;
+    a text's word set only once a name is in it (most texts hold none of the few hot names, and
+    splitting every def into words was a tenth of the parse)."""
+
+    def __init__(self, texts: list):
+        self.texts = texts
+        self.sets: dict = {}  # text index -> its words
+        self.absent: dict = {}  # text index -> names found in it as no substring at all
+
+    def touches(self, k: int, names: set) -> bool:
+        """`not names.isdisjoint(set(_WORD_RE.findall(texts[k])))`."""
+        if not names:
+            return False
+        found = self.sets.get(k)
+        if found is None:
+            absent, text = self.absent.get(k), self.texts[k]
+            if not any(w in text for w in (names - absent if absent else names)):
+                self.absent[k] = absent | names if absent else set(names)
+                return False
+            found = self.sets[k] = set(_WORD_RE.findall(text))
+        return not names.isdisjoint(found)
+
+
 def _trim_class(text: str, arch_lines: set, hot: set) -> tuple[str, list, set]:
     """`_ClassTrim(text, arch_lines).trim(hot)`."""
     return _ClassTrim(text, arch_lines).trim(hot)
@@ -334,16 +392,24 @@ class _ClassTrim:
             prev_deco = is_deco
         self.parts = [(a, b, is_method) for (a, is_method), (b, _) in zip(starts, starts[1:] + [(len(lines), False)])]
         self.texts = ["".join(lines[a:b]) for a, b, _ in self.parts]
-        arch = sorted(arch_lines)
+        self.arch_sorted = arch = sorted(arch_lines)
         self.keep = [not is_method or bisect.bisect_left(arch, a) < bisect.bisect_left(arch, b)
-                     or any(_param_word(chunk, m) for m in _PARAM_RE.finditer(chunk))
+                     or _may_name_param(chunk) and any(_param_word(chunk, m) for m in _PARAM_RE.finditer(chunk))
                      or ("major" in chunk and "minor" in chunk)
                      for (a, b, is_method), chunk in zip(self.parts, self.texts)]
         self.hot_words: set = set()
         self.exports: set = set()
-        self.words: dict = {}
+        self.words = _Words(self.texts)
         self.flows: dict = {}
         self.done: dict = {}
+
+    def _may_flow(self, j: int, hot_words: set) -> bool:
+        """Can `_flow` of part `j` find anything: an architecture token in it, or a hot word in its text
+        (strings and comments included: more words than its code has)?"""
+        a, b, _ = self.parts[j]
+        if bisect.bisect_left(self.arch_sorted, a) < bisect.bisect_left(self.arch_sorted, b):
+            return True
+        return self.words.touches(j, hot_words)
 
     def _returns_arch(self, j: int) -> bool:
         """Does method `j` return an architecture value (its name is exported): others inline it whole."""
@@ -362,10 +428,13 @@ class _ClassTrim:
             grew = False
             for j, chunk in enumerate(self.texts):
                 if self.keep[j]:
-                    if j not in self.flows:
-                        self.flows[j] = _statements(lines, parts[j][0], parts[j][1], self.arch_lines)
                     if self.done.get(j) == len(hot_words):
                         continue
+                    if j not in self.flows and not self._may_flow(j, hot_words):
+                        self.done[j] = len(hot_words)  # what `_flow` gives it: nothing (read again if hot grows)
+                        continue
+                    if j not in self.flows:
+                        self.flows[j] = _statements(lines, parts[j][0], parts[j][1], self.arch_lines)
                     returns, names, attrs = _flow(self.flows[j], hot_words)
                     attrs = attrs if parts[j][2] else names  # a class-level name is a class attribute
                     name = _METHOD_NAME_RE.match(chunk) if parts[j][2] and returns else None
@@ -376,11 +445,8 @@ class _ClassTrim:
                         self.exports |= attrs
                         grew = True
                     self.done[j] = len(hot_words)
-                elif hot_words:
-                    if j not in self.words:
-                        self.words[j] = set(_WORD_RE.findall(chunk))
-                    if not hot_words.isdisjoint(self.words[j]):
-                        self.keep[j] = grew = True
+                elif self.words.touches(j, hot_words):
+                    self.keep[j] = grew = True
         out, ranges = lines[: parts[0][0]], [(a, b) for (a, b, _), k in zip(parts, self.keep) if not k]
         for j, ((a, b, is_method), k) in enumerate(zip(parts, self.keep)):
             if not k:
@@ -419,23 +485,23 @@ def _statements(lines: list, first: int, last: int, arch_lines: set) -> list:
     n = last - first
     arch = sorted(arch_lines)
     starts, depth, continued = [], 0, False
-    for i in range(n):
-        c = code_lines[i]
-        if depth <= 0 and not continued and c.strip():
+    for i, c in enumerate(code_lines[:n]):
+        # (`c and not c.isspace()` is `c.strip()` without a copy of every line)
+        if depth <= 0 and not continued and c and not c.isspace():
             starts.append(i)
             depth = 0
         if "(" in c or ")" in c or "[" in c or "]" in c or "{" in c or "}" in c:
             depth += _depth(c)
-        continued = c.rstrip().endswith("\\")
+        continued = "\\" in c and c.rstrip().endswith("\\")
     out = []
     for s_i, start in enumerate(starts):
         end = starts[s_i + 1] if s_i + 1 < len(starts) else n
         line = code_lines[start]
         stripped = line.lstrip()
-        span = "\n".join(code_lines[start:end])
+        span = line if end - start == 1 else "\n".join(code_lines[start:end])
         word = _FIRST_WORD_RE.match(line)
         head = word.group(1) if word else ""
-        attrs, names = set(), set()
+        attrs = names = _NO_NAMES  # most statements bind nothing: one shared empty set, never mutated
         if head in ("def", "class") or head == "async" and stripped.startswith("async def"):
             kind = "def"
             bound = _DEF_NAME_RE.match(stripped)
@@ -462,17 +528,24 @@ def _statements(lines: list, first: int, last: int, arch_lines: set) -> list:
         target = _TARGETS_RE.match(line) if kind == "other" else None
         if target:
             kind = "assign"
+            attrs, names = set(), set()
             for name in target.group(1).split(","):
                 name = name.strip()
                 if name.startswith(("self.", "cls.")):
                     attrs.add(name.split(".", 1)[1])
                 else:
                     names.add(name)
-        j = bisect.bisect_left(arch, first + start)
-        out.append((len(line) - len(stripped), kind, set(_WORD_RE.findall(span)),
-                    j < len(arch) and arch[j] < first + end,
+        if arch:
+            j = bisect.bisect_left(arch, first + start)
+            has_arch = j < len(arch) and arch[j] < first + end
+        else:
+            has_arch = False
+        out.append((len(line) - len(stripped), kind, set(_WORD_RE.findall(span)), has_arch,
                     attrs, names, first + start, first + end))
     return out
+
+
+_NO_NAMES = frozenset()
 
 
 # Strings (triple-quoted first) and comments, which `_statements` blanks (`_newlines_only`).

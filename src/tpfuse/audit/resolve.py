@@ -105,6 +105,7 @@ class Resolver:
         self._prepared: dict = {}  # name -> (source, TextMap, token offsets, non-constant ones) before its parse
         self._paths: dict[str, Path | None] = {}
         self._values: dict = {}
+        self._keys_of: dict = {}  # module (a key's first part) -> its keys in `_values`, for `forget`
         self._calls: dict = {}
         self._active: set = set()
         self.errors: dict[Path, str] = {}
@@ -195,8 +196,8 @@ class Resolver:
     def forget(self, name: str) -> None:
         """Parse module `name` again when next asked (its `extra_hot` names changed)."""
         self._modules.pop(name, None)
-        for key in [k for k in self._values if k[0] == name]:
-            del self._values[key]
+        for key in self._keys_of.pop(name, ()):
+            self._values.pop(key, None)
 
     def arch_valued(self, value) -> bool:
         """Does `value` hold an architecture value (a flag, a capability, a helper returning one)?"""
@@ -268,6 +269,7 @@ class Resolver:
         finally:
             self._active.discard(key)
         self._values[key] = value
+        self._keys_of.setdefault(module, []).append(key)
         return value
 
     def _lookup(self, module: str, name: str):
@@ -367,6 +369,7 @@ class Resolver:
         key = ("platform", module, name)
         if key not in self._values:
             self._values[key] = self._platform_fact(module, name)
+            self._keys_of.setdefault("platform", []).append(key)
         return self._values[key]
 
     def _platform_fact(self, module: str, name: str):

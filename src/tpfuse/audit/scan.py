@@ -212,12 +212,17 @@ class ModuleScanner:
             if words is None:
                 words = cache[first] = frozenset(_WORD_RE.findall(lines[first - 1]))
             return words
-        out: set = set()
+        key = (first, last)  # a statement's lines are read for each of its tests: its union once
+        out = cache.get(key)
+        if out is not None:
+            return out
+        out = set()
         for i in range(first, min(last, len(lines)) + 1):
             words = cache.get(i)
             if words is None:
                 words = cache[i] = frozenset(_WORD_RE.findall(lines[i - 1]))
             out |= words
+        cache[key] = out
         return out
 
     def _globals(self) -> set:
@@ -258,10 +263,17 @@ class ModuleScanner:
         i = bisect.bisect_left(self._arch_sorted, first)
         if i < len(self._arch_sorted) and self._arch_sorted[i] <= last:
             return True
-        words = self._words(first, last)
-        if not words.isdisjoint(self.info.hot) or not words.isdisjoint(self._globals()):
+        # The def's words are what is tested; a name that is not even a substring of its text is not one
+        # of them, so a def that holds none is skipped without splitting each of its lines into words.
+        text = "\n".join(self.lines[first - 1: last])
+        if self._holds_any(text, self.info.hot, first, last) or self._holds_any(text, self._globals(), first, last):
             return True
-        return bool(attrs) and any(isinstance(attrs[w], _ARCH_VALUES) for w in attrs.keys() & words)
+        return bool(attrs) and self._holds_any(text, [w for w, v in attrs.items() if isinstance(v, _ARCH_VALUES)],
+                                               first, last)
+
+    def _holds_any(self, text: str, names, first: int, last: int) -> bool:
+        """Is one of `names` a word of lines `first`..`last` (whose text is `text`)?"""
+        return any(w in text for w in names) and not self._words(first, last).isdisjoint(names)
 
     def scan(self) -> list[Site]:
         if self.info is not None:

@@ -89,15 +89,20 @@ def read_bytes(path: Path, *, limit: int | None = None) -> bytes:
         if st.st_size > limit:
             raise SourceSkip("too-large", _too_large(st.st_size, limit))
         chunks, size = [], 0
+        # The first read asks for the size fstat gave and one byte more (a growing file shows), not a fixed
+        # 1 MiB: allocating and shrinking a buffer that large for every small file was most of reading a tree.
+        want = st.st_size + 1
         while size <= limit:  # read to EOF, but never more than limit + 1 bytes (the file may grow)
-            chunk = os.read(fd, min(1 << 20, limit + 1 - size))
+            chunk = os.read(fd, min(want, limit + 1 - size))
             if not chunk:
                 break
             chunks.append(chunk)
             size += len(chunk)
+            # A short read was the end of the file: the next read only confirms it (one byte, not a 1 MiB buffer).
+            want = 1 << 20 if len(chunk) >= want else 1
         if size > limit:
             raise SourceSkip("too-large", _too_large(size, limit))
-        return b"".join(chunks)
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
     except OSError as exc:
         raise SourceSkip("unreadable", f"cannot be read ({exc.strerror or exc})") from None
     finally:
@@ -183,7 +188,8 @@ class Target:
 def _walk(top: Path, onerror, onlink):
     """os.walk(top, onerror=onerror) top-down, without recursion: os.walk recurses once per level
     (Python 3.11), so a tree nested deeper than the interpreter's recursion limit would crash it.
-    Links to directories are not followed; each is passed to `onlink(path)`."""
+    Links to directories are not followed; each is passed to `onlink(path)`. Yields (dirpath, dirnames,
+    filenames, the names of filenames that are symbolic links)."""
     stack = [str(top)]
     while stack:
         dirpath = stack.pop()
@@ -193,16 +199,19 @@ def _walk(top: Path, onerror, onlink):
         except OSError as exc:
             onerror(exc)
             continue
-        dirnames, filenames, follow = [], [], set()
+        dirnames, filenames, follow, links = [], [], set(), set()
         for entry in entries:
             try:
                 is_dir = entry.is_dir()
             except OSError:
                 is_dir = False
             (dirnames if is_dir else filenames).append(entry.name)
-            if is_dir and not entry.is_symlink():
+            is_link = entry.is_symlink()
+            if is_dir and not is_link:
                 follow.add(entry.name)
-        yield dirpath, dirnames, filenames
+            elif not is_dir and is_link:
+                links.add(entry.name)
+        yield dirpath, dirnames, filenames, links
         for d in sorted(dirnames):
             if d not in follow:
                 onlink(Path(dirpath) / d)
@@ -273,25 +282,34 @@ def resolve_target(spec: str, *, native: bool = True) -> Target:
                              "error": f"a link to a directory outside the tree ({real}), not followed; "
                                       f"audit {real} itself"})
 
-    for dirpath, dirnames, filenames in _walk(path, unlistable, linked):
+    links: set = set()  # the listed files that are symbolic links
+    for dirpath, dirnames, filenames, linked_names in _walk(path, unlistable, linked):
         dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS and not d.endswith(".egg-info"))
         for fname in sorted(filenames):
-            full = Path(dirpath) / fname
             if fname.endswith(PY_SUFFIXES):
-                py.append(full)
+                listed = py
             elif native and (fname.endswith(NATIVE_SUFFIXES) or _is_cmake(fname)):
-                nat.append(full)
-    py = _without_aliases(path, py, aliases)
-    nat = _without_aliases(path, nat, aliases)
+                listed = nat
+            else:
+                continue
+            full = Path(os.path.join(dirpath, fname))
+            listed.append(full)
+            if fname in linked_names:
+                links.add(full)
+    py = _without_aliases(path, py, aliases, links)
+    nat = _without_aliases(path, nat, aliases, links)
     return Target(spec, path, tuple(py), tuple(nat), tuple(unlisted), aliases=tuple(aliases))
 
 
-def _without_aliases(root: Path, files: list, aliases: list) -> list:
-    """`files` less the links to another listed file of the tree (recorded in `aliases`)."""
+def _without_aliases(root: Path, files: list, aliases: list, links: set) -> list:
+    """`files` less the links (those of them in `links`) to another listed file of the tree (recorded in
+    `aliases`)."""
+    if not links:
+        return files
     listed = set(files)
     out = []
     for full in files:
-        if full.is_symlink():
+        if full in links:
             try:
                 real = full.resolve(strict=True)
             except (OSError, RuntimeError):
