@@ -111,8 +111,8 @@ def _rank(rank, world_size, table_cache, hidden, profile, device):
         top = text.getvalue()
     down = runtime.state("tp:0").down
     runtime.close_all()
-    return {"rank": rank, "hidden": hidden, "served": served, "down": down, "prepare_s": round(total, 3), "buckets": buckets,
-            "phases": {k: (c, round(s, 4)) for k, (c, s) in phases.items()}, "profile": top}
+    return {"rank": rank, "hidden": hidden, "served": served, "down": down, "prepare_s": round(total, 3),
+            "buckets": buckets, "phases": {k: (c, round(s, 4)) for k, (c, s) in phases.items()}, "profile": top}
 
 
 def rows_of(results: dict, env_row: dict | None = None) -> list:

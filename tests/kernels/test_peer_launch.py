@@ -72,3 +72,43 @@ def test_twoshot_whole_rows_refuse_quantizing_in_the_kernel():
         PeerLaunch(launch.kernel, "twoshot", ws, 3, 64, torch.bfloat16, has_res=True, has_norm=True,
                    quant=Q.fp8_per_token(), plan=launch.plan, max_programs=4, timeout_s=1.0, twoshot=True,
                    owns_rows=True)
+
+
+class _FakeLaunch:
+    """A launch whose compile records whether it ran inside Triton's concurrent compile mode."""
+
+    def __init__(self, log):
+        self.log = log
+
+    def _warmup(self):
+        from triton.runtime import _async_compile
+
+        self.log.append(("warmup", _async_compile.active_mode.get() is not None))
+
+    def compile(self):
+        self.log.append(("compile", None))
+
+
+@pytest.mark.parametrize("outer", [False, True], ids=["alone", "inside a caller's AsyncCompileMode"])
+def test_compile_all_compiles_concurrently_then_checks_each_one(monkeypatch, outer):
+    """Every variant's compile is submitted inside triton.AsyncCompileMode (so they run on worker
+    threads), then each launch's compile() loads it and checks residency; where a caller's mode is
+    already active in this context, each launch compiles one by one instead of failing."""
+    import concurrent.futures
+    import contextlib
+
+    import triton
+
+    from tpfuse.kernels import peer_launch
+
+    if not hasattr(triton, "AsyncCompileMode"):
+        pytest.skip(f"Triton {triton.__version__} has no AsyncCompileMode")
+    monkeypatch.setattr(peer_launch, "interpreting", lambda: False)
+    log = []
+    with contextlib.ExitStack() as stack:
+        if outer:
+            pool = stack.enter_context(concurrent.futures.ThreadPoolExecutor(1))
+            stack.enter_context(triton.AsyncCompileMode(pool))
+        peer_launch.compile_all([_FakeLaunch(log) for _ in range(3)])
+    want = [("compile", None)] * 3 if outer else [("warmup", True)] * 3 + [("compile", None)] * 3
+    assert log == want

@@ -27,6 +27,7 @@ benchmarks/bench_peer_kernels.py).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -254,9 +255,14 @@ def compile_all(launches: list[PeerLaunch]) -> None:
     residency is then checked one after another, as `compile()` does."""
     if len(launches) > 1 and not interpreting() and hasattr(triton, "AsyncCompileMode"):
         workers = min(len(launches), os.cpu_count() or 1, MAX_COMPILE_THREADS)
-        with ThreadPoolExecutor(max_workers=workers) as pool, triton.AsyncCompileMode(pool):
-            for launch in launches:
-                launch._warmup()
+        with ThreadPoolExecutor(max_workers=workers) as pool, contextlib.ExitStack() as stack:
+            try:
+                stack.enter_context(triton.AsyncCompileMode(pool))
+            except RuntimeError:  # a caller's AsyncCompileMode is active here: compile one by one below
+                pass
+            else:
+                for launch in launches:
+                    launch._warmup()
     for launch in launches:  # loads each compiled variant (cached now) and checks its residency
         launch.compile()
 
