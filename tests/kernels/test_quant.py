@@ -549,3 +549,39 @@ def test_hardware_e2m1_path_assembles_for_blackwell(cc):
     arch = re.search(r"\.target (sm_\w+)", ptx).group(1)
     proc = subprocess.run([ptxas, f"-arch={arch}", "-o", "/dev/null", "-"], input=ptx, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def _column_major_padding_rank(rank, world_size):
+    import tpfuse.kernels.custom_ops  # noqa: F401  (registers the ops)
+
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):  # every fresh fp32 buffer starts as NaN: an unwritten byte shows
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.dtype == torch.float32 else t
+
+    torch.empty = poisoned
+    out = {}
+    try:
+        for m in (1, 2, 3, 4, 5, 7):
+            s, r, w = (small_integer_inputs(i, m, 64, torch.bfloat16) for i in range(3))
+            codes, scales, _, _ = torch.ops.tpfuse.residual_rmsnorm_quant(s, r, w[0], 1e-6, "fp8_per_group", 16, "col",
+                                                                          None, False, None)
+            out[m] = scales.clone()
+    finally:
+        torch.empty = empty
+    return out
+
+
+@pytest.mark.interpreter
+def test_column_major_group_scales_leave_no_padding_byte_unwritten():
+    """DeepGEMM's column-major per-group scales are returned as their whole (H/G, align4(M))
+    storage: the padding rows M .. align4(M) - 1 are zeros, not whatever the allocator held, and
+    the rows of real tokens are the reference's scales."""
+    (out,) = run_ranks(_column_major_padding_rank, 1, env=INTERP, timeout_s=300)
+    for m, scales in out.items():
+        assert scales.shape == (4, -(-m // 4) * 4), (m, scales.shape)
+        assert torch.equal(scales[:, m:], torch.zeros(4, scales.shape[1] - m)), (m, scales)
+        s, r, w = (small_integer_inputs(i, m, 64, torch.bfloat16) for i in range(3))
+        want = residual_rmsnorm_quant_ref(s, r, w[0], 1e-6, Q.fp8_per_group(16, layout="col"))
+        assert torch.equal(scales[:, :m], want.scale.t()), m

@@ -8,7 +8,9 @@
 - `WrongOnRankOne`: correct on rank 0, adds one to every sum on rank 1: one rank's failure must
   reject it on every rank.
 - `SlowSetup`: the reference strategy whose per-bucket preparation takes `SETUP_S` seconds (as a
-  cold kernel compile does) and records the token counts it was asked to prepare.
+  cold kernel compile does) and records the token counts it was asked to prepare; registered
+  only where a test adds `SLOW_SETUP_PLUGIN` (it is as fast as the reference, so a default
+  baseline could pick it).
 """
 
 import time
@@ -82,6 +84,6 @@ class SlowSetup(ReferenceStrategy):
 PLUGINS = ",".join(
     f"{name}=support.tune_test_strategies:{cls}"
     for name, cls in (("slow_broadcast", "SequentialBroadcast"), ("slow_fused", "SlowFused"),
-                      ("reference_copy", "ReferenceCopy"), ("wrong_on_rank_one", "WrongOnRankOne"),
-                      ("slow_setup", "SlowSetup"))
+                      ("reference_copy", "ReferenceCopy"), ("wrong_on_rank_one", "WrongOnRankOne"))
 )
+SLOW_SETUP_PLUGIN = "slow_setup=support.tune_test_strategies:SlowSetup"

@@ -11,7 +11,7 @@ import warnings
 import pytest
 import torch
 
-from support.tune_test_strategies import PLUGINS, SETUP_S
+from support.tune_test_strategies import PLUGINS, SETUP_S, SLOW_SETUP_PLUGIN
 from tpfuse.reference import all_reduce_residual_rmsnorm_ref, random_inputs
 from tpfuse.spawn import run_ranks
 from tpfuse.tune.tuner import decide
@@ -154,7 +154,8 @@ def test_a_budget_is_spent_on_measuring_after_one_preparation_of_every_bucket():
     bucket at once, at the first, and the budget's prediction of the next bucket leaves that set-up
     out: every bucket is measured (a prediction of twice the first bucket, set-up included, would
     stop after it)."""
-    for tokens, prepared in run_ranks(_budget_rank, 2, env=ENV, timeout_s=120):
+    env = {**ENV, "TPFUSE_STRATEGIES": f"{PLUGINS},{SLOW_SETUP_PLUGIN}"}
+    for tokens, prepared in run_ranks(_budget_rank, 2, env=env, timeout_s=120):
         assert tokens == list(BUCKETS), tokens
         assert prepared == [BUCKETS], prepared  # one preparation, for every bucket
 

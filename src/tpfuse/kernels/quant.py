@@ -257,6 +257,15 @@ def quantize_chunk(
             store_runs(qrow + start, codes, H - start, row, M, BLOCK, CODE_RUN)
             smask = (gidx < H // G) & (srow < M)
             tl.store(s_ptr + row.to(tl.int64) * s_row_stride + gidx * s_col_stride, scale, mask=smask)
+            # Column-major (DeepGEMM) scales are stored (H/G, align4(M)) and handed over whole: the
+            # last row's program zeroes rows M .. align4(M) - 1 too, so no byte of them is left
+            # unwritten. Row-major scales (column stride 1) have no padding rows.
+            # (the stride test broadcast to a vector: the interpreter rejects a mask of a scalar test)
+            col_major = (0 * gidx + s_col_stride) > 1
+            pad = (gidx < H // G) & (srow == M - 1) & col_major
+            for p in tl.static_range(1, 4):
+                tl.store(s_ptr + (row + p).to(tl.int64) * s_row_stride + gidx * s_col_stride, tl.zeros_like(scale),
+                         mask=pad & (srow + p < (M + 3) // 4 * 4))
 
 
 @triton.jit
