@@ -250,9 +250,9 @@ class PeerLaunch:
 
 def compile_all(launches: list[PeerLaunch]) -> None:
     """`launch.compile()` of every launch, the variants compiled concurrently where this Triton
-    can (`triton.AsyncCompileMode`: a compile's assembler and native passes run on worker threads),
-    so a cold kernel cache costs about the longest compile instead of their sum; each launch's
-    residency is then checked one after another, as `compile()` does."""
+    can (`triton.AsyncCompileMode`: each compile runs on a worker thread, so their assembler
+    processes overlap); each launch's residency is then checked one after another, as
+    `compile()` does."""
     if len(launches) > 1 and not interpreting() and hasattr(triton, "AsyncCompileMode"):
         workers = min(len(launches), os.cpu_count() or 1, MAX_COMPILE_THREADS)
         with ThreadPoolExecutor(max_workers=workers) as pool, contextlib.ExitStack() as stack:
