@@ -83,6 +83,12 @@ class Skipped:
 def split_lines(source: str, *, keepends: bool = True) -> list:
     """The lines of `source` as `ast` counts them (at "\n"; `str.splitlines` also cuts at form feeds
     and other separators, which would shift every later line)."""
+    if keepends:
+        # `str.splitlines` in one pass, where it cut at "\n" only: each "\n" ends a line for it too, so
+        # as many lines as "\n" cuts means no other separator cut one ("\r\n" ends one line at its "\n").
+        lines = source.splitlines(True)
+        if len(lines) == source.count("\n") + (not source.endswith("\n") and bool(source)):
+            return lines
     parts = source.split("\n")
     if not keepends:
         return parts[:-1] if parts and parts[-1] == "" else parts
