@@ -254,7 +254,7 @@ def parse_selected(source: str, filename: str, tokens: list, name_re: re.Pattern
     pending = [(k, {n.strip() for targets in _ASSIGN_RE.findall(texts[k]) for n in targets.split(",")})
                for k, (_, _, is_def) in enumerate(chunks) if not is_def]
     pending = [(k, bound) for k, bound in pending if bound]
-    trims: dict = {}  # class chunk -> [len(hot) it was last trimmed with, its _ClassTrim, text, ranges]
+    trims: dict = {}  # class chunk -> [len(hot) it was last grown with, its _ClassTrim]
     flows: dict = {}  # def chunk -> its `_statements`
     grew = True
     while grew:
@@ -275,13 +275,13 @@ def parse_selected(source: str, filename: str, tokens: list, name_re: re.Pattern
                     arch_lines = {textmap.line_of(pos) - chunks[k][0] for pos in
                                   tokens[bisect.bisect_left(tokens, offsets[k]):
                                          bisect.bisect_left(tokens, offsets[k + 1])]}
-                    trims[k] = [None, _ClassTrim(texts[k], arch_lines), None, None]
+                    trims[k] = [None, _ClassTrim(texts[k], arch_lines)]
                 if trims[k][0] != len(hot):
-                    trimmed, ranges, exports = trims[k][1].trim(hot)
+                    exports = trims[k][1].grow(hot)
                     if not exports <= hot:
                         hot |= exports
                         grew = True
-                    trims[k][0], trims[k][2], trims[k][3] = len(hot), trimmed, ranges
+                    trims[k][0] = len(hot)
             elif names[k] and names[k] not in hot:
                 if k not in flows and k not in arch_chunks and not words.touches(k, hot):
                     continue  # no architecture token and no hot word in its text: no return can depend on them
@@ -301,7 +301,7 @@ def parse_selected(source: str, filename: str, tokens: list, name_re: re.Pattern
     kept, skipped, hidden = [], {}, []
     for k, ((a, b, is_def), text, need, name) in enumerate(zip(chunks, texts, wanted, names)):
         if need and k in classes:
-            _, _, trimmed, ranges = trims[k]
+            trimmed, ranges = trims[k][1].render()
             kept.append(trimmed)
             hidden += [(a + i, a + j) for i, j in ranges]
             continue
@@ -425,8 +425,14 @@ class _ClassTrim:
     def trim(self, hot: set) -> tuple[str, list, set]:
         """(the trimmed text, the [first, last) line ranges replaced, the names the class adds to `hot`:
         what other code reads the architecture through)."""
+        exports = self.grow(hot)
+        return (*self.render(), exports)
+
+    def grow(self, hot: set) -> set:
+        """What `trim(hot)` returns last (the names the class adds to `hot`), without the text: a
+        module's classes are grown each time its hot names grow, and rendered once at the end."""
         if not self.parts:
-            return self.text, [], set()
+            return set()
         hot_words, parts, lines = self.hot_words, self.parts, self.lines
         hot_words |= hot
         grew = True
@@ -453,6 +459,13 @@ class _ClassTrim:
                     self.done[j] = len(hot_words)
                 elif self.words.touches(j, hot_words):
                     self.keep[j] = grew = True
+        return self.exports - hot
+
+    def render(self) -> tuple[str, list]:
+        """(the trimmed text, the [first, last) line ranges replaced) for the names grown so far."""
+        if not self.parts:
+            return self.text, []
+        hot_words, parts, lines = self.hot_words, self.parts, self.lines
         out, ranges = lines[: parts[0][0]], [(a, b) for (a, b, _), k in zip(parts, self.keep) if not k]
         for j, ((a, b, is_method), k) in enumerate(zip(parts, self.keep)):
             if not k:
@@ -466,7 +479,7 @@ class _ClassTrim:
                 ranges += [r for r, _ in drops]
             else:
                 out += lines[a:b]
-        return "".join(out), ranges, self.exports - hot
+        return "".join(out), ranges
 
 
 _METHOD_NAME_RE = re.compile(r"(?:[ \t]*@[^\n]*\n)*[ \t]*(?:async[ \t]+)?def[ \t]+(\w+)")
