@@ -56,9 +56,16 @@ def arch_tokens(textmap: TextMap) -> tuple[list, list]:
     """(offsets of every architecture token in code, those that can make a condition depend on the
     architecture: without the platform objects and `is_cuda`, constant on every audited arch, unless
     one begins a longer imported name such as `is_cuda_sm_at_least`)."""
-    hits = [(m.start(), m.group()) for m in _arch_matches(textmap.source.lower()) if textmap.is_code(m.start())]
+    return _arch_scan(textmap)[:2]
+
+
+def _arch_scan(textmap: TextMap) -> tuple[list, list, list]:
+    """`arch_tokens(textmap)` and `_inner_match_lines(textmap.source)`, from one search of the text."""
+    lower = textmap.source.lower()
+    matches = _arch_matches(lower)
+    hits = [(m.start(), m.group()) for m in matches if textmap.is_code(m.start())]
     tokens = [pos for pos, text in hits if text not in _CONSTANT_TOKENS or _longer_import(textmap, pos)]
-    return [pos for pos, _ in hits], tokens
+    return [pos for pos, _ in hits], tokens, _inner_lines_of(lower, matches)
 
 
 # Where a match of _ARCH_TEXT_RE can start: every alternative begins with one of these.
@@ -88,6 +95,35 @@ def _arch_matches(lower: str) -> list:
 
 # Where a match of _ARCH_INNER_RE can start (_ARCH_PREFIXES without `is_cuda`, which it does not hold).
 _INNER_PREFIXES = tuple(p for p in _ARCH_PREFIXES if p != "is_cuda")
+
+
+def _inner_lines_of(lower: str, matches: list) -> list:
+    """`_inner_match_lines` of a source, from its lower-cased text and `_arch_matches` of that.
+
+    `_ARCH_TEXT_RE` is `_ARCH_INNER_RE` with one more alternative, `is_cuda`: at a position where the
+    inner pattern matches, the text pattern matches too, so every line holding an inner match holds a
+    reported text match (one at that position, or an earlier one of the same line that covers it: no
+    match spans a line); a text match other than `is_cuda` is an inner match at its position (the same
+    alternative is the first to match there). Only a line whose reported matches are all `is_cuda` is
+    searched again."""
+    lines, line, pos = [], 1, 0
+    only_cuda: dict = {}  # line -> where it starts, for a line whose matches so far are all `is_cuda`
+    for m in matches:
+        i = m.start()
+        line += lower.count("\n", pos, i)
+        pos = i
+        if lines and lines[-1] == line:
+            continue
+        if m.group() != "is_cuda":
+            only_cuda.pop(line, None)
+            lines.append(line)
+        elif line not in only_cuda:
+            only_cuda[line] = lower.rfind("\n", 0, i) + 1
+    for line, start in only_cuda.items():
+        end = lower.find("\n", start)
+        if _ARCH_INNER_RE.search(lower, start, len(lower) if end < 0 else end):
+            lines.append(line)
+    return sorted(lines)
 
 
 def _inner_match_lines(source: str) -> list:
@@ -131,7 +167,8 @@ class Resolver:
         self.within = Path(within).resolve() if within else None
         self.overlay = {Path(k).resolve(): v for k, v in (overlay or {}).items()}
         self._modules: dict[str, ModuleInfo | None] = {}
-        self._prepared: dict = {}  # name -> (source, TextMap, token offsets, non-constant ones) before its parse
+        # name -> (source, TextMap, token offsets, non-constant ones, `_inner_match_lines`) before its parse
+        self._prepared: dict = {}
         # (name, path) -> the same, for the run: a module parsed again (`forget`) or first read by
         # `holds_tokens` without a token and parsed later as a dependency is not read and mapped again.
         # Dropped with the module's line map (`release`).
@@ -197,7 +234,7 @@ class Resolver:
         info = None
         if path is not None:
             try:
-                source, textmap, hits, tokens = self._prepared.pop(name, None) or self._prepare(name, path)
+                source, textmap, hits, tokens, inner = self._prepared.pop(name, None) or self._prepare(name, path)
                 tree, skipped, hot, hidden = parse_selected(source, str(path), tokens, ARCH_RE, textmap=textmap,
                                                     extra_hot=self.extra_hot.get(name, frozenset()))
             except SourceSkip as exc:  # unreadable, undecodable or too large: the module is unknown, never fatal
@@ -205,6 +242,7 @@ class Resolver:
             except (SyntaxError, ValueError, RecursionError) as exc:
                 self.errors[path] = f"{type(exc).__name__}: {exc}"
             else:
+                self._inner_lines[name] = (source, inner)
                 info = ModuleInfo(name, path, source, tree, path.name == "__init__.py", arch_offsets=hits, hot=hot,
                                   textmap=textmap, hidden=hidden)
                 collect_bindings(info, tree.body)
@@ -219,7 +257,7 @@ class Resolver:
         if prepared is None:
             source = self.read(path)
             textmap = TextMap(source)
-            prepared = self._kept[key] = (source, textmap, *arch_tokens(textmap))
+            prepared = self._kept[key] = (source, textmap, *_arch_scan(textmap))
         return prepared
 
     def holds_tokens(self, name: str, path: Path, source: str) -> bool:
@@ -228,7 +266,7 @@ class Resolver:
         prepared = self._kept.get((name, path))
         if prepared is None or prepared[0] != source:
             textmap = TextMap(source)
-            prepared = self._kept[(name, path)] = (source, textmap, *arch_tokens(textmap))
+            prepared = self._kept[(name, path)] = (source, textmap, *_arch_scan(textmap))
         if prepared[3]:
             self._prepared[name] = prepared
         return bool(prepared[3])
