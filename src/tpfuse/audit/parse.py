@@ -246,7 +246,10 @@ def parse_selected(source: str, filename: str, tokens: list, name_re: re.Pattern
     names = [_name_of(t) if is_def else None for t, (_, _, is_def) in zip(texts, chunks)]
     wanted = [not is_def or k in arch_chunks or k in param_chunks or bool(names[k] and name_re.search(names[k]))
               for k, (_, _, is_def) in enumerate(chunks)]
-    classes = {k for k, (_, _, is_def) in enumerate(chunks) if is_def and _CLASS_RE.search(texts[k])}
+    # ("class" at a line start first, as substrings: the regex's `^` is tried at every line of a long def)
+    classes = {k for k, (_, _, is_def) in enumerate(chunks) if is_def and (texts[k].startswith("class") or
+                                                                         "\nclass" in texts[k])
+               and _CLASS_RE.search(texts[k])}
     # What makes a name hot, to a fixpoint: a top-level assignment from architecture text or a hot name
     # (`_GPU_MAJOR = get_device_capability()[0]`, `_USE_FMA = _GPU_MAJOR >= 10`, `_FLAG = _helper()`);
     # a function that holds architecture text and returns a value (its callers read the architecture);
