@@ -210,14 +210,10 @@ def _identifier_at(source: str, pos: int) -> str:
     return source[a:b]
 
 
-def parse_selected(source: str, filename: str, tokens: list, name_re: re.Pattern, *, textmap: TextMap | None = None,
-                   extra_hot: frozenset = frozenset()) -> tuple[ast.Module, dict, set, list]:
-    """(module tree of the parsed chunks, {name: Skipped} of the defs/classes left out, the hot
-    names: top-level names bound to, defining or importing something architecture-related, and the
-    [first, last) 0-based line ranges that were left out, defs and methods).
-
-    `tokens` are the sorted character offsets of the architecture tokens in code (`code_tokens`)."""
-    textmap = textmap or TextMap(source)
+def _read_chunks(source: str, textmap: TextMap, tokens: list, name_re: re.Pattern) -> tuple:
+    """(chunks, texts, offsets, arch chunks, their `_Words`, the hot names found at the tokens, def names,
+    wanted (not to be changed), classes, pending assignments, {def chunk: its `_statements`}): what
+    `parse_selected` reads from the text and tokens alone, before any hot name of the caller."""
     lines = textmap.lines
     chunks = _chunks(textmap)
     texts = ["".join(lines[a:b]) for a, b, _ in chunks]
@@ -234,7 +230,7 @@ def parse_selected(source: str, filename: str, tokens: list, name_re: re.Pattern
     if "minor" in source:
         param_chunks |= {k for k, t in enumerate(texts) if "minor" in t and "major" in t}
     words = _Words(texts)
-    hot: set = set(extra_hot)
+    hot: set = set()
     # Imported helpers named like arch predicates (`is_cuda_sm_at_least`), found at the tokens; not the
     # platform objects and `is_cuda`, constant on every audited arch unless an arch token follows them.
     for pos in tokens:
@@ -257,8 +253,29 @@ def parse_selected(source: str, filename: str, tokens: list, name_re: re.Pattern
     pending = [(k, {n.strip() for targets in _ASSIGN_RE.findall(texts[k]) for n in targets.split(",")})
                for k, (_, _, is_def) in enumerate(chunks) if not is_def]
     pending = [(k, bound) for k, bound in pending if bound]
+    statements: dict = {}  # def chunk -> its `_statements` (filled as they are needed)
+    return chunks, texts, offsets, arch_chunks, words, hot, names, wanted, classes, pending, statements
+
+
+def parse_selected(source: str, filename: str, tokens: list, name_re: re.Pattern, *, textmap: TextMap | None = None,
+                   extra_hot: frozenset = frozenset()) -> tuple[ast.Module, dict, set, list]:
+    """(module tree of the parsed chunks, {name: Skipped} of the defs/classes left out, the hot
+    names: top-level names bound to, defining or importing something architecture-related, and the
+    [first, last) 0-based line ranges that were left out, defs and methods).
+
+    `tokens` are the sorted character offsets of the architecture tokens in code (`code_tokens`)."""
+    textmap = textmap or TextMap(source)
+    lines = textmap.lines
+    # What the module's text and tokens alone decide is kept on its line map: a module parsed again
+    # (more hot names from its imports) reads its chunks, their words and statements once.
+    cached = getattr(textmap, "selection", None)
+    if cached is None or cached[0] is not source or cached[1] is not tokens or cached[2] is not name_re:
+        cached = textmap.selection = (source, tokens, name_re, _read_chunks(source, textmap, tokens, name_re))
+    chunks, texts, offsets, arch_chunks, words, base_hot, names, wanted, classes, pending, read = cached[3]
+    wanted = list(wanted)
+    hot: set = set(extra_hot) | base_hot
     trims: dict = {}  # class chunk -> [len(hot) it was last grown with, its _ClassTrim]
-    flows: dict = {}  # def chunk -> its `_statements`
+    flows: dict = {}  # def chunk -> its `_statements`, as this parse reads them (from `read`, kept for the run)
     grew = True
     while grew:
         grew = False
@@ -292,7 +309,9 @@ def parse_selected(source: str, filename: str, tokens: list, name_re: re.Pattern
                     arch_lines = {textmap.line_of(pos) for pos in
                                   tokens[bisect.bisect_left(tokens, offsets[k]):
                                          bisect.bisect_left(tokens, offsets[k + 1])]}
-                    flows[k] = _statements(lines, chunks[k][0], chunks[k][1], arch_lines)
+                    if k not in read:
+                        read[k] = _statements(lines, chunks[k][0], chunks[k][1], arch_lines)
+                    flows[k] = read[k]
                 if _flow(flows[k], hot)[0]:
                     hot.add(names[k])
                     grew = True
@@ -311,7 +330,7 @@ def parse_selected(source: str, filename: str, tokens: list, name_re: re.Pattern
         if need and is_def and b - a >= _THIN_MIN_LINES and name not in hot:  # a hot def is inlined whole
             arch_lines = {textmap.line_of(pos) for pos in
                           tokens[bisect.bisect_left(tokens, offsets[k]):bisect.bisect_left(tokens, offsets[k + 1])]}
-            statements = flows.get(k) or _statements(lines, a, b, arch_lines)
+            statements = flows.get(k) or read.get(k) or _statements(lines, a, b, arch_lines)
             drops = _thin(statements, _relevant(statements, hot))
             part = lines[a:b]
             _apply_drops(part, drops, a)
