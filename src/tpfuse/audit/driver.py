@@ -137,6 +137,8 @@ def audit(spec: str, *, native: bool = True, overlay: dict | None = None, progre
 # `from X import a, b` / `from X import (a,\n b as c)`: what a file takes from other modules.
 _FROM_IMPORT_BYTES = re.compile(rb"from[ \t]+(\.*)([\w.]*)[ \t]+import[ \t]+(\([^)]*\)|[^\n;#]*)")
 _NAME_BYTES = re.compile(rb"[A-Za-z_]\w*")
+# The same statements without groups: `findall` then gives their whole text, without a match object each.
+_FROM_IMPORT_TEXT = re.compile(rb"from[ \t]+\.*[\w.]*[ \t]+import[ \t]+(?:\([^)]*\)|[^\n;#]*)")
 # Rounds of the consumer pass: a name that holds an architecture value in a module without architecture
 # text (a flag built from another module's flag) is found one round after the flag it reads.
 _CONSUMER_ROUNDS = 3
@@ -232,7 +234,7 @@ class _Run:
             return None
         text, data, mentions = read
         # Only the import statements' text is kept, read into names when a name it may import matters.
-        blob = b"\n".join(m.group() for m in _FROM_IMPORT_BYTES.finditer(data)) if b"import" in data else b""
+        blob = b"\n".join(_FROM_IMPORT_TEXT.findall(data)) if b"import" in data else b""
         self.imports[rel] = (path, name, blob)
         if mentions and text is not None or self.precise:
             return path, name, rel, text if mentions else None, sha256_bytes(data)

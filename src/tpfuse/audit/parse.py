@@ -83,6 +83,12 @@ class Skipped:
 def split_lines(source: str, *, keepends: bool = True) -> list:
     """The lines of `source` as `ast` counts them (at "\n"; `str.splitlines` also cuts at form feeds
     and other separators, which would shift every later line)."""
+    if keepends:
+        # `str.splitlines` in one pass, where it cut at "\n" only: each "\n" ends a line for it too, so
+        # as many lines as "\n" cuts means no other separator cut one ("\r\n" ends one line at its "\n").
+        lines = source.splitlines(True)
+        if len(lines) == source.count("\n") + (not source.endswith("\n") and bool(source)):
+            return lines
     parts = source.split("\n")
     if not keepends:
         return parts[:-1] if parts and parts[-1] == "" else parts
@@ -204,14 +210,10 @@ def _identifier_at(source: str, pos: int) -> str:
     return source[a:b]
 
 
-def parse_selected(source: str, filename: str, tokens: list, name_re: re.Pattern, *, textmap: TextMap | None = None,
-                   extra_hot: frozenset = frozenset()) -> tuple[ast.Module, dict, set, list]:
-    """(module tree of the parsed chunks, {name: Skipped} of the defs/classes left out, the hot
-    names: top-level names bound to, defining or importing something architecture-related, and the
-    [first, last) 0-based line ranges that were left out, defs and methods).
-
-    `tokens` are the sorted character offsets of the architecture tokens in code (`code_tokens`)."""
-    textmap = textmap or TextMap(source)
+def _read_chunks(source: str, textmap: TextMap, tokens: list, name_re: re.Pattern) -> tuple:
+    """(chunks, texts, offsets, arch chunks, their `_Words`, the hot names found at the tokens, def names,
+    wanted (not to be changed), classes, pending assignments, {def chunk: its `_statements`}): what
+    `parse_selected` reads from the text and tokens alone, before any hot name of the caller."""
     lines = textmap.lines
     chunks = _chunks(textmap)
     texts = ["".join(lines[a:b]) for a, b, _ in chunks]
@@ -228,7 +230,7 @@ def parse_selected(source: str, filename: str, tokens: list, name_re: re.Pattern
     if "minor" in source:
         param_chunks |= {k for k, t in enumerate(texts) if "minor" in t and "major" in t}
     words = _Words(texts)
-    hot: set = set(extra_hot)
+    hot: set = set()
     # Imported helpers named like arch predicates (`is_cuda_sm_at_least`), found at the tokens; not the
     # platform objects and `is_cuda`, constant on every audited arch unless an arch token follows them.
     for pos in tokens:
@@ -240,7 +242,10 @@ def parse_selected(source: str, filename: str, tokens: list, name_re: re.Pattern
     names = [_name_of(t) if is_def else None for t, (_, _, is_def) in zip(texts, chunks)]
     wanted = [not is_def or k in arch_chunks or k in param_chunks or bool(names[k] and name_re.search(names[k]))
               for k, (_, _, is_def) in enumerate(chunks)]
-    classes = {k for k, (_, _, is_def) in enumerate(chunks) if is_def and _CLASS_RE.search(texts[k])}
+    # ("class" at a line start first, as substrings: the regex's `^` is tried at every line of a long def)
+    classes = {k for k, (_, _, is_def) in enumerate(chunks) if is_def and (texts[k].startswith("class") or
+                                                                         "\nclass" in texts[k])
+               and _CLASS_RE.search(texts[k])}
     # What makes a name hot, to a fixpoint: a top-level assignment from architecture text or a hot name
     # (`_GPU_MAJOR = get_device_capability()[0]`, `_USE_FMA = _GPU_MAJOR >= 10`, `_FLAG = _helper()`);
     # a function that holds architecture text and returns a value (its callers read the architecture);
@@ -248,8 +253,29 @@ def parse_selected(source: str, filename: str, tokens: list, name_re: re.Pattern
     pending = [(k, {n.strip() for targets in _ASSIGN_RE.findall(texts[k]) for n in targets.split(",")})
                for k, (_, _, is_def) in enumerate(chunks) if not is_def]
     pending = [(k, bound) for k, bound in pending if bound]
-    trims: dict = {}  # class chunk -> [len(hot) it was last trimmed with, its _ClassTrim, text, ranges]
-    flows: dict = {}  # def chunk -> its `_statements`
+    statements: dict = {}  # def chunk -> its `_statements` (filled as they are needed)
+    return chunks, texts, offsets, arch_chunks, words, hot, names, wanted, classes, pending, statements
+
+
+def parse_selected(source: str, filename: str, tokens: list, name_re: re.Pattern, *, textmap: TextMap | None = None,
+                   extra_hot: frozenset = frozenset()) -> tuple[ast.Module, dict, set, list]:
+    """(module tree of the parsed chunks, {name: Skipped} of the defs/classes left out, the hot
+    names: top-level names bound to, defining or importing something architecture-related, and the
+    [first, last) 0-based line ranges that were left out, defs and methods).
+
+    `tokens` are the sorted character offsets of the architecture tokens in code (`code_tokens`)."""
+    textmap = textmap or TextMap(source)
+    lines = textmap.lines
+    # What the module's text and tokens alone decide is kept on its line map: a module parsed again
+    # (more hot names from its imports) reads its chunks, their words and statements once.
+    cached = getattr(textmap, "selection", None)
+    if cached is None or cached[0] is not source or cached[1] is not tokens or cached[2] is not name_re:
+        cached = textmap.selection = (source, tokens, name_re, _read_chunks(source, textmap, tokens, name_re))
+    chunks, texts, offsets, arch_chunks, words, base_hot, names, wanted, classes, pending, read = cached[3]
+    wanted = list(wanted)
+    hot: set = set(extra_hot) | base_hot
+    trims: dict = {}  # class chunk -> [len(hot) it was last grown with, its _ClassTrim]
+    flows: dict = {}  # def chunk -> its `_statements`, as this parse reads them (from `read`, kept for the run)
     grew = True
     while grew:
         grew = False
@@ -269,13 +295,13 @@ def parse_selected(source: str, filename: str, tokens: list, name_re: re.Pattern
                     arch_lines = {textmap.line_of(pos) - chunks[k][0] for pos in
                                   tokens[bisect.bisect_left(tokens, offsets[k]):
                                          bisect.bisect_left(tokens, offsets[k + 1])]}
-                    trims[k] = [None, _ClassTrim(texts[k], arch_lines), None, None]
+                    trims[k] = [None, _ClassTrim(texts[k], arch_lines)]
                 if trims[k][0] != len(hot):
-                    trimmed, ranges, exports = trims[k][1].trim(hot)
+                    exports = trims[k][1].grow(hot)
                     if not exports <= hot:
                         hot |= exports
                         grew = True
-                    trims[k][0], trims[k][2], trims[k][3] = len(hot), trimmed, ranges
+                    trims[k][0] = len(hot)
             elif names[k] and names[k] not in hot:
                 if k not in flows and k not in arch_chunks and not words.touches(k, hot):
                     continue  # no architecture token and no hot word in its text: no return can depend on them
@@ -283,7 +309,9 @@ def parse_selected(source: str, filename: str, tokens: list, name_re: re.Pattern
                     arch_lines = {textmap.line_of(pos) for pos in
                                   tokens[bisect.bisect_left(tokens, offsets[k]):
                                          bisect.bisect_left(tokens, offsets[k + 1])]}
-                    flows[k] = _statements(lines, chunks[k][0], chunks[k][1], arch_lines)
+                    if k not in read:
+                        read[k] = _statements(lines, chunks[k][0], chunks[k][1], arch_lines)
+                    flows[k] = read[k]
                 if _flow(flows[k], hot)[0]:
                     hot.add(names[k])
                     grew = True
@@ -295,14 +323,14 @@ def parse_selected(source: str, filename: str, tokens: list, name_re: re.Pattern
     kept, skipped, hidden = [], {}, []
     for k, ((a, b, is_def), text, need, name) in enumerate(zip(chunks, texts, wanted, names)):
         if need and k in classes:
-            _, _, trimmed, ranges = trims[k]
+            trimmed, ranges = trims[k][1].render()
             kept.append(trimmed)
             hidden += [(a + i, a + j) for i, j in ranges]
             continue
         if need and is_def and b - a >= _THIN_MIN_LINES and name not in hot:  # a hot def is inlined whole
             arch_lines = {textmap.line_of(pos) for pos in
                           tokens[bisect.bisect_left(tokens, offsets[k]):bisect.bisect_left(tokens, offsets[k + 1])]}
-            statements = flows.get(k) or _statements(lines, a, b, arch_lines)
+            statements = flows.get(k) or read.get(k) or _statements(lines, a, b, arch_lines)
             drops = _thin(statements, _relevant(statements, hot))
             part = lines[a:b]
             _apply_drops(part, drops, a)
@@ -419,8 +447,14 @@ class _ClassTrim:
     def trim(self, hot: set) -> tuple[str, list, set]:
         """(the trimmed text, the [first, last) line ranges replaced, the names the class adds to `hot`:
         what other code reads the architecture through)."""
+        exports = self.grow(hot)
+        return (*self.render(), exports)
+
+    def grow(self, hot: set) -> set:
+        """What `trim(hot)` returns last (the names the class adds to `hot`), without the text: a
+        module's classes are grown each time its hot names grow, and rendered once at the end."""
         if not self.parts:
-            return self.text, [], set()
+            return set()
         hot_words, parts, lines = self.hot_words, self.parts, self.lines
         hot_words |= hot
         grew = True
@@ -447,6 +481,13 @@ class _ClassTrim:
                     self.done[j] = len(hot_words)
                 elif self.words.touches(j, hot_words):
                     self.keep[j] = grew = True
+        return self.exports - hot
+
+    def render(self) -> tuple[str, list]:
+        """(the trimmed text, the [first, last) line ranges replaced) for the names grown so far."""
+        if not self.parts:
+            return self.text, []
+        hot_words, parts, lines = self.hot_words, self.parts, self.lines
         out, ranges = lines[: parts[0][0]], [(a, b) for (a, b, _), k in zip(parts, self.keep) if not k]
         for j, ((a, b, is_method), k) in enumerate(zip(parts, self.keep)):
             if not k:
@@ -460,7 +501,7 @@ class _ClassTrim:
                 ranges += [r for r, _ in drops]
             else:
                 out += lines[a:b]
-        return "".join(out), ranges, self.exports - hot
+        return "".join(out), ranges
 
 
 _METHOD_NAME_RE = re.compile(r"(?:[ \t]*@[^\n]*\n)*[ \t]*(?:async[ \t]+)?def[ \t]+(\w+)")

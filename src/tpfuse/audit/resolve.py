@@ -17,6 +17,7 @@ recorded in `missing`.
 from __future__ import annotations
 
 import ast
+import bisect
 import os
 import re
 from pathlib import Path
@@ -55,9 +56,16 @@ def arch_tokens(textmap: TextMap) -> tuple[list, list]:
     """(offsets of every architecture token in code, those that can make a condition depend on the
     architecture: without the platform objects and `is_cuda`, constant on every audited arch, unless
     one begins a longer imported name such as `is_cuda_sm_at_least`)."""
-    hits = [(m.start(), m.group()) for m in _arch_matches(textmap.source.lower()) if textmap.is_code(m.start())]
+    return _arch_scan(textmap)[:2]
+
+
+def _arch_scan(textmap: TextMap) -> tuple[list, list, list]:
+    """`arch_tokens(textmap)` and `_inner_match_lines(textmap.source)`, from one search of the text."""
+    lower = textmap.source.lower()
+    matches = _arch_matches(lower)
+    hits = [(m.start(), m.group()) for m in matches if textmap.is_code(m.start())]
     tokens = [pos for pos, text in hits if text not in _CONSTANT_TOKENS or _longer_import(textmap, pos)]
-    return [pos for pos, _ in hits], tokens
+    return [pos for pos, _ in hits], tokens, _inner_lines_of(lower, matches)
 
 
 # Where a match of _ARCH_TEXT_RE can start: every alternative begins with one of these.
@@ -85,6 +93,63 @@ def _arch_matches(lower: str) -> list:
     return out
 
 
+# Where a match of _ARCH_INNER_RE can start (_ARCH_PREFIXES without `is_cuda`, which it does not hold).
+_INNER_PREFIXES = tuple(p for p in _ARCH_PREFIXES if p != "is_cuda")
+
+
+def _inner_lines_of(lower: str, matches: list) -> list:
+    """`_inner_match_lines` of a source, from its lower-cased text and `_arch_matches` of that.
+
+    `_ARCH_TEXT_RE` is `_ARCH_INNER_RE` with one more alternative, `is_cuda`: at a position where the
+    inner pattern matches, the text pattern matches too, so every line holding an inner match holds a
+    reported text match (one at that position, or an earlier one of the same line that covers it: no
+    match spans a line); a text match other than `is_cuda` is an inner match at its position (the same
+    alternative is the first to match there). Only a line whose reported matches are all `is_cuda` is
+    searched again."""
+    lines, line, pos = [], 1, 0
+    only_cuda: dict = {}  # line -> where it starts, for a line whose matches so far are all `is_cuda`
+    for m in matches:
+        i = m.start()
+        line += lower.count("\n", pos, i)
+        pos = i
+        if lines and lines[-1] == line:
+            continue
+        if m.group() != "is_cuda":
+            only_cuda.pop(line, None)
+            lines.append(line)
+        elif line not in only_cuda:
+            only_cuda[line] = lower.rfind("\n", 0, i) + 1
+    for line, start in only_cuda.items():
+        end = lower.find("\n", start)
+        if _ARCH_INNER_RE.search(lower, start, len(lower) if end < 0 else end):
+            lines.append(line)
+    return sorted(lines)
+
+
+def _inner_match_lines(source: str) -> list:
+    """The sorted 1-based numbers of the lines of `source` (cut at "\n") where `_ARCH_INNER_RE` matches
+    lower-cased. None of its matches spans a line, so a group of lines holds a match exactly when one
+    of them is listed."""
+    lower = source.lower()  # lower-casing keeps every "\n", so line numbers are the source's
+    found = set()
+    for prefix in _INNER_PREFIXES:
+        i = lower.find(prefix)
+        while i >= 0:
+            if _ARCH_INNER_RE.match(lower, i):
+                found.add(i)
+            i = lower.find(prefix, i + 1)
+    if not found:
+        return []
+    starts = sorted(found)
+    lines, line, pos = [], 1, 0
+    for i in starts:
+        line += lower.count("\n", pos, i)
+        pos = i
+        if not lines or lines[-1] != line:
+            lines.append(line)
+    return lines
+
+
 def _longer_import(textmap: TextMap, pos: int) -> bool:
     line = textmap.lines[textmap.line_of(pos)]
     if "import" not in line:
@@ -102,7 +167,12 @@ class Resolver:
         self.within = Path(within).resolve() if within else None
         self.overlay = {Path(k).resolve(): v for k, v in (overlay or {}).items()}
         self._modules: dict[str, ModuleInfo | None] = {}
-        self._prepared: dict = {}  # name -> (source, TextMap, token offsets, non-constant ones) before its parse
+        # name -> (source, TextMap, token offsets, non-constant ones, `_inner_match_lines`) before its parse
+        self._prepared: dict = {}
+        # (name, path) -> the same, for the run: a module parsed again (`forget`) or first read by
+        # `holds_tokens` without a token and parsed later as a dependency is not read and mapped again.
+        # Dropped with the module's line map (`release`).
+        self._kept: dict = {}
         self._paths: dict[str, Path | None] = {}
         self._values: dict = {}
         self._keys_of: dict = {}  # module (a key's first part) -> its keys in `_values`, for `forget`
@@ -114,6 +184,7 @@ class Resolver:
         self._overlay_dirs = {os.path.dirname(p) for p in self._overlay_strs}
         self._dirs: dict = {}  # directory -> whether it exists (path_of's probes)
         self._inlinable: dict = {}
+        self._inner_lines: dict = {}  # module -> (its source, `_inner_match_lines` of it)
         self.missing: list[str] = []
         # module -> names it imports that hold an architecture value elsewhere (the driver's second pass)
         self.extra_hot: dict[str, frozenset] = {}
@@ -163,7 +234,7 @@ class Resolver:
         info = None
         if path is not None:
             try:
-                source, textmap, hits, tokens = self._prepared.pop(name, None) or self._prepare(path)
+                source, textmap, hits, tokens, inner = self._prepared.pop(name, None) or self._prepare(name, path)
                 tree, skipped, hot, hidden = parse_selected(source, str(path), tokens, ARCH_RE, textmap=textmap,
                                                     extra_hot=self.extra_hot.get(name, frozenset()))
             except SourceSkip as exc:  # unreadable, undecodable or too large: the module is unknown, never fatal
@@ -171,6 +242,7 @@ class Resolver:
             except (SyntaxError, ValueError, RecursionError) as exc:
                 self.errors[path] = f"{type(exc).__name__}: {exc}"
             else:
+                self._inner_lines[name] = (source, inner)
                 info = ModuleInfo(name, path, source, tree, path.name == "__init__.py", arch_offsets=hits, hot=hot,
                                   textmap=textmap, hidden=hidden)
                 collect_bindings(info, tree.body)
@@ -179,16 +251,22 @@ class Resolver:
         self._modules[name] = info
         return info
 
-    def _prepare(self, path: Path) -> tuple:
-        source = self.read(path)
-        textmap = TextMap(source)
-        return (source, textmap, *arch_tokens(textmap))
+    def _prepare(self, name: str, path: Path) -> tuple:
+        key = (name, path)
+        prepared = self._kept.get(key)
+        if prepared is None:
+            source = self.read(path)
+            textmap = TextMap(source)
+            prepared = self._kept[key] = (source, textmap, *_arch_scan(textmap))
+        return prepared
 
     def holds_tokens(self, name: str, path: Path, source: str) -> bool:
         """Can module `name` (text `source`) hold an architecture condition of its own: an architecture
         token in code? (Kept for its parse.) Without one, only names it imports can make it one."""
-        textmap = TextMap(source)
-        prepared = (source, textmap, *arch_tokens(textmap))
+        prepared = self._kept.get((name, path))
+        if prepared is None or prepared[0] != source:
+            textmap = TextMap(source)
+            prepared = self._kept[(name, path)] = (source, textmap, *_arch_scan(textmap))
         if prepared[3]:
             self._prepared[name] = prepared
         return bool(prepared[3])
@@ -229,6 +307,7 @@ class Resolver:
         if info is None:
             return
         info.tree = info.textmap = None
+        self._kept.pop((name, info.path), None)
         for bound, binding in list(info.bindings.items()):
             if binding[0] != "def" or binding[1].name != bound:
                 continue
@@ -243,9 +322,20 @@ class Resolver:
             info = self.module(module)
             params = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
             self._inlinable[id(node)] = bool(ARCH_RE.search(node.name)
-                                             or _ARCH_INNER_RE.search(info.text_of(node).lower())
+                                             or self._inner_text(info, node.lineno, getattr(node, "end_lineno",
+                                                                                            node.lineno))
                                              or any(a.arg == "arch" for a in params))
         return self._inlinable[id(node)]
+
+    def _inner_text(self, info: ModuleInfo, first: int, last: int) -> bool:
+        """`_ARCH_INNER_RE.search(info.text_of(node).lower())` for a node on lines `first`..`last`, from the
+        lines of the module where the pattern matches (found once per module text instead of once a def)."""
+        cached = self._inner_lines.get(info.name)
+        if cached is None or cached[0] is not info.source:
+            cached = self._inner_lines[info.name] = (info.source, _inner_match_lines(info.source))
+        lines = cached[1]
+        i = bisect.bisect_left(lines, first)
+        return i < len(lines) and lines[i] <= last
 
     def absolute(self, module: str, target: str | None, level: int) -> str:
         if not level:
