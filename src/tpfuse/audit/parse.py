@@ -45,11 +45,12 @@ def _may_name_param(text: str) -> bool:
 _PARAM_PREFIXES = ("capability", "sm_", "device_", "_major", "arch")
 
 
-def _param_matches(text: str) -> list:
-    """`list(_PARAM_RE.finditer(text))`, from the prefixes' substring searches (the regex's alternation
-    is tried at every position of the text otherwise)."""
+def prefixed_matches(pattern: re.Pattern, prefixes: tuple[str, ...], text: str) -> list:
+    """`list(pattern.finditer(text))` for a pattern whose every match starts with one of
+    `prefixes`, found from the prefixes' substring searches instead of trying the pattern (an
+    alternation) at every position of the text."""
     starts = []
-    for prefix in _PARAM_PREFIXES:
+    for prefix in prefixes:
         i = text.find(prefix)
         while i >= 0:
             starts.append(i)
@@ -58,11 +59,15 @@ def _param_matches(text: str) -> list:
     for i in sorted(starts):
         if i < end:
             continue
-        m = _PARAM_RE.match(text, i)
+        m = pattern.match(text, i)
         if m:
             out.append(m)
             end = m.end()
     return out
+
+
+def _param_matches(text: str) -> list:
+    return prefixed_matches(_PARAM_RE, _PARAM_PREFIXES, text)
 
 
 def _param_word(text: str, m: re.Match) -> bool:

@@ -25,7 +25,7 @@ from pathlib import Path
 from tpfuse.audit.arch import ArchBool, ArchNum
 from tpfuse.audit.evaluate import Evaluator, ite, seed_for, to_bool
 from tpfuse.audit.modules import ModuleInfo, collect_bindings
-from tpfuse.audit.parse import TextMap, parse_selected
+from tpfuse.audit.parse import TextMap, parse_selected, prefixed_matches
 from tpfuse.audit.predicates import ALWAYS, sglang_fact
 from tpfuse.audit.target import SourceSkip, read_source
 from tpfuse.audit.values import UNKNOWN, Const, External, LazyImport, ModuleRef, Obj, SeedFn, UserClass, UserFunc
@@ -74,23 +74,9 @@ _ARCH_PREFIXES = ("sm", "blackwell", "hopper", "ampere", "capabilit", "device_",
 
 
 def _arch_matches(lower: str) -> list:
-    """`_ARCH_TEXT_RE.finditer(lower)` as a list, found from the prefixes' substring searches (the
-    regex tried at every position of every candidate file was a tenth of an engine audit)."""
-    starts = []
-    for prefix in _ARCH_PREFIXES:
-        i = lower.find(prefix)
-        while i >= 0:
-            starts.append(i)
-            i = lower.find(prefix, i + 1)
-    out, end = [], -1
-    for i in sorted(starts):
-        if i < end:
-            continue
-        m = _ARCH_TEXT_RE.match(lower, i)
-        if m:
-            out.append(m)
-            end = m.end()
-    return out
+    """`_ARCH_TEXT_RE.finditer(lower)` as a list (the regex tried at every position of every
+    candidate file was a tenth of an engine audit)."""
+    return prefixed_matches(_ARCH_TEXT_RE, _ARCH_PREFIXES, lower)
 
 
 # Where a match of _ARCH_INNER_RE can start (_ARCH_PREFIXES without `is_cuda`, which it does not hold).
