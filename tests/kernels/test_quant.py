@@ -57,7 +57,8 @@ def _same(a, b) -> bool:
 
 
 def crafted_rows() -> torch.Tensor:
-    """Five fp32 rows of H values where quantization is delicate."""
+    """Six fp32 rows of H values where quantization is delicate (row 5: NaNs of both signs and
+    with payloads among finite values, which each e4m3 and e2m1 code must map to the one NaN code)."""
     e4m3 = torch.arange(0x7F, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
     ties = (e4m3[1:] + e4m3[:-1]) / 2  # every e4m3 midpoint (126 values)
     edge = torch.tensor([448.0, -448.0, 464.0, -464.0, 479.9, 500.0, 1e30, -float("inf"), float("inf"), -0.0,
@@ -66,13 +67,16 @@ def crafted_rows() -> torch.Tensor:
                               -6.5])
     gen = torch.Generator().manual_seed(3)
     wide = torch.randn(H, generator=gen) * torch.exp2(torch.randint(-20, 12, (H,), generator=gen).float())
-    rows = torch.zeros(5, H)
+    rows = torch.zeros(6, H)
     rows[1, :126], rows[1, 126:] = ties, torch.tensor([448.0, -1.0])
     rows[2, : edge.numel()] = edge
     rows[2, 64:80] = e2m1_ties  # an nvfp4 block with absmax 6: with global scale 1 its block scale is 1
     rows[3] = wide
     rows[4] = wide[torch.randperm(H, generator=gen)]
     rows[4, 5] = float("nan")
+    rows[5] = -wide
+    nans = torch.tensor([0xFFC00000, 0xFF800001, 0x7F800001, 0xFFFFFFFF, 0x7FC00000], dtype=torch.int64)
+    rows[5, 3:3 + 5 * 17:17] = nans.to(torch.int32).view(torch.float32)
     return rows
 
 
@@ -514,6 +518,10 @@ def test_software_and_hardware_paths_lower_as_admitted():
     assert not re.search(r"cvt\.[a-z.]*e4m3", sm80) and "st.global.v4.b32" in sm80
     sm90 = _ptx(90, 3, 128, False, 1)  # fp8 per group, hardware cvt
     assert set(re.findall(r"cvt\.[a-z0-9.]*e4m3[a-z0-9.]*", sm90)) == {"cvt.rn.satfinite.e4m3x2.f32"}
+    # static FP8 on sm_90: the cvt saturates by itself and NaN codes are fixed on packed words, so
+    # no per-element clamp or select is left (32 min/max and 16 selects before)
+    static = _ptx(90, 1, 16, False, 1)
+    assert not re.search(r"\b(min|max)\.f32", static) and len(re.findall(r"\bselp\.", static)) <= 2
     fp4 = _ptx(90, 4, 16, True, 1)  # nvfp4 on sm_90: e2m1 in software, block scales by the e4m3 cvt
     assert not re.search(r"e2m1", fp4) and "st.global.v4.b32" in fp4
 

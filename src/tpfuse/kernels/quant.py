@@ -29,8 +29,9 @@ flags, chosen by the launcher from the compute capability, `tpfuse.quant.convers
 switches to the hardware instructions where they exist: bit 1, the e4m3 rounding by Triton's fp32
 -> float8e4nv cast (PTX cvt.rn.satfinite.e4m3x2.f32, sm_89 and newer); bit 2, the e2m1 pairs by
 inline cvt.rn.satfinite.e2m1x2.f32 (sm_100a-class, compute capability 10.0 and newer; never in the
-interpreter, which has no inline assembly). Same bits, fewer instructions: NaN lanes are patched
-to the software result, and both instructions round to nearest even and saturate. The e2m1 path
+interpreter, which has no inline assembly). Same bits, fewer instructions: both instructions round
+to nearest even and saturate (infinities too); NaN codes are made the software result's, for e4m3
+on four packed codes at a time (`nan_codes`), for e2m1 lane by lane. The e2m1 path
 is checked here only as far as it compiles and assembles for sm_100a (tests/kernels/test_quant.py);
 its bits on a Blackwell GPU are checked by the GPU tier there.
 Absolute maxima are taken over the bit patterns as integers (|y| bits, NaN above inf), so NaN
@@ -84,17 +85,31 @@ def round_bits(a, E_MIN32: tl.constexpr, M: tl.constexpr):
 
 @triton.jit
 def e4m3_code(x, HW: tl.constexpr):
-    """float8_e4m3fn codes (uint32, 0..255) of fp32 `x`: RNE, saturating to +-448, NaN -> 0x7F."""
-    u = x.to(tl.uint32, bitcast=True)
+    """float8_e4m3fn codes of fp32 `x`: RNE, saturating to +-448, NaN -> 0x7F. uint8 with HW (the
+    hardware cvt), uint32 (0..255) without."""
     if HW:
-        # a float clamp (min/max return the non-NaN operand; NaN is patched below) keeps the bits
-        # independent of how the cvt treats inf; the cvt rounds to nearest even and saturates
-        clamped = tl.minimum(tl.maximum(x, -448.0), 448.0)
-        code = clamped.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.uint32)
+        # cvt.rn.satfinite rounds to nearest even and saturates, infinities included (no clamp
+        # needed); a NaN may keep its sign (0xFF), which nan_codes drops. No per-element compare:
+        # the codes stay packed four to a register.
+        code = nan_codes(x.to(tl.float8e4nv).to(tl.uint8, bitcast=True))
     else:
+        u = x.to(tl.uint32, bitcast=True)
         a = tl.minimum(u & 0x7FFFFFFF, E4M3_MAX_BITS)  # inf and NaN bits compare above 448's
         code = round_bits(a, 121, 3) | ((u >> 24) & 0x80)
-    return tl.where((u & 0x7FFFFFFF) > 0x7F800000, 0x7F, code)
+        code = tl.where((u & 0x7FFFFFFF) > 0x7F800000, 0x7F, code)
+    return code
+
+
+@triton.jit
+def nan_codes(codes):
+    """e4m3 codes (uint8) with every NaN as 0x7F: four codes a register, the bytes whose low seven
+    bits are all ones (0x7F, 0xFF: the NaNs) lose their sign bit. Adding 1 to a byte's low seven
+    bits carries into its high bit exactly when they are 0x7F, and never into the next byte."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 t; and.b32 t, $1, 0x7F7F7F7F; add.u32 t, t, 0x01010101; and.b32 t, t, 0x80808080; "
+        "xor.b32 t, t, 0xFFFFFFFF; and.b32 $0, $1, t; }",
+        "=r,r", [codes], dtype=tl.uint8, is_pure=True, pack=4,
+    )
 
 
 @triton.jit
@@ -232,7 +247,7 @@ def quantize_chunk(
         srow = row + 0 * gidx
         if KIND == 4:
             # 0.1666...: fp32(1/6), FlashInfer's RECIPROCAL_6
-            sf_code = e4m3_code(param * (amax * 0.16666667163372040), HW_CVT & 1)
+            sf_code = e4m3_code(param * (amax * 0.16666667163372040), HW_CVT & 1).to(tl.uint32)
             sfv = e4m3_value(sf_code)
             out_scale = tl.where(sfv == 0.0, 0.0, tl.math.div_rn(tl.zeros_like(sfv) + param, sfv))
             q = tl.reshape(y2 * out_scale[:, None], [BLOCK])
