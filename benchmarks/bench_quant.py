@@ -42,6 +42,7 @@ import argparse
 import sys
 
 import torch
+import triton
 
 from bench_epilogue import copy_rows, time_providers  # same directory
 from tpfuse import quant as Q
@@ -131,9 +132,11 @@ def reference_fused(kind: str, spec: Q.QuantSpec, eps: float):
     return fn
 
 
-def providers(kind: str, spec: Q.QuantSpec, eps: float):
+def providers(kind: str, spec: Q.QuantSpec, eps: float, configs=()):
     """(name -> factory(x, res, w) -> (zero-argument call, outputs() -> (codes, scales)), notes on
-    what could not run, extra bytes a provider moves beyond `fused`'s)."""
+    what could not run, extra bytes a provider moves beyond `fused`'s). `configs`: (warps, rows per
+    program) pairs, each a `fused[w=..,r=..]` provider launched with that configuration instead of
+    `launch_config`'s."""
     from tpfuse.kernels.device import hardware_fp4, hardware_fp8
     from tpfuse.kernels.epilogue import residual_rmsnorm
     from tpfuse.kernels.quant import quantize
@@ -163,8 +166,17 @@ def providers(kind: str, spec: Q.QuantSpec, eps: float):
             box["out"] = compiled(x, r, w)
         return call, lambda: box["out"][:2]
 
+    def fused_with(warps, rows):
+        def factory(x, r, w):
+            box, config = {}, (triton.next_power_of_2(x.shape[1]), warps, rows)
+            def call():
+                box["out"] = residual_rmsnorm(x, r, w, eps, quant=spec, config=config)
+            return call, lambda: (box["out"].out, box["out"].scale)
+        return factory
+
     table = {"fused": fused, "epilogue_only": epilogue_only, "torch_compile": torch_compile,
              "epilogue+tpfuse_quant": separate}
+    table.update({f"fused[w={w},r={r}]": fused_with(w, r) for w, r in configs})
     notes, extra_bytes = dict(UNCARRIED), {}
     try:
         table["flashinfer"], extra_bytes["flashinfer"] = _flashinfer(kind, spec, eps)
@@ -255,7 +267,14 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--trials", type=int, default=7)
     p.add_argument("--eps", type=float, default=1e-6)
+    p.add_argument("--configs", nargs="*", default=[], metavar="WARPS:ROWS",
+                   help="also time the fused kernel with these launch configurations (warps, rows per program)")
     args = p.parse_args(argv)
+    try:
+        configs = [tuple(int(v) for v in c.split(":")) for c in args.configs]
+        assert all(len(c) == 2 and c[0] in (1, 2, 4, 8, 16, 32) and c[1] >= 1 for c in configs)
+    except (ValueError, AssertionError):
+        p.error(f"--configs takes WARPS:ROWS pairs (warps a power of two up to 32, rows >= 1), got {args.configs}")
     if not torch.cuda.is_available():
         print("bench_quant: needs a CUDA GPU; torch sees none", file=sys.stderr)
         return 2
@@ -267,7 +286,7 @@ def main(argv=None) -> int:
     summary, all_notes = [], {}
     for kind in args.formats:
         spec = spec_for(kind, "cuda")
-        table, notes, extra_bytes = providers(kind, spec, args.eps)
+        table, notes, extra_bytes = providers(kind, spec, args.eps, configs)
         all_notes.update({f"{kind} {k}": v for k, v in notes.items()})
         for hidden in args.hidden:
             for tokens in args.tokens:
@@ -282,7 +301,7 @@ def main(argv=None) -> int:
                     row = make_row(f"residual_rmsnorm_quant:{kind}", name, {"tokens": tokens, "hidden": hidden},
                                    "bfloat16", 1, s, "us", input_sets=sets, quant=spec.key)
                     moved = nbytes + (extra_bytes[name](tokens, hidden) if name in extra_bytes else 0)
-                    if name in ("fused", "flashinfer", "torch_compile"):
+                    if name.startswith("fused") or name in ("flashinfer", "torch_compile"):
                         gbps = moved / (row.median * 1e-6) / 1e9
                         row.extra.update(gbps=gbps, copy_fraction=gbps / copy_gbps, copy_gbps=copy_gbps, bytes=moved)
                     if name in agree:
@@ -323,6 +342,13 @@ def _print_summary(summary, copy_gbps, notes) -> None:
         print(f"{kind:>13} {tokens:>6} {hidden:>6} | {fused:>8.2f} {frac:>6.1%} {target:>4} | {epi:>7.2f} "
               f"{fused - epi:>+6.2f} | {cu:>8.2f} {cf:>6.1%} | {fu:>8.2f} {ff:>6.1%} {differ:>7.1e} | "
               f"{med.get('epilogue+tpfuse_quant', nan):>7.2f}")
+    variants = [(kind, tokens, hidden, name, us, nbytes) for kind, tokens, hidden, med, nbytes, _, _ in summary
+                for name, us in med.items() if name.startswith("fused[")]
+    if variants:
+        print(f"\n{'format':>13} {'tokens':>6} {'hidden':>6} | {'launch':>16} {'us':>8} {'%copy':>6}")
+    for kind, tokens, hidden, name, us, nbytes in variants:
+        frac = nbytes / (us * 1e-6) / 1e9 / copy_gbps
+        print(f"{kind:>13} {tokens:>6} {hidden:>6} | {name[5:]:>16} {us:>8.2f} {frac:>6.1%}")
     for name, why in notes.items():
         print(f"{name} not run: {why}")
 

@@ -158,18 +158,21 @@ def residual_rmsnorm_quant_kernel(
         zero_scale_padding(sc_ptr, M, H, pid - row_programs, BLOCK_H // 16, PAD_CHUNK)
 
 
-def launch_config(hidden: int, itemsize: int, num_tokens: int) -> tuple[int, int, int]:
-    """(BLOCK_H, num_warps, rows per program), a pure function of the shape.
+def launch_config(hidden: int, itemsize: int, num_tokens: int, quantized: bool = False) -> tuple[int, int, int]:
+    """(BLOCK_H, num_warps, rows per program), a pure function of the shape and of whether the
+    output is quantized.
 
     Up to 16 warps, one 128-bit access per thread per tensor and row, for one row's latency at
     decode sizes and for bandwidth at prefill sizes; 4 warps from 256 to 2047 tokens, where more,
     smaller programs fill the GPU better (the warp sweep: benchmarks/results/README.md,
-    `epilogue.jsonl`). 2 rows per program for short rows at prefill sizes, so that programs are
-    not too small to hide latency.
+    `epilogue.jsonl`), and with quantized output from 256 tokens on: its longer arithmetic between
+    a row's loads and stores is hidden by more programs per SM (`quant.jsonl`, the `fused[w=..]`
+    rows). 2 rows per program for short rows at prefill sizes, so that programs are not too small
+    to hide latency.
     """
     block = triton.next_power_of_2(hidden)
     num_warps = max(1, min(16, block * itemsize // (16 * 32)))
-    if 256 <= num_tokens < 2048:
+    if 256 <= num_tokens < 2048 or (quantized and num_tokens >= 256):
         num_warps = min(num_warps, 4)
     rows = 2 if (hidden <= 2048 and num_tokens >= 1024) else 1
     return block, num_warps, rows
@@ -242,7 +245,7 @@ def _launch_quant(s, residual, weight, eps, quant, config):
     if launch is not None:
         launch(*args)
         return QuantOutput(buf.out, buf.scale, new_res, normed)
-    block, warps, rows = config or launch_config(h, s.element_size(), m)
+    block, warps, rows = config or launch_config(h, s.element_size(), m, quantized=True)
     block = max(block, block_for(h, quant.kind))
     grid = triton.cdiv(m, rows) + (pad_programs(m) if buf.swizzled else 0)
     meta = dict(BLOCK_H=block, ROWS=rows, HAS_RES=residual is not None, SOFT_BF16=interpreting(),
