@@ -49,7 +49,7 @@ from tpfuse.kernels.protocol import (
     tag_words_for,
     twoshot_owns_rows,
 )
-from tpfuse.kernels.quant import KIND_BY_NAME, QuantBuffers
+from tpfuse.kernels.quant import KIND_BY_NAME, QuantBuffers, hw_bits
 from tpfuse.quant import QuantOutput
 
 # Interpreter spin bound per second of timeout: the interpreter polls at a CPU core's pace, on the
@@ -99,7 +99,7 @@ def check_fits(where: str, m: int, h: int, ws, plan: Plan, *, twoshot: bool, qua
 def quant_opts(device, quant, hidden: int) -> QuantOpts:
     if quant is None:
         return QuantOpts.of()
-    hw = int(hardware_fp8(device)) | (2 if hardware_fp4(device) else 0)
+    hw = hw_bits(hardware_fp8(device), hardware_fp4(device))
     return QuantOpts.of(kind=KIND_BY_NAME[quant.kind], group=quant.group or 16, swizzled=quant.layout == "swizzled",
                      has_ub=quant.scale_ub is not None, hw=hw, with_normed=quant.with_normed,
                      ng=triton.next_power_of_2(max(4, -(-(hidden // 16) // 4) * 4)))

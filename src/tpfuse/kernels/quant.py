@@ -58,6 +58,9 @@ KIND_BY_NAME = {"fp8_static": KIND_FP8_STATIC, "fp8_per_token": KIND_FP8_TOKEN, 
 E4M3_MAX_BITS = tl.constexpr(0x43E00000)  # 448.0
 E2M1_MAX_BITS = tl.constexpr(0x40C00000)  # 6.0
 PAD_CHUNK = tl.constexpr(16)  # padding rows zeroed per store by zero_scale_padding
+# A predicated plain store of one 32-bit word / of its low byte (PTX lets a wider register feed st.b8).
+STORE_B32_IF = tl.constexpr("{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.b32 [$1], $2; mov.b32 $0, 0; }")
+STORE_B8_IF = tl.constexpr("{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.b8 [$1], $2; mov.b32 $0, 0; }")
 CODE_RUN = tl.constexpr(8)  # one 128-bit access of 16-bit data: 8 elements a thread
 NVFP4_MIN_BLOCK = 64  # BLOCK >= 64 so that the 16-column blocks of a row cover align4(H / 16) scales
 
@@ -263,15 +266,16 @@ def quantize_chunk(
                 k4 = (k_real + 3) // 4
                 offs = ((srow // 128).to(tl.int64) * (k4 * 512) + (gidx // 4) * 512
                         + (srow % 32) * 16 + ((srow % 128) // 32) * 4 + gidx % 4)
-                tl.store(s_ptr + offs, value, mask=(gidx < 4 * k4) & (srow < M))
+                store_scales(s_ptr + offs, value, (gidx < 4 * k4) & (srow < M), HW_CVT & 4)
             else:
-                tl.store(s_ptr + srow.to(tl.int64) * s_row_stride + gidx, value, mask=(gidx < k_real) & (srow < M))
+                store_scales(s_ptr + srow.to(tl.int64) * s_row_stride + gidx, value, (gidx < k_real) & (srow < M),
+                             HW_CVT & 4)
         else:
             scale = dynamic_scale(amax, scale_ub, HAS_UB)
             codes = tl.reshape(e4m3_code(y2 * inverse(scale)[:, None], HW_CVT & 1), [BLOCK]).to(tl.uint8)
             store_runs(qrow + start, codes, H - start, row, M, BLOCK, CODE_RUN)
             smask = (gidx < H // G) & (srow < M)
-            tl.store(s_ptr + row.to(tl.int64) * s_row_stride + gidx * s_col_stride, scale, mask=smask)
+            store_scales(s_ptr + row.to(tl.int64) * s_row_stride + gidx * s_col_stride, scale, smask, HW_CVT & 4)
             # Column-major (DeepGEMM) scales are stored (H/G, align4(M)) and handed over whole: the
             # last row's program zeroes rows M .. align4(M) - 1 too, so no byte of them is left
             # unwritten. Row-major scales (column stride 1) have no padding rows.
@@ -281,6 +285,25 @@ def quantize_chunk(
             for p in tl.static_range(1, 4):
                 tl.store(s_ptr + (row + p).to(tl.int64) * s_row_stride + gidx * s_col_stride, tl.zeros_like(scale),
                          mask=pad & (srow + p < (M + 3) // 4 * 4))
+
+
+@triton.jit
+def store_scales(ptrs, values, mask, ASM: tl.constexpr):
+    """Store a chunk's per-block scales (fp32, or uint8 e4m3 codes) from the layout they were
+    reduced into. With ASM (a GPU build) through an inline st.global, which Triton leaves where it
+    is: its own store gave the [NG] vector a layout of its own and moved the scales there through
+    shared memory first (a barrier pair on the path of every row). Threads that hold the same
+    block's scale store the same bytes."""
+    if ASM:
+        bits = values.to(tl.uint32, bitcast=True) if values.dtype == tl.float32 else values.to(tl.uint32)
+        if values.dtype == tl.float32:
+            tl.inline_asm_elementwise(STORE_B32_IF, "=r,l,r,r", [ptrs.to(tl.int64), bits, mask.to(tl.int32)],
+                                      dtype=tl.int32, is_pure=False, pack=1)
+        else:
+            tl.inline_asm_elementwise(STORE_B8_IF, "=r,l,r,r", [ptrs.to(tl.int64), bits, mask.to(tl.int32)],
+                                      dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.store(ptrs, values, mask=mask)
 
 
 @triton.jit
@@ -368,10 +391,7 @@ class QuantBuffers:
         self.swizzled = quant.layout == "swizzled"
         self.has_ub = quant.scale_ub is not None
         self.scale_ub = float(quant.scale_ub) if self.has_ub else 0.0
-        # HW_CVT bits: 1 e4m3 cvt, 2 e2m1 cvt. Never in the interpreter: its float8 cast truncates
-        # and it has no inline assembly.
-        interpreted = os.environ.get("TRITON_INTERPRET", "0") == "1"
-        self.hw_cvt = 0 if interpreted else int(hw_fp8) | (2 if hw_fp4 else 0)
+        self.hw_cvt = hw_bits(hw_fp8, hw_fp4)
         self.sf_m = m
         if quant.kind == "nvfp4":
             self.codes = torch.empty(m, h // 2, dtype=torch.uint8, device=device)
@@ -409,6 +429,15 @@ class QuantBuffers:
     def constexprs(self, block: int) -> dict:
         return dict(KIND=self.kind, GROUP=self.group, BLOCK=block, SWIZZLED=self.swizzled, HAS_UB=self.has_ub,
                     HW_CVT=self.hw_cvt)
+
+
+def hw_bits(hw_fp8: bool, hw_fp4: bool) -> int:
+    """HW_CVT of a launch: bit 1 the e4m3 cvt, bit 2 the e2m1 cvt (where the GPU has them), bit 4
+    inline PTX (every GPU build: the scale stores of `store_scales`). 0 in the interpreter: its
+    float8 cast truncates and it has no inline assembly."""
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return 0
+    return int(hw_fp8) | (2 if hw_fp4 else 0) | 4
 
 
 def _param(value, device):
