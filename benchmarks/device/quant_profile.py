@@ -43,6 +43,7 @@ METRICS = {  # ncu raw metric -> short name
     "sm__warps_active.avg.pct_of_peak_sustained_active": "occ_achieved_pct",
     "launch__occupancy_limit_registers": "blocks_by_regs",
     "smsp__average_warp_latency_per_inst_issued.ratio": "cycles_per_issue",
+    "smsp__inst_executed.sum": "inst",
 }
 STALL = re.compile(r"smsp__average_warps_issue_stalled_(\w+?)_per_issue_active\.ratio")
 
@@ -66,7 +67,10 @@ def quant_launch(module, s, r, w, eps, spec, *, warps=None, maxnreg=None):
 
     m, h = s.shape
     buf = module.QuantBuffers(spec, m, h, s.device, module.hardware_fp8(s.device), module.hardware_fp4(s.device))
-    block, num_warps, rows = module.launch_config(h, s.element_size(), m)
+    try:
+        block, num_warps, rows = module.launch_config(h, s.element_size(), m, quantized=True)
+    except TypeError:  # a launcher from before quantized output had launch configurations of its own
+        block, num_warps, rows = module.launch_config(h, s.element_size(), m)
     block = max(block, module.block_for(h, spec.kind))
     new_res = torch.empty_like(s)
     grid = triton.cdiv(m, rows) + (module.pad_programs(m) if buf.swizzled else 0)
