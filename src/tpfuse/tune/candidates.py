@@ -34,7 +34,7 @@ class CandidatePool:
         self.facts, self.caps, self.device = facts, caps, device
         self._ctx = StrategyContext(group=group, rank=rank, world_size=world_size, facts=facts,
                                     caps=caps, device=device, options=dict(options or {}))
-        self._instances: dict[str, Strategy] = {}
+        self._instances: dict[tuple[str, bool], Strategy] = {}  # (name, twin) -> instance
         self._prepared: set[tuple] = set()
         self.setup_s = 0.0
 
@@ -55,18 +55,20 @@ class CandidatePool:
                    caps=caps, device=dev, options=options)
 
     def get(self, name: str, *, hidden: int, dtype: torch.dtype, max_tokens: int,
-            buckets: tuple[int, ...] | None = None, op: Op | None = None) -> Strategy:
+            buckets: tuple[int, ...] | None = None, op: Op | None = None, twin: bool = False) -> Strategy:
         """The instance of `name`, prepared for calls of up to `max_tokens`; with `buckets`, for
         calls of those token counts only, of `op` only when given (`Strategy.prepare_buckets`), so
-        that a tune sets up only the buckets and the op it measures. The seconds spent creating
-        and preparing instances add up in `setup_s`."""
+        that a tune sets up only the buckets and the op it measures. `twin`: a second, separate
+        instance of `name` (verify's A-vs-A control: two instances of one strategy, timed like two
+        strategies). The seconds spent creating and preparing instances add up in `setup_s`."""
         started = time.perf_counter()
         try:
-            instance = self._instances.get(name)
+            slot = (name, twin)
+            instance = self._instances.get(slot)
             if instance is None:
-                instance = self._instances[name] = get_strategy(name)(self._ctx)
+                instance = self._instances[slot] = get_strategy(name)(self._ctx)
             per_bucket = buckets is not None and type(instance).prepare_buckets is not Strategy.prepare_buckets
-            key = (name, hidden, dtype, max_tokens) + ((tuple(buckets), op) if per_bucket else (None, None))
+            key = (slot, hidden, dtype, max_tokens) + ((tuple(buckets), op) if per_bucket else (None, None))
             if key not in self._prepared:
                 if per_bucket:
                     instance.prepare_buckets(hidden=hidden, dtype=dtype, max_tokens=max_tokens, buckets=tuple(buckets),

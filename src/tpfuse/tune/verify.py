@@ -5,7 +5,11 @@ Collective: every rank of `group` calls it with the same arguments.
 Per (hidden, token bucket): correctness first (`correctness.check_candidate`, for the candidate
 and the baseline); a candidate that fails anywhere is REVERT for that bucket. Then `rounds`
 interleaved rounds of three timed calls, order rotated per round: the candidate A, the baseline B
-and the baseline again B' (same instance). B' against B measures the noise of the machine itself.
+and the baseline's twin B' (a second instance of the baseline strategy). B' against B measures
+the noise of the machine itself, and because B' is a separate instance called once per round,
+exactly as A is, it also carries whatever A's position gains or loses by being another instance
+than B (calling one instance twice per round made it warmer than A: an equal candidate measured
+about 6% slower over 2,000 rounds on a loaded 2-core machine).
 
 Verdict rule. Per round i the paired log-ratios d_i = log(A_i / B_i) and e_i = log(B'_i / B_i)
 (all times per-call maxima over ranks); pairing within a round cancels slow drift of the machine.
@@ -14,10 +18,13 @@ Verdict rule. Per round i the paired log-ratios d_i = log(A_i / B_i) and e_i = l
                                                          # Tukey, Larsen 1978: ~95%, rank-based)
     offset = |median(e)|                                 # how far "equal" drifts apart here (A-vs-A)
     bound  = log(1 + margin) + offset
-    REVERT when m - h > bound: slower than the baseline by more than the margin plus the A-vs-A
-    offset, with ~95% confidence; the reported threshold is exp(bound + h).
+    REVERT when m - 2h > bound: slower than the baseline by more than the margin plus the A-vs-A
+    offset, beyond twice the notch; the reported threshold is exp(bound + 2h). Twice, because the
+    samples are judged again after every extension (below), and each look is one more chance of a
+    false REVERT: at 2h one look errs about 3 times in 10,000 for a normal spread (2h is 3.4
+    standard errors of the median), so the up to four looks stay near 0.1%.
     Otherwise KEEP: "faster" when m + h < -bound, "equal within noise" when m + h <= bound.
-    Undecided (m - h <= bound < m + h): more rounds, up to `max_rounds`; still undecided then, KEEP
+    Undecided (m - 2h <= bound < m + h): more rounds, up to `max_rounds`; still undecided then, KEEP
     "not shown slower" (a regression has to be shown, and the reason says the run was too noisy).
 So a strategy equal to its baseline is KEEP even on a loaded machine (its interval widens with the
 measured spread), and a clearly slower one is REVERT. Overall: REVERT if any bucket is REVERT.
@@ -46,6 +53,8 @@ from tpfuse.tune.candidates import CandidatePool, admitted, timed_call
 # 1.58 * IQR / sqrt(n): half-width of the notch around a median (McGill, Tukey, Larsen 1978),
 # a rank-based ~95% interval that needs no normality assumption.
 _NOTCH = 1.58
+# A REVERT must clear the bound by this many notches (the repeated looks; rule in the module doc).
+_REVERT_NOTCHES = 2.0
 
 
 @dataclass(frozen=True)
@@ -89,9 +98,10 @@ def judge(a: list[float], b: list[float], b2: list[float], margin: float) -> tup
     half = _NOTCH * (q[2] - q[0]) / math.sqrt(len(d))
     offset = abs(statistics.median(e))
     bound = math.log(1 + margin) + offset
-    ratio, threshold, noise = math.exp(m), math.exp(bound + half), offset + half
+    wide = _REVERT_NOTCHES * half
+    ratio, threshold, noise = math.exp(m), math.exp(bound + wide), offset + wide
     n = len(d)
-    if m - half > bound:
+    if m - wide > bound:
         return "REVERT", ratio, threshold, noise, (f"slower: {ratio:.3f}x the baseline, above {threshold:.3f}x "
                                                    f"(margin {margin:.0%} + noise; {n} rounds)")
     if m + half < -bound:
@@ -130,8 +140,8 @@ def verify_in_group(strategy: str, *, hiddens: tuple[int, ...], buckets: tuple[i
     the_op = Op(op)
     max_tokens = max(buckets)
 
-    def call(name, hidden, num_tokens):
-        instance = pool.get(name, hidden=hidden, dtype=torch_dtype, max_tokens=max_tokens)
+    def call(name, hidden, num_tokens, twin=False):
+        instance = pool.get(name, hidden=hidden, dtype=torch_dtype, max_tokens=max_tokens, twin=twin)
         return timed_call(instance, the_op, rank=rank, num_tokens=num_tokens, hidden=hidden, dtype=torch_dtype,
                           device=dev)
 
@@ -188,12 +198,13 @@ def _verify_bucket(strategy, baseline, op, hidden, num_tokens, dtype, torch_dtyp
         if not verdict.ok:
             return BucketVerdict(op.value, hidden, num_tokens, "REVERT", math.nan, math.nan, math.nan, math.nan,
                                  math.nan, f"{name} failed correctness: {verdict.reason}")
-    fa, fb = call(strategy, hidden, num_tokens), call(baseline, hidden, num_tokens)
-    samples = time_interleaved({"A": fa, "B": fb, "B2": fb}, group=group, device=dev, rounds=rounds, warmup=warmup)
+    fa, fb, fb2 = call(strategy, hidden, num_tokens), call(baseline, hidden, num_tokens), call(baseline, hidden,
+                                                                                           num_tokens, twin=True)
+    samples = time_interleaved({"A": fa, "B": fb, "B2": fb2}, group=group, device=dev, rounds=rounds, warmup=warmup)
     # Undecided (the interval straddles the bound): more rounds, up to max_rounds. The samples are
     # maxima over ranks, identical everywhere, so every rank extends the same number of times.
     while len(samples["A"]) < max_rounds and not settled(samples["A"], samples["B"], samples["B2"], margin):
-        more = time_interleaved({"A": fa, "B": fb, "B2": fb}, group=group, device=dev,
+        more = time_interleaved({"A": fa, "B": fb, "B2": fb2}, group=group, device=dev,
                                 rounds=min(rounds, max_rounds - len(samples["A"])), warmup=0)
         samples = {k: samples[k] + more[k] for k in samples}
     verdict, ratio, threshold, noise, reason = judge(samples["A"], samples["B"], samples["B2"], margin)
