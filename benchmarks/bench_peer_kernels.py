@@ -446,16 +446,26 @@ def suites(args) -> dict[str, list[tuple]]:
             report.append(("quant", spec("oneshot", 8, (1,), quant=q, path=path), "steady"))
     for path in ("in_kernel", "two_kernels"):
         report.append(("quant", spec("oneshot", 8, (16,), quant=Q.fp8_per_token(), path=path), "steady"))
-    return {"variants": variants, "final": final, "report": report}
+    chunks = []  # the plan's chunk size forced, against make_plan's choice (the `grid` rows of the same run)
+    for world in WORLDS:
+        for chunk in (512, 1024, 2048):
+            chunks.append((f"chunk{chunk}", spec("oneshot", world, (1,), chunk=chunk), "steady"))
+        chunks.append(("grid", spec("oneshot", world, (1,)), "steady"))
+    for t in (16, 64):
+        for chunk in (512, 1024, 2048):
+            chunks.append((f"chunk{chunk}", spec("twoshot", 8, (t,), chunk=chunk, owns_rows=False), "steady"))
+        chunks.append(("grid", spec("twoshot", 8, (t,)), "steady"))
+    return {"variants": variants, "final": final, "report": report, "chunks": chunks}
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="JSON-lines file for the result rows")
-    parser.add_argument("--suite", choices=("variants", "final", "report", "all"), default="report",
+    parser.add_argument("--suite", choices=("variants", "final", "report", "chunks", "all"), default="report",
                         help="variants: launch options and two-shot cuts compared; final: the whole grid; report: "
-                             "what benchmarks/results/README.md reports, in one run")
+                             "what benchmarks/results/README.md reports, in one run; chunks: the plan's chunk size "
+                             "forced at decode sizes beside make_plan's choice")
     parser.add_argument("--plot", help="PNG of per-call latency against tokens (steady, bf16, hidden 6144)")
     parser.add_argument("--budget-s", type=float, default=420.0, help="stop starting new cases after this long")
     parser.add_argument("--reps", type=int, default=15)
@@ -496,6 +506,7 @@ def main(argv=None) -> int:
         shape = {"tokens": tokens[-1] if len(tokens) == 1 else ",".join(map(str, tokens)), "hidden": spec["hidden"]}
         op = "all_reduce_residual_rmsnorm" if quant is None else "all_reduce_residual_rmsnorm_quant"
         extra = dict(suite_case=label, mode=mode, valid=ok, check=why, chunk=pl.chunk, num_chunks=pl.num_chunks,
+                     chunk_forced=spec.get("chunk") is not None,
                      programs=programs, calls_per_stream=n, pdl=int(cfg.pdl), spin=int(cfg.spin),
                      cooperative=spec["options"].cooperative, rows_owned=bool(cfg.rows_owned),
                      per_poll=int(cfg.per_poll), single=bool(cfg.single))
