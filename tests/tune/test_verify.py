@@ -63,6 +63,44 @@ def test_judge_keeps_equal_reverts_slower_and_widens_with_noise():
     assert quiet[0] == "REVERT" and loud[0] == "KEEP" and loud[2] > quiet[2]
 
 
+def test_a_revert_clears_the_bound_by_two_notches():
+    from tpfuse.tune.verify import _NOTCH
+
+    # d has median log(1.2) and an IQR of 0.1 over 25 rounds: one notch is 1.58 * 0.1 / 5.
+    n, iqr = 25, 0.1
+    half = _NOTCH * iqr / math.sqrt(n)
+    d = [math.log(1.2) + iqr * (i / (n - 1) - 0.5) * 2 for i in range(n)]  # evenly spread: IQR = iqr
+    base = [100.0] * n
+    a = [100.0 * math.exp(x) for x in d]
+
+    def verdict(margin):
+        return judge(a, base, base, margin)
+
+    # The bound just below the median less two notches: REVERT, with the threshold at bound + 2h.
+    margin = math.exp(math.log(1.2) - 2 * half - 0.005) - 1
+    v, ratio, threshold, _, _ = verdict(margin)
+    assert v == "REVERT" and threshold == pytest.approx(math.exp(math.log(1 + margin) + 2 * half))
+    # Between one and two notches above the bound: shown slower at one notch, not at two: KEEP.
+    margin = math.exp(math.log(1.2) - 1.5 * half) - 1
+    v, _, _, _, reason = verdict(margin)
+    assert v == "KEEP" and reason.startswith("not shown slower")
+
+
+def test_the_a_vs_a_control_is_a_second_instance_of_the_baseline():
+    import torch
+
+    from tpfuse.tune.candidates import CandidatePool
+
+    pool = CandidatePool(group=None, rank=0, world_size=1, facts=None, caps=None, device=torch.device("cpu"))
+    try:
+        get = lambda **kw: pool.get("reference", hidden=H, dtype=torch.bfloat16, max_tokens=4, **kw)  # noqa: E731
+        first, twin = get(), get(twin=True)
+        assert twin is not first and type(twin) is type(first)
+        assert get() is first and get(twin=True) is twin  # each created once for the whole run
+    finally:
+        pool.close()
+
+
 def test_undecided_samples_ask_for_more_rounds_and_a_regression_must_be_shown():
     from tpfuse.tune.verify import settled
 
