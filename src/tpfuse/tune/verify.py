@@ -7,9 +7,9 @@ and the baseline); a candidate that fails anywhere is REVERT for that bucket. Th
 interleaved rounds of three timed calls, order rotated per round: the candidate A, the baseline B
 and the baseline's twin B' (a second instance of the baseline strategy). B' against B measures
 the noise of the machine itself, and because B' is a separate instance called once per round,
-exactly as A is, it also carries whatever A's position gains or loses by being another instance
-than B (calling one instance twice per round made it warmer than A: an equal candidate measured
-about 6% slower over 2,000 rounds on a loaded 2-core machine).
+exactly as A is, it also carries whatever A gains or loses by being another instance than B
+(with B' the same instance as B, an equal candidate measured 6.2% slower than B over 2,000 rounds
+on a loaded 2-core machine; with a second instance, 1.7%).
 
 Verdict rule. Per round i the paired log-ratios d_i = log(A_i / B_i) and e_i = log(B'_i / B_i)
 (all times per-call maxima over ranks); pairing within a round cancels slow drift of the machine.
