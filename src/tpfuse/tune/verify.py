@@ -8,8 +8,9 @@ interleaved rounds of three timed calls, order rotated per round: the candidate 
 and the baseline's twin B' (a second instance of the baseline strategy). B' against B measures
 the noise of the machine itself, and because B' is a separate instance called once per round,
 exactly as A is, it also carries whatever A gains or loses by being another instance than B
-(with B' the same instance as B, an equal candidate measured 6.2% slower than B over 2,000 rounds
-on a loaded 2-core machine; with a second instance, 1.7%).
+(benchmarks/bench_verify_control.py, 2 CPU ranks, 1,000 rounds, all calls the same code: with B'
+the same instance as B, A measured 1.087x B at 1 token where B' measured 0.975x; with a second
+instance, 1.020x and 1.025x; at 8 tokens 1.007x / 0.963x and 1.015x / 0.967x).
 
 Verdict rule. Per round i the paired log-ratios d_i = log(A_i / B_i) and e_i = log(B'_i / B_i)
 (all times per-call maxima over ranks); pairing within a round cancels slow drift of the machine.
