@@ -31,30 +31,27 @@ def _rank(rank: int, world_size: int, strategy: str, blocks: int, rounds: int, t
     import torch
 
     from tpfuse.spec import Op
-    from tpfuse.strategies import get_strategy
     from tpfuse.timing import time_interleaved
     from tpfuse.tune.candidates import CandidatePool, timed_call
 
     pool = CandidatePool.for_group(None)
-    third = get_strategy(strategy)(pool._ctx)
-    third.prepare(hidden=HIDDEN, dtype=torch.bfloat16, max_tokens=max(tokens))
+    other = CandidatePool.for_group(None)  # the third instance
     out = {}
     try:
         for t in tokens:
-            def call(instance, t=t):
+            def call(source, twin=False, t=t):
+                instance = source.get(strategy, hidden=HIDDEN, dtype=torch.bfloat16, max_tokens=max(tokens), twin=twin)
                 return timed_call(instance, Op.ALL_REDUCE_RESIDUAL_RMSNORM, rank=rank, num_tokens=t, hidden=HIDDEN,
                                   dtype=torch.bfloat16, device=pool.device)
 
-            get = lambda twin: pool.get(strategy, hidden=HIDDEN, dtype=torch.bfloat16,  # noqa: E731
-                                        max_tokens=max(tokens), twin=twin)
-            fa, fb, fc = call(get(False)), call(get(True)), call(third)
+            fa, fb, fc = call(pool), call(pool, twin=True), call(other)
             for _ in range(blocks):
                 for design, control in (("same_instance", fb), ("second_instance", fc)):
                     s = time_interleaved({"A": fa, "B": fb, "B2": control}, group=pool.group, device=pool.device,
                                          rounds=rounds, warmup=3)
                     out.setdefault((t, design), []).append(s)
     finally:
-        third.close()
+        other.close()
         pool.close()
     return out
 

@@ -86,19 +86,31 @@ def test_a_revert_clears_the_bound_by_two_notches():
     assert v == "KEEP" and reason.startswith("not shown slower")
 
 
-def test_the_a_vs_a_control_is_a_second_instance_of_the_baseline():
-    import torch
-
+def _instances_verify_times(rank, world_size):
     from tpfuse.tune.candidates import CandidatePool
+    from tpfuse.tune.verify import verify_in_group
 
-    pool = CandidatePool(group=None, rank=0, world_size=1, facts=None, caps=None, device=torch.device("cpu"))
-    try:
-        get = lambda **kw: pool.get("reference", hidden=H, dtype=torch.bfloat16, max_tokens=4, **kw)  # noqa: E731
-        first, twin = get(), get(twin=True)
-        assert twin is not first and type(twin) is type(first)
-        assert get() is first and get(twin=True) is twin  # each created once for the whole run
-    finally:
-        pool.close()
+    asked = []
+    get = CandidatePool.get
+
+    def recording(self, name, **kw):
+        instance = get(self, name, **kw)
+        asked.append((name, kw.get("twin", False), id(instance)))
+        return instance
+
+    CandidatePool.get = recording
+    report = verify_in_group("reference_copy", baseline="reference", hiddens=(H,), buckets=(2,), rounds=3)
+    return report.verdict, asked
+
+
+def test_the_a_vs_a_control_is_a_second_instance_of_the_baseline():
+    verdict, asked = run_ranks(_instances_verify_times, 1, env=ENV, timeout_s=120)[0]
+    assert verdict in ("KEEP", "REVERT")
+    baseline = {i for name, twin, i in asked if name == "reference" and not twin}
+    control = {i for name, twin, i in asked if name == "reference" and twin}
+    candidate = {i for name, _, i in asked if name == "reference_copy"}
+    # three instances: the candidate, the baseline and its twin, each one for the whole run
+    assert len(baseline) == len(control) == len(candidate) == 1 and len(baseline | control | candidate) == 3
 
 
 def test_undecided_samples_ask_for_more_rounds_and_a_regression_must_be_shown():
