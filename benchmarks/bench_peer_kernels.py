@@ -446,6 +446,17 @@ def suites(args) -> dict[str, list[tuple]]:
             report.append(("quant", spec("oneshot", 8, (1,), quant=q, path=path), "steady"))
     for path in ("in_kernel", "two_kernels"):
         report.append(("quant", spec("oneshot", 8, (16,), quant=Q.fp8_per_token(), path=path), "steady"))
+    spins = []  # the tag wait before a decode poll (spin 3) against the vector spin alone (spin 2)
+    for world in WORLDS:
+        for pdl, spin in ((2, 2), (2, 3), (1, 2), (1, 3)):
+            spins.append((f"pdl{pdl}_spin{spin}", spec("oneshot", world, (1,), options=launch_options(pdl, spin)),
+                          "steady"))
+    for q in (Q.fp8_per_token(), Q.fp8_static(scale)):
+        for spin in (2, 3):
+            spins.append((f"quant_spin{spin}", spec("oneshot", 8, (1,), quant=q, options=launch_options(2, spin)),
+                          "steady"))
+    for spin in (2, 3):  # several items a program: spin 3 changes nothing there
+        spins.append((f"pdl1_spin{spin}", spec("oneshot", 8, (16,), options=launch_options(1, spin)), "steady"))
     chunks = []  # the plan's chunk size forced, against make_plan's choice (the `grid` rows of the same run)
     for world in WORLDS:
         for chunk in (512, 1024, 2048):
@@ -455,23 +466,25 @@ def suites(args) -> dict[str, list[tuple]]:
         for chunk in (512, 1024, 2048):
             chunks.append((f"chunk{chunk}", spec("twoshot", 8, (t,), chunk=chunk, owns_rows=False), "steady"))
         chunks.append(("grid", spec("twoshot", 8, (t,)), "steady"))
-    return {"variants": variants, "final": final, "report": report, "chunks": chunks}
+    return {"variants": variants, "final": final, "report": report, "chunks": chunks, "spin": spins}
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="JSON-lines file for the result rows")
-    parser.add_argument("--suite", choices=("variants", "final", "report", "chunks", "all"), default="report",
+    parser.add_argument("--suite", choices=("variants", "final", "report", "chunks", "spin", "all"), default="report",
                         help="variants: launch options and two-shot cuts compared; final: the whole grid; report: "
                              "what benchmarks/results/README.md reports, in one run; chunks: the plan's chunk size "
-                             "forced at decode sizes beside make_plan's choice")
+                             "forced at decode sizes beside make_plan's choice; spin: the tag wait before a decode "
+                             "poll (spin 3) against spin 2 at 1 token")
     parser.add_argument("--plot", help="PNG of per-call latency against tokens (steady, bf16, hidden 6144)")
     parser.add_argument("--budget-s", type=float, default=420.0, help="stop starting new cases after this long")
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--quick", action="store_true", help="the final grid at tokens 1/16/64 only")
     parser.add_argument("--pdl", type=int, default=2, choices=(0, 1, 2), help="launch trigger of the reported rows")
-    parser.add_argument("--spin", type=int, default=2, choices=(0, 1, 2), help="per-thread spins in the reported rows")
+    parser.add_argument("--spin", type=int, default=2, choices=(0, 1, 2, 3),
+                        help="per-thread spins in the reported rows")
     parser.add_argument("--compile-workers", type=int, default=12, help="processes that compile before timing")
     args = parser.parse_args(argv)
     t0 = time.time()

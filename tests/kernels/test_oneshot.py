@@ -3,6 +3,7 @@
 Interpreter tier: the real kernel on CPU through TRITON_INTERPRET=1, one spawned process per rank
 over shared-memory peer buffers (x86 ordering is stronger than a GPU's: these check the protocol's
 logic, not memory ordering; shapes are tiny because the interpreter runs every program in Python).
+Plain tier: the GPU build of the decode kernel lowers to PTX on CPU and ptxas assembles it.
 GPU tier: W ranks emulated as W CUDA streams in one process (`support.peer.EmulatedRanks`), under
 every launch option (programmatic dependent launch off / end trigger / entry trigger, the per-thread
 spin on and off), and captured in a CUDA graph. The processes-on-one-GPU tests of the strategy are
@@ -48,6 +49,39 @@ def test_split_rows_quantized_in_the_kernel_equal_the_reference():
     check_split_quant("oneshot")
 
 
+# ---- plain: the GPU build lowers on CPU ---------------------------------------------------------
+
+def _decode_signature(world):
+    """Triton types of oneshot_kernel's parameters for bf16 data and no quantization."""
+    p = "*bf16"
+    return {"x_ptr": p, "res_ptr": p, "w_ptr": p, "out_ptr": p, "newres_ptr": p, "bufs": (p,) * world,
+            "local_ptr": p, "part_ptr": "*i64", "state_ptr": "*i32", "err_ptr": "*i32", "errmap_ptr": "*i32",
+            "qargs": (p, "i32", p, "i32", "i32", p, "fp32"), "rank": "i32", "M": "i32", "H": "i32",
+            "region": "i64", "header": "i32", "tag_words": "i32", "eps": "fp32", "timeout_ns": "i64",
+            "max_spins": "i64", "C": "constexpr", "Q": "constexpr"}
+
+
+@pytest.mark.parametrize("world, spin", [(8, 2), (8, 3), (2, 3)])
+def test_decode_kernel_lowers_and_assembles_for_sm90(world, spin):
+    """The one-pass decode kernel (one item a program, rows of 6 chunks, entry trigger) as a GPU
+    build for sm_90: with spin 3 each poll first reloads the W - 1 other tags together (one
+    predicated load per source in the tag wait); ptxas takes the whole kernel."""
+    import re
+
+    from support.ptx import assemble, lower_to_ptx
+    from tpfuse.kernels.oneshot import oneshot_kernel
+    from tpfuse.kernels.peer_stages import PeerConfig, QuantOpts
+
+    C = PeerConfig.of(world=world, world_p2=world, chunk=1024, num_chunks=6, num_chunks_p2=8, sentinel=-(1 << 15),
+                      elem_bits=16, has_res=True, has_norm=True, split=True, use_asm=True, soft_bf16=False, pdl=2,
+                      spin=spin, single=True, rows_owned=False, per_poll=1)
+    ptx = lower_to_ptx(oneshot_kernel, _decode_signature(world), {"C": C, "Q": QuantOpts.of()}, cc=90)
+    tag_loads = set(re.findall(r"@m(\d+) ld\.volatile\.global\.b32", ptx))
+    assert tag_loads == (set(map(str, range(world))) if spin >= 3 else set()), tag_loads
+    assert "griddepcontrol.wait" in ptx and "st.relaxed.sys.global.v4.b32" in ptx
+    assemble(ptx)
+
+
 # ---- GPU: W streams on one GPU -----------------------------------------------------------------
 
 GPU_CALLS = [(1, "int", "res"), (1, "rand", "res"), (16, "int", "res"), (3, "int", "none"), (5, "int", "ar"),
@@ -57,7 +91,8 @@ GPU_CALLS = [(1, "int", "res"), (1, "rand", "res"), (16, "int", "res"), (3, "int
 # Each option is a compile of every variant the calls use, so the matrix is cut to what differs
 # (benchmarks/bench_peer_kernels.py --suite variants checks every combination at 1 token as well).
 @pytest.mark.gpu
-@pytest.mark.parametrize("world, pdl, spin", [(8, 0, 0), (8, 2, 2), (8, 1, 1), (2, 2, 2), (2, 0, 0)])
+@pytest.mark.parametrize("world, pdl, spin", [(8, 0, 0), (8, 2, 2), (8, 1, 1), (8, 2, 3), (8, 1, 3), (2, 2, 2),
+                                              (2, 2, 3), (2, 0, 0)])
 def test_launch_options_give_the_reference_bits(world, pdl, spin):
     from tpfuse.kernels.peer_launch import LaunchOptions
 

@@ -112,3 +112,12 @@ def test_compile_all_compiles_concurrently_then_checks_each_one(monkeypatch, out
         peer_launch.compile_all([_FakeLaunch(log) for _ in range(3)])
     want = [("compile", None)] * 3 if outer else [("warmup", True)] * 3 + [("compile", None)] * 3
     assert log == want
+
+
+@pytest.mark.parametrize("field, value", [("pdl", 3), ("pdl", -1), ("spin", 4), ("spin", 5)])
+def test_launch_options_refuse_values_outside_their_levels(field, value):
+    from tpfuse.kernels.peer_launch import LaunchOptions
+
+    with pytest.raises(ValueError, match=f"LaunchOptions: {field}={value!r} is not"):
+        LaunchOptions(**{field: value})
+    assert LaunchOptions(pdl=2, spin=3).spin == 3

@@ -479,13 +479,7 @@ def _ptx(cc: int, kind: int, group: int, swizzled: bool, hw: int) -> str:
     """PTX of the quantized epilogue kernel for format KIND on sm_`cc` (KIND 0: the unquantized
     epilogue kernel)."""
     pytest.importorskip("triton")
-    try:
-        from triton._C.libtriton import ir
-        from triton.backends.compiler import GPUTarget
-        from triton.backends.nvidia.compiler import CUDABackend
-        from triton.compiler import ASTSource
-    except ImportError as exc:
-        pytest.skip(f"Triton's compiler internals are not importable here: {exc}")
+    from support.ptx import lower_to_ptx
     from tpfuse.kernels.epilogue import residual_rmsnorm_kernel, residual_rmsnorm_quant_kernel
 
     sig = dict(SIG, sc_ptr="*u8" if kind == 4 else "*fp32")
@@ -496,21 +490,7 @@ def _ptx(cc: int, kind: int, group: int, swizzled: bool, hw: int) -> str:
         kernel = residual_rmsnorm_kernel
         constexprs = {k: constexprs[k] for k in ("BLOCK_H", "ROWS", "HAS_RES", "SOFT_BF16")}
         sig = {**dict(list(SIG.items())[:8]), **{k: "constexpr" for k in constexprs}}
-    names = list(sig)
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in ALIGNED if n in names}
-    target = GPUTarget("cuda", cc, 32)
-    backend = CUDABackend(target)
-    src = ASTSource(kernel, sig, constexprs, attrs)
-    options = backend.parse_options({"num_warps": 16})
-    context = ir.context()
-    ir.load_dialects(context)
-    backend.load_dialects(context)
-    mod = src.make_ir(target, options, backend.get_codegen_implementation(options), backend.get_module_map(), context)
-    stages, metadata = {}, {}
-    backend.add_stages(stages, options, src.language)
-    for name in ("ttir", "ttgir", "llir", "ptx"):
-        mod = stages[name](mod, metadata)
-    return mod
+    return lower_to_ptx(kernel, sig, constexprs, ALIGNED, cc, num_warps=16)
 
 
 def test_software_and_hardware_paths_lower_as_admitted():
@@ -547,19 +527,9 @@ def test_codes_leave_without_a_shared_memory_layout_change():
 def test_hardware_e2m1_path_assembles_for_blackwell(cc):
     ptx = _ptx(cc, 4, 16, True, 7)
     assert "cvt.rn.satfinite.e2m1x2.f32" in ptx
-    import shutil
-    import subprocess
-    from pathlib import Path
+    from support.ptx import assemble
 
-    triton = pytest.importorskip("triton")
-    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    ptxas = next((str(p) for p in (bin_dir / "ptxas-blackwell", bin_dir / "ptxas") if p.exists()),
-                 shutil.which("ptxas"))
-    if ptxas is None:
-        pytest.skip("no ptxas to assemble the sm_100a PTX with")
-    arch = re.search(r"\.target (sm_\w+)", ptx).group(1)
-    proc = subprocess.run([ptxas, f"-arch={arch}", "-o", "/dev/null", "-"], input=ptx, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    assemble(ptx)
 
 
 def _column_major_padding_rank(rank, world_size):

@@ -13,19 +13,25 @@ from tpfuse.kernels.protocol import ERR_ABORTED, ERR_EPOCH, ERR_STALL, ERR_TIMEO
 from tpfuse.spawn import run_ranks
 
 
+def _config(world, use_asm, spin=0):
+    """The compile-time facts of a one-item bf16 peer kernel of `world` ranks (`PeerConfig`)."""
+    import triton
+
+    from tpfuse.kernels.peer_stages import PeerConfig
+
+    return PeerConfig.of(world=world, world_p2=triton.next_power_of_2(world), chunk=256, num_chunks=1,
+                         num_chunks_p2=1, sentinel=-(1 << 15), elem_bits=16, has_res=True, has_norm=True, split=False,
+                         use_asm=use_asm, soft_bf16=not use_asm, pdl=0, spin=spin, single=True, rows_owned=False,
+                         per_poll=1)
+
+
 def _record(world, rank, ranks, epoch_ranks, what, abort_from, device):
     """Run `fail` or `stall` in one program of a test kernel over W one-word buffers; returns
     (err words, errmap words, every buffer's abort word)."""
-    import triton
-
     from support.record_kernel import record_kernel
     from tpfuse.kernels.device import interpreting
-    from tpfuse.kernels.peer_stages import PeerConfig
 
-    C = PeerConfig.of(world=world, world_p2=triton.next_power_of_2(world), chunk=256, num_chunks=1, num_chunks_p2=1,
-                      sentinel=-(1 << 15), elem_bits=16, has_res=True, has_norm=True, split=False,
-                      use_asm=not interpreting(), soft_bf16=interpreting(), pdl=0, spin=0, single=True,
-                      rows_owned=False, per_poll=1)
+    C = _config(world, use_asm=not interpreting())
     bufs = tuple(torch.zeros(64, dtype=torch.bfloat16, device=device) for _ in range(world))
     if abort_from is not None:
         bufs[rank].view(torch.int32)[0] = abort_from + 1
@@ -71,10 +77,61 @@ def test_fail_and_stall_records_and_broadcasts_on_the_gpu():
         _check_record(case, want, _record(*case, device="cuda"))
 
 
+# ---- the wait on every source's tag at once (spin 3; inline assembly, GPU builds) -------------
+
+TAGS_SIG = {"tag_ptr": "*i32", "abort_ptr": "*i32", "out_ptr": "*i32", "tag_words": "i32", "rank": "i32",
+            "want": "i32", "timeout_ns": "i64", "dead": "i32", "C": "constexpr"}
+
+
+@pytest.mark.parametrize("world", [2, 8])
+def test_tag_wait_lowers_to_one_reload_of_every_tag_and_assembles(world):
+    """Plain tier (CPU): the wait compiles for sm_90; every retry reloads the W - 1 other tags and
+    the abort word (a predicated load per source, the own one never issued), and ptxas takes it."""
+    import re
+
+    from support.ptx import assemble, lower_to_ptx
+    from support.tags_kernel import wait_tags_kernel
+
+    ptx = lower_to_ptx(wait_tags_kernel, TAGS_SIG, {"C": _config(world, use_asm=True, spin=3)}, cc=90)
+    loads = re.findall(r"@m(\d+) ld\.volatile\.global\.b32", ptx)
+    assert sorted(map(int, loads)) == list(range(world)), loads
+    assert "ld.volatile.global.b32 ab" in ptx and "%globaltimer" in ptx
+    assemble(ptx)
+
+
+def _wait_tags(world, rank, tags_of, want, timeout_s, dead=0, abort=0, programs=4):
+    """Run the tag wait in `programs` programs over tags `tags_of(src)` (5 words apart, the own
+    rank's garbage); returns [(ok, microseconds waited)] per program."""
+    from support.tags_kernel import wait_tags_kernel
+
+    stride = 5
+    tags = torch.full((world * stride,), -7, dtype=torch.int32, device="cuda")
+    for src in range(world):
+        tags[src * stride] = tags_of(src) if src != rank else -1
+    abort_word = torch.tensor([abort], dtype=torch.int32, device="cuda")
+    out = torch.full((2 * programs,), -5, dtype=torch.int32, device="cuda")
+    wait_tags_kernel[(programs,)](tags, abort_word, out, stride, rank, want, int(timeout_s * 1e9), dead,
+                                  C=_config(world, use_asm=True, spin=3))
+    return [tuple(pair) for pair in out.view(programs, 2).tolist()]
+
+
+@pytest.mark.gpu
+def test_tag_wait_ends_on_arrival_deadline_abort_or_dead():
+    want = 41
+    assert all(ok == 1 for ok, _ in _wait_tags(8, 3, lambda s: want, want, 5.0))  # the own tag is never read
+    assert all(ok == 1 for ok, _ in _wait_tags(1, 0, lambda s: want, want, 5.0))  # no other source
+    late = _wait_tags(8, 3, lambda s: want - 2 if s == 6 else want, want, 0.002)  # a foreign tag never matches
+    assert all(ok == 0 and us >= 2000 for ok, us in late), late
+    aborted = _wait_tags(4, 0, lambda s: 0, want, 5.0, abort=2)  # a rank gave up: no wait for the deadline
+    assert all(ok == 0 and us < 2_500_000 for ok, us in aborted), aborted
+    dead = _wait_tags(4, 0, lambda s: 0, want, 5.0, dead=1)
+    assert all(ok == 0 and us < 2_500_000 for ok, us in dead), dead
+
+
 # ---- through the peer kernels, W ranks as streams on one GPU ------------------------------------
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name, spin", [("oneshot", 2), ("oneshot", 0), ("twoshot", 2)])
+@pytest.mark.parametrize("name, spin", [("oneshot", 2), ("oneshot", 3), ("oneshot", 0), ("twoshot", 2)])
 def test_absent_rank_is_named_alone_and_only_ranks_of_the_group(name, spin):
     """W = 8, rank 7 never calls: every survivor records ERR_TIMEOUT naming rank 7 (one-shot waits
     on it directly; two-shot may also name an owner that gave up) or ERR_ABORTED naming a survivor
@@ -102,14 +159,15 @@ def test_absent_rank_is_named_alone_and_only_ranks_of_the_group(name, spin):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["oneshot", "twoshot"])
-def test_call_counts_two_apart_raise_instead_of_mixing_calls(name):
+@pytest.mark.parametrize("name, spin", [("oneshot", 2), ("oneshot", 3), ("twoshot", 2)])
+def test_call_counts_two_apart_raise_instead_of_mixing_calls(name, spin):
     """Rank 1's epoch words two calls ahead (same slot, other call): its data carries that count,
     so a rank sees data present under a foreign tag and records ERR_EPOCH (the others: that rank's
     abort, or their own timeout where a wait of theirs ended first); nobody returns a sum."""
     from tpfuse.kernels.peer_launch import LaunchOptions
 
-    ranks = EmulatedRanks(name, 2, 1024, torch.bfloat16, 4, options=LaunchOptions(pdl=0, spin=2), timeout_s=0.5)
+    ranks = EmulatedRanks(name, 2, 1024, torch.bfloat16, 4, options=LaunchOptions(pdl=0, spin=spin),
+                          timeout_s=0.5)
     ranks.call(2, "int", "res", 0)  # one good call first
     ranks.ws[1].state += 2
     outs = ranks.call(2, "int", "res", 1)

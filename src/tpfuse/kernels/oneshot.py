@@ -15,7 +15,8 @@ items p, p + G, ... in every phase:
      order and writes normed;
   4. `kernel_tail`: this program's epoch words, the end-of-kernel launch trigger.
 At decode sizes (C.single: every program holds at most one item) phases 1-3 run in one pass with
-nothing loaded twice. With programmatic dependent launch (C.pdl) every access, inputs included,
+nothing loaded twice; there, with C.spin >= 3, the poll waits on every source's tag at once before
+it loads the data (`sync.wait_tags`). With programmatic dependent launch (C.pdl) every access, inputs included,
 follows `pdl_wait`. A rank that failed earlier, or whose abort word is set, pushes nothing and
 writes NaN. Layout, slots, epochs, tags and error words: `tpfuse.kernels.protocol`.
 
@@ -60,6 +61,7 @@ from tpfuse.kernels.sync import (
     source_status,
     stall,
     start_deadline,
+    wait_tags,
 )
 
 _SLOTS = tl.constexpr(NUM_SLOTS)
@@ -118,6 +120,9 @@ def oneshot_kernel(
             ptrs = local_ptr + slot_base + srcs[:, None] * region + offs
             m2 = peer_rows & cmask
             tag_ptrs = my_tags + srcs[:, None] * tag_words + pid
+            if C.use_asm and (C.spin >= 3) and (C.world > 1):
+                # every source's tag first, all at once, then the data in one parallel load
+                wait_tags(my_tags + pid, tag_words, rank, calls, deadline, dead, abort_ptr, C)
             v = tl.load(ptrs, mask=and_scalar(m2, dead == 0), other=0.0, volatile=True)
             t = tl.load(tag_ptrs, mask=and_scalar(peer_rows, dead == 0), other=0, volatile=True)
             v, status = poll_block(v, t, ptrs, m2, tag_ptrs, calls, deadline, max_spins, dead, abort_ptr, C)

@@ -11,7 +11,8 @@ host that scales with the arguments beyond that.
 Launch options (`LaunchOptions`): programmatic dependent launch (`pdl`: 0 off, 1 with the
 trigger at the kernel's end, 2 with the trigger at entry: the next call's programs are launched
 while this one runs and wait in `griddepcontrol.wait`), the per-thread spins in inline assembly
-(`spin`: 1 for the data polls, 2 for the norm partials' waits and two-shot's row words as well)
+(`spin`: 1 for the data polls, 2 for the norm partials' waits and two-shot's row words as well,
+3 also a wait on every source's tag at once before a one-shot decode poll loads the data)
 and cooperative launch (`cooperative`). Co-residency: the partials' waits need all programs of a
 launch resident together, and a rank's waits need its peers' programs resident too when ranks
 share a GPU, so the first launch of a shape checks the compiled kernel's occupancy against the
@@ -70,8 +71,15 @@ class LaunchOptions:
     """How a peer kernel is launched (see the module docstring); identical bits whatever they are."""
 
     pdl: int = 0
-    spin: int = 0  # 0: block-wide polls; 1: data polls spin per thread; 2: partial waits and row words too
+    spin: int = 0  # 0: block-wide polls; 1: data polls spin per thread; 2: partial waits and row words too;
+    # 3: one-shot decode polls wait on all tags at once first
     cooperative: bool = False
+
+    def __post_init__(self) -> None:
+        if self.pdl not in (0, 1, 2):
+            raise ValueError(f"LaunchOptions: pdl={self.pdl!r} is not 0 (off), 1 (trigger at the end) or 2 (at entry)")
+        if self.spin not in (0, 1, 2, 3):
+            raise ValueError(f"LaunchOptions: spin={self.spin!r} is not 0, 1, 2 or 3 (see LaunchOptions.spin)")
 
 
 def spin_bounds(timeout_s: float) -> tuple[int, int]:

@@ -60,7 +60,8 @@ class PeerConfig(NamedTuple):
     use_asm: bool  # GPU build: %globaltimer deadlines, strong stores, PDL, the asm spin
     soft_bf16: bool  # round to bf16 in software (the interpreter)
     pdl: int  # programmatic dependent launch: 0 off, 1 on with the trigger at the end, 2 trigger at entry
-    spin: int  # per-thread spins in inline assembly (GPU builds): 1 data polls, 2 also partials and row words
+    spin: int  # per-thread spins in inline assembly (GPU builds): 1 data polls, 2 also partials and row words,
+    # 3 also one wait on every tag before a one-shot decode poll
     single: bool  # one-shot: every program holds at most one item (one pass)
     rows_owned: bool  # two-shot: owners hold whole rows and push each row's sum of squares
     per_poll: int  # two-shot whole rows: items a program receives per poll (a power of two)

@@ -26,7 +26,10 @@ is set (`tpfuse.kernels.protocol`): a rank that gives up (`fail`, `stall`) tells
 plain store, so no rank waits for a call that cannot complete and none pushes into it afterwards
 (`entry_state`). With C.spin (GPU builds), each thread spins on its own 16-byte vectors in inline
 assembly (`spin_vectors`), reading the timer and the abort word with every reload and with no
-block-wide reduction per retry; otherwise one reduction per retry decides (`poll_block`).
+block-wide reduction per retry; otherwise one reduction per retry decides (`poll_block`). With
+C.spin >= 3 a one-item poll first waits on every source's tag at once (`wait_tags`) and only then
+loads the data: the vector spin reloads one vector after another, a round trip for each source
+that arrived after its vector was first loaded.
 
 Failure words: the error record (`err`, device memory, local atomics) and its mirror (`errmap`,
 host-mapped memory on GPUs: the host reads the code there without a copy kernel).
@@ -262,6 +265,44 @@ def spin_vectors(v, ptrs, tags, tag_ptrs, want, active, deadline_ns, abort_ptr, 
         out, status = tl.inline_asm_elementwise(SPIN32_ASM, SPIN32_CONSTRAINTS, args, dtype=(v.dtype, tl.int32),
                                                 is_pure=False, pack=4)
     return out, status
+
+
+@triton.constexpr_function
+def tags_asm(world):
+    """Per-thread wait for the tag words of `world` sources at $1 + k * $2 bytes (k != $3: this
+    rank's own region is never written): until every one equals $4, or the abort word at $5 is set,
+    or the deadline $6 passes; none at all when $7 (dead) is set. Each retry issues every tag load
+    and the abort load before testing any, so a retry costs one round trip whatever the world size.
+    Output $0: 1 when every tag arrived."""
+    w = int(world)
+    tags = ", ".join(f"t{k}" for k in range(w))
+    addrs = ", ".join(f"a{k}" for k in range(w))
+    preds = ", ".join(f"m{k}" for k in range(w))
+    body = [f"{{ .reg .pred p, q, {preds}; .reg .b32 ab, {tags}; .reg .b64 now, off, {addrs};",
+            "mov.b32 $0, 0;", "setp.ne.b32 p, $7, 0;", "@p bra DONE;"]
+    body += [f"setp.ne.s32 m{k}, $3, {k}; mul.lo.s64 off, $2, {k}; add.s64 a{k}, $1, off;" for k in range(w)]
+    body += ["LOOP:"]
+    body += [f"@m{k} ld.volatile.global.b32 t{k}, [a{k}];" for k in range(w)]
+    body += ["ld.volatile.global.b32 ab, [$5];", "mov.pred p, 0;"]
+    body += [f"@m{k} setp.ne.or.b32 p, t{k}, $4, p;" for k in range(w)]
+    body += ["@!p bra OK;", "mov.u64 now, %globaltimer;", "setp.ne.b32 q, ab, 0;", "setp.gt.or.s64 q, now, $6, q;",
+             "@!q bra LOOP;", "bra DONE;", "OK:", "mov.b32 $0, 1;", "DONE: }"]
+    return "\n".join(body)
+
+
+@triton.jit
+def wait_tags(tag0_ptr, tag_words, rank, want, deadline_ns, dead, abort_ptr, C: tl.constexpr):
+    """Wait (GPU builds) until the tag of every other source of one item, C.world of them at
+    `tag0_ptr` + src * `tag_words`, equals `want`; returns 1 then, 0 when it ended on the abort
+    word, the deadline or `dead`. Every thread spins on its own; the tags are reloaded together, so
+    once the last source has arrived the wait ends within one round trip, where a spin on the data
+    vectors one after another costs a round trip for every vector loaded before its source arrived.
+    A tag says nothing of the data stored before it by other threads (relaxed stores, no order):
+    the caller then loads the data and polls it (`poll_block`), which decides and classifies."""
+    return tl.inline_asm_elementwise(tags_asm(C.world), "=r,l,l,r,r,l,l,r",
+                                     [tag0_ptr.to(tl.int64), tag_words.to(tl.int64) * 4, rank.to(tl.int32),
+                                      want.to(tl.int32), abort_ptr.to(tl.int64), deadline_ns.to(tl.int64),
+                                      dead.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit

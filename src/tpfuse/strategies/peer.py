@@ -12,7 +12,8 @@ next launch at a kernel's entry when every rank has its own GPU and at its end w
 one (an entry trigger deadlocks there: early-launched programs of fast ranks take the SMs a slower
 rank still needs); "end", "early" (refused when ranks share a GPU) and "off" force one), `spin`
 (per-thread spins in inline assembly: 0 none, 1 the data polls, 2, the default, also the norm
-partials' waits and two-shot's row words) and `cooperative` (cooperative launch, the driver then
+partials' waits and two-shot's row words, 3 also a wait on every source's tag at once before a
+one-shot decode poll loads the data) and `cooperative` (cooperative launch, the driver then
 refuses a grid that cannot be resident; default False). Launch options change the
 speed, never the bits.
 

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One device call on a one-GPU machine for the decode poll's tag wait (launch option spin 3): the
+# one-shot decode kernel at spin 2 and 3 (bench_peer_kernels.py --suite spin, W ranks emulated as
+# W streams: no fabric), the GPU tiers of the waits and launch options (tests/kernels/test_sync.py,
+# test_oneshot.py's launch options), then the processes-sharing-the-GPU tests of the peer
+# strategies under MPS that the earlier calls' limits did not reach.
+# Usage, from the repository root: OUT=/some/dir bash benchmarks/device/spin_check.sh
+set -o pipefail
+cd "$(dirname "$0")/../.."
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-/tmp/tpfuse-triton-cache}" PYTHONPATH="$PWD/src:$PWD"
+OUT="${OUT:-$PWD/spin_check_out}"
+mkdir -p "$OUT"
+started=$SECONDS
+step() {  # step NAME LIMIT_S COMMAND...
+  local name=$1 limit=$2; shift 2
+  echo "=== $name (limit ${limit}s, at $((SECONDS - started))s)"
+  timeout "$limit" "$@"
+  echo "=== $name: exit $? after $((SECONDS - started))s"
+}
+{ nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
+} | tee "$OUT/summary.txt"
+step "peer spin" "${PEER_LIMIT:-190}" bash -c "python3 benchmarks/bench_peer_kernels.py --suite spin \
+  --budget-s ${PEER_BUDGET:-140} --out $OUT/peer_spin.jsonl > $OUT/peer_spin.log 2>&1"
+step "kernel gpu tests" "${KERNEL_LIMIT:-150}" bash -c "python3 -m pytest -q -rs -p no:cacheprovider -m gpu \
+  tests/kernels/test_sync.py 'tests/kernels/test_oneshot.py::test_launch_options_give_the_reference_bits' \
+  > $OUT/kernel_tests.log 2>&1"
+nvidia-cuda-mps-control -d && echo "MPS on"
+step "peer strategy gpu tests" "${PEER_TESTS_LIMIT:-200}" bash -c "python3 -m pytest -q -rs -p no:cacheprovider -m gpu \
+  tests/strategies/test_peer.py -k '(straggler and twoshot) or skewed or negative_zero or larger_eager or two_streams' \
+  > $OUT/peer_tests.log 2>&1"
+echo quit | nvidia-cuda-mps-control && echo "MPS off"
+{ echo "--- peer spin"; grep -v "^compiled" "$OUT/peer_spin.log" | tail -n 30
+  echo "--- kernel gpu tests"; tail -n 15 "$OUT/kernel_tests.log"
+  echo "--- peer strategy gpu tests"; tail -n 15 "$OUT/peer_tests.log"; } >> "$OUT/summary.txt" 2>&1
+cat "$OUT/summary.txt"
