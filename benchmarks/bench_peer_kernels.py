@@ -448,14 +448,14 @@ def suites(args) -> dict[str, list[tuple]]:
         report.append(("quant", spec("oneshot", 8, (16,), quant=Q.fp8_per_token(), path=path), "steady"))
     spins = []  # the tag wait before a decode poll (spin 3) against the vector spin alone (spin 2)
     for world in WORLDS:
-        for pdl, spin in ((2, 2), (2, 3), (1, 2), (1, 3)):
+        for pdl, spin in ((2, 2), (2, 3), (2, 4), (1, 2), (1, 4)):
             spins.append((f"pdl{pdl}_spin{spin}", spec("oneshot", world, (1,), options=launch_options(pdl, spin)),
                           "steady"))
     for q in (Q.fp8_per_token(), Q.fp8_static(scale)):
-        for spin in (2, 3):
+        for spin in (2, 4):
             spins.append((f"quant_spin{spin}", spec("oneshot", 8, (1,), quant=q, options=launch_options(2, spin)),
                           "steady"))
-    for spin in (2, 3):  # several items a program: spin 3 changes nothing there
+    for spin in (2, 4):  # several items a program: spins 3 and 4 change nothing there
         spins.append((f"pdl1_spin{spin}", spec("oneshot", 8, (16,), options=launch_options(1, spin)), "steady"))
     chunks = []  # the plan's chunk size forced, against make_plan's choice (the `grid` rows of the same run)
     for world in WORLDS:
@@ -483,7 +483,7 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--quick", action="store_true", help="the final grid at tokens 1/16/64 only")
     parser.add_argument("--pdl", type=int, default=2, choices=(0, 1, 2), help="launch trigger of the reported rows")
-    parser.add_argument("--spin", type=int, default=2, choices=(0, 1, 2, 3),
+    parser.add_argument("--spin", type=int, default=2, choices=(0, 1, 2, 3, 4),
                         help="per-thread spins in the reported rows")
     parser.add_argument("--compile-workers", type=int, default=12, help="processes that compile before timing")
     args = parser.parse_args(argv)

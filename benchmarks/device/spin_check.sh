@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# One device call on a one-GPU machine for the decode poll's tag wait (launch option spin 3): the
-# one-shot decode kernel at spin 2 and 3 (bench_peer_kernels.py --suite spin, W ranks emulated as
-# W streams: no fabric), the GPU tiers of the waits and launch options (tests/kernels/test_sync.py,
-# test_oneshot.py's launch options), then the processes-sharing-the-GPU tests of the peer
-# strategies under MPS that the earlier calls' limits did not reach.
+# One device call on a one-GPU machine for the decode poll's launch options (spin 3: a tag wait
+# first; spin 4: every source polled at once): the one-shot decode kernel at spin 2, 3 and 4
+# (bench_peer_kernels.py --suite spin, W ranks emulated as W streams: no fabric), the GPU tiers of
+# the waits and of one-shot (tests/kernels/test_sync.py, test_oneshot.py), then processes sharing
+# the GPU under MPS: the peer strategies' GPU tests selected by PEER_TESTS_K (pytest -k; default:
+# those the earlier calls' limits did not reach; "none" skips them).
 # Usage, from the repository root: OUT=/some/dir bash benchmarks/device/spin_check.sh
 set -o pipefail
 cd "$(dirname "$0")/../.."
@@ -24,14 +25,16 @@ step() {  # step NAME LIMIT_S COMMAND...
 step "peer spin" "${PEER_LIMIT:-190}" bash -c "python3 benchmarks/bench_peer_kernels.py --suite spin \
   --budget-s ${PEER_BUDGET:-140} --out $OUT/peer_spin.jsonl > $OUT/peer_spin.log 2>&1"
 step "kernel gpu tests" "${KERNEL_LIMIT:-150}" bash -c "python3 -m pytest -q -rs -p no:cacheprovider -m gpu \
-  tests/kernels/test_sync.py 'tests/kernels/test_oneshot.py::test_launch_options_give_the_reference_bits' \
+  tests/kernels/test_sync.py tests/kernels/test_oneshot.py \
   > $OUT/kernel_tests.log 2>&1"
+if [[ "${PEER_TESTS_K:-}" != none ]]; then
 nvidia-cuda-mps-control -d && echo "MPS on"
 step "peer strategy gpu tests" "${PEER_TESTS_LIMIT:-200}" bash -c "python3 -m pytest -q -rs -p no:cacheprovider -m gpu \
-  tests/strategies/test_peer.py -k '(straggler and twoshot) or skewed or negative_zero or larger_eager or two_streams' \
+  tests/strategies/test_peer.py -k '${PEER_TESTS_K:-(straggler and twoshot) or skewed or negative_zero or larger_eager or two_streams}' \
   > $OUT/peer_tests.log 2>&1"
 echo quit | nvidia-cuda-mps-control && echo "MPS off"
-{ echo "--- peer spin"; grep -v "^compiled" "$OUT/peer_spin.log" | tail -n 30
-  echo "--- kernel gpu tests"; tail -n 15 "$OUT/kernel_tests.log"
-  echo "--- peer strategy gpu tests"; tail -n 15 "$OUT/peer_tests.log"; } >> "$OUT/summary.txt" 2>&1
+fi
+{ echo "--- peer spin"; grep -v "^compiled" "$OUT/peer_spin.log" | grep -v "^estimate" | head -n 40
+  echo "--- kernel gpu tests"; tail -n 40 "$OUT/kernel_tests.log"
+  [[ -f "$OUT/peer_tests.log" ]] && { echo "--- peer strategy gpu tests"; tail -n 15 "$OUT/peer_tests.log"; }; } >> "$OUT/summary.txt" 2>&1
 cat "$OUT/summary.txt"

@@ -61,11 +61,16 @@ def _decode_signature(world):
             "max_spins": "i64", "C": "constexpr", "Q": "constexpr"}
 
 
-@pytest.mark.parametrize("world, spin", [(8, 2), (8, 3), (2, 3)])
+# what a launch specialises (16-byte aligned pointers, sizes divisible by 16), as a real call has it
+DECODE_ALIGNED = ("x_ptr", "res_ptr", "w_ptr", "out_ptr", "newres_ptr", "local_ptr", "H", "region", "header")
+
+
+@pytest.mark.parametrize("world, spin", [(8, 2), (8, 3), (2, 3), (8, 4), (2, 4)])
 def test_decode_kernel_lowers_and_assembles_for_sm90(world, spin):
     """The one-pass decode kernel (one item a program, rows of 6 chunks, entry trigger) as a GPU
     build for sm_90: with spin 3 each poll first reloads the W - 1 other tags together (one
-    predicated load per source in the tag wait); ptxas takes the whole kernel."""
+    predicated load per source in the tag wait), with spin 4 it reloads every source's 16-byte
+    vector and tag together; ptxas takes the whole kernel."""
     import re
 
     from support.ptx import assemble, lower_to_ptx
@@ -75,9 +80,17 @@ def test_decode_kernel_lowers_and_assembles_for_sm90(world, spin):
     C = PeerConfig.of(world=world, world_p2=world, chunk=1024, num_chunks=6, num_chunks_p2=8, sentinel=-(1 << 15),
                       elem_bits=16, has_res=True, has_norm=True, split=True, use_asm=True, soft_bf16=False, pdl=2,
                       spin=spin, single=True, rows_owned=False, per_poll=1)
-    ptx = lower_to_ptx(oneshot_kernel, _decode_signature(world), {"C": C, "Q": QuantOpts.of()}, cc=90)
-    tag_loads = set(re.findall(r"@m(\d+) ld\.volatile\.global\.b32", ptx))
+    sig, constexprs = _decode_signature(world), {"C": C, "Q": QuantOpts.of()}
+    ptx = lower_to_ptx(oneshot_kernel, sig, constexprs, DECODE_ALIGNED, cc=90)
+    tag_loads = set(re.findall(r"@[mn](\d+) ld\.volatile\.global\.b32", ptx))
     assert tag_loads == (set(map(str, range(world))) if spin >= 3 else set()), tag_loads
+    vector_polls = re.findall(r"@n(\d+) ld\.volatile\.global\.v4\.b32", ptx)
+    assert sorted(map(int, vector_polls)) == (list(range(world)) if spin >= 4 else []), vector_polls
+    if spin >= 4:  # the poll reads a whole vector at its first element: 8 consecutive elements a thread
+        ttgir = lower_to_ptx(oneshot_kernel, sig, constexprs, DECODE_ALIGNED, cc=90, stage="ttgir")
+        poll = next(line for line in ttgir.splitlines() if "elementwise_inline_asm \"{ .reg .pred pl, pt, pq" in line)
+        layout = re.search(r"-> tensor<1x\d+xbf16, (#\w+)>", poll).group(1)
+        assert re.search(rf"^{layout} = #ttg.blocked<{{sizePerThread = \[1, 8\]", ttgir, re.M), (layout, poll[-300:])
     assert "griddepcontrol.wait" in ptx and "st.relaxed.sys.global.v4.b32" in ptx
     assemble(ptx)
 
@@ -91,8 +104,8 @@ GPU_CALLS = [(1, "int", "res"), (1, "rand", "res"), (16, "int", "res"), (3, "int
 # Each option is a compile of every variant the calls use, so the matrix is cut to what differs
 # (benchmarks/bench_peer_kernels.py --suite variants checks every combination at 1 token as well).
 @pytest.mark.gpu
-@pytest.mark.parametrize("world, pdl, spin", [(8, 0, 0), (8, 2, 2), (8, 1, 1), (8, 2, 3), (8, 1, 3), (2, 2, 2),
-                                              (2, 2, 3), (2, 0, 0)])
+@pytest.mark.parametrize("world, pdl, spin", [(8, 0, 0), (8, 2, 2), (8, 1, 1), (8, 2, 3), (8, 2, 4), (8, 1, 4),
+                                              (2, 2, 2), (2, 2, 4), (2, 0, 0)])
 def test_launch_options_give_the_reference_bits(world, pdl, spin):
     from tpfuse.kernels.peer_launch import LaunchOptions
 
@@ -100,6 +113,20 @@ def test_launch_options_give_the_reference_bits(world, pdl, spin):
     outs = [ranks.call(m, kind, mode, i) for i, (m, kind, mode) in enumerate(GPU_CALLS)]
     check_outputs(f"oneshot pdl={pdl} spin={spin}", [[o[r] for o in outs] for r in range(world)], world,
                   torch.bfloat16, 6144, GPU_CALLS)
+    for ws in ranks.ws:
+        ws.check()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world, dtype", [(4, torch.float32), (3, torch.float16)])
+def test_polling_every_source_at_once_gives_the_reference_bits_in_other_dtypes(world, dtype):
+    """Spin 4 on 32-bit data (4 elements a vector) and on 16-bit data at an odd world size."""
+    from tpfuse.kernels.peer_launch import LaunchOptions
+
+    ranks = EmulatedRanks("oneshot", world, 4096, dtype, 64, options=LaunchOptions(pdl=2, spin=4))
+    outs = [ranks.call(m, kind, mode, i) for i, (m, kind, mode) in enumerate(GPU_CALLS)]
+    check_outputs(f"oneshot spin=4 {dtype}", [[o[r] for o in outs] for r in range(world)], world, dtype, 4096,
+                  GPU_CALLS)
     for ws in ranks.ws:
         ws.check()
 

@@ -131,7 +131,7 @@ def test_tag_wait_ends_on_arrival_deadline_abort_or_dead():
 # ---- through the peer kernels, W ranks as streams on one GPU ------------------------------------
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name, spin", [("oneshot", 2), ("oneshot", 3), ("oneshot", 0), ("twoshot", 2)])
+@pytest.mark.parametrize("name, spin", [("oneshot", 2), ("oneshot", 3), ("oneshot", 4), ("oneshot", 0), ("twoshot", 2)])
 def test_absent_rank_is_named_alone_and_only_ranks_of_the_group(name, spin):
     """W = 8, rank 7 never calls: every survivor records ERR_TIMEOUT naming rank 7 (one-shot waits
     on it directly; two-shot may also name an owner that gave up) or ERR_ABORTED naming a survivor
@@ -159,7 +159,7 @@ def test_absent_rank_is_named_alone_and_only_ranks_of_the_group(name, spin):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name, spin", [("oneshot", 2), ("oneshot", 3), ("twoshot", 2)])
+@pytest.mark.parametrize("name, spin", [("oneshot", 2), ("oneshot", 3), ("oneshot", 4), ("twoshot", 2)])
 def test_call_counts_two_apart_raise_instead_of_mixing_calls(name, spin):
     """Rank 1's epoch words two calls ahead (same slot, other call): its data carries that count,
     so a rank sees data present under a foreign tag and records ERR_EPOCH (the others: that rank's

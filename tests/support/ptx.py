@@ -10,10 +10,12 @@ from pathlib import Path
 import pytest
 
 
-def lower_to_ptx(kernel, signature: dict, constexprs: dict, aligned=(), cc: int = 90, num_warps: int = 4) -> str:
-    """PTX of `kernel` for sm_`cc`: `signature` maps every parameter to its Triton type (or
-    "constexpr"), `constexprs` gives the constexpr values, `aligned` names the parameters
-    specialised as 16-divisible (pointers 16-byte aligned, integers multiples of 16)."""
+def lower_to_ptx(kernel, signature: dict, constexprs: dict, aligned=(), cc: int = 90, num_warps: int = 4,
+                 stage: str = "ptx") -> str:
+    """PTX of `kernel` for sm_`cc` (or the text of an earlier `stage`: "ttir", "ttgir", "llir"):
+    `signature` maps every parameter to its Triton type (or "constexpr"), `constexprs` gives the
+    constexpr values, `aligned` names the parameters specialised as 16-divisible (pointers 16-byte
+    aligned, integers multiples of 16)."""
     pytest.importorskip("triton")
     try:
         from triton._C.libtriton import ir
@@ -36,7 +38,9 @@ def lower_to_ptx(kernel, signature: dict, constexprs: dict, aligned=(), cc: int 
     backend.add_stages(stages, options, src.language)
     for name in ("ttir", "ttgir", "llir", "ptx"):
         mod = stages[name](mod, metadata)
-    return mod
+        if name == stage:
+            break
+    return str(mod)
 
 
 def assemble(ptx: str) -> None:

@@ -15,8 +15,9 @@ items p, p + G, ... in every phase:
      order and writes normed;
   4. `kernel_tail`: this program's epoch words, the end-of-kernel launch trigger.
 At decode sizes (C.single: every program holds at most one item) phases 1-3 run in one pass with
-nothing loaded twice; there, with C.spin >= 3, the poll waits on every source's tag at once before
-it loads the data (`sync.wait_tags`). With programmatic dependent launch (C.pdl) every access, inputs included,
+nothing loaded twice; there, with C.spin == 3, the poll waits on every source's tag at once before
+it loads the data (`sync.wait_tags`), and with C.spin >= 4 each thread polls its vector of every
+source at once (`sync.poll_sources`). With programmatic dependent launch (C.pdl) every access, inputs included,
 follows `pdl_wait`. A rank that failed earlier, or whose abort word is set, pushes nothing and
 writes NaN. Layout, slots, epochs, tags and error words: `tpfuse.kernels.protocol`.
 
@@ -42,6 +43,7 @@ from tpfuse.kernels.peer_stages import (
     start_quantized,
     store_normed,
     sum_in_rank_order,
+    sum_sources,
 )
 from tpfuse.kernels.protocol import NUM_SLOTS
 from tpfuse.kernels.sync import (
@@ -53,12 +55,14 @@ from tpfuse.kernels.sync import (
     partials_deadline,
     pdl_wait,
     poll_block,
+    poll_sources,
     publish_partial,
     push,
     push_word,
     row_partials,
     sentinel_like,
     source_status,
+    sources_failed,
     stall,
     start_deadline,
     wait_tags,
@@ -95,6 +99,7 @@ def oneshot_kernel(
     WP: tl.constexpr = C.world_p2  # shapes take constexprs, not a bundle's plain fields
     CHUNK: tl.constexpr = C.chunk
     fill = sentinel_like(tl.zeros([WP, CHUNK], dtype=local_ptr.dtype.element_ty), C.sentinel, C.elem_bits)
+    fill1 = sentinel_like(tl.zeros([1, CHUNK], dtype=local_ptr.dtype.element_ty), C.sentinel, C.elem_bits)
     peer_rows = (srcs[:, None] != rank) & (srcs[:, None] < C.world)
 
     if C.single:
@@ -117,22 +122,35 @@ def oneshot_kernel(
             for p in tl.static_range(C.world):
                 if (p != rank) & (dead == 0):
                     push_word(tags_at(bufs[p], header, region, tag_words, slot, rank, C) + pid, calls, C)
-            ptrs = local_ptr + slot_base + srcs[:, None] * region + offs
-            m2 = peer_rows & cmask
-            tag_ptrs = my_tags + srcs[:, None] * tag_words + pid
-            if C.use_asm and (C.spin >= 3) and (C.world > 1):
-                # every source's tag first, all at once, then the data in one parallel load
-                wait_tags(my_tags + pid, tag_words, rank, calls, deadline, dead, abort_ptr, C)
-            v = tl.load(ptrs, mask=and_scalar(m2, dead == 0), other=0.0, volatile=True)
-            t = tl.load(tag_ptrs, mask=and_scalar(peer_rows, dead == 0), other=0, volatile=True)
-            v, status = poll_block(v, t, ptrs, m2, tag_ptrs, calls, deadline, max_spins, dead, abort_ptr, C)
-            arrived = tl.max(tl.max(status, axis=0), axis=0) == 0
-            if (arrived == 0) & (dead == 0):
-                pend, foreign = source_status(status, srcs)
-                fail(err_ptr, errmap_ptr, abort_ptr, bufs, rank, pend, foreign, row, calls, C)
-            dead = dead | (arrived == 0)
-            tl.store(ptrs, fill, mask=m2)  # re-arm exactly what was read (a failed workspace is never read again)
-            acc = tl.where(dead, float("nan"), sum_in_rank_order(v, x, srcs, rank, C.world))
+            if C.use_asm and (C.spin >= 4) and (C.world > 1):
+                # every source's vector, every tag and the abort word reloaded together, per thread
+                got = poll_sources(x, local_ptr + slot_base + offs, region, my_tags + pid, tag_words, rank, calls,
+                                   and_scalar(cmask, dead == 0), deadline, abort_ptr, C)
+                arrived = tl.max(got[C.world]) == 0
+                if (arrived == 0) & (dead == 0):
+                    pend, foreign = sources_failed(got[C.world])
+                    fail(err_ptr, errmap_ptr, abort_ptr, bufs, rank, pend, foreign, row, calls, C)
+                dead = dead | (arrived == 0)
+                for p in tl.static_range(C.world):  # re-arm exactly what was read
+                    tl.store(local_ptr + slot_base + p * region + offs, fill1, mask=and_scalar(cmask, p != rank))
+                acc = tl.where(dead, float("nan"), sum_sources(got, x, rank, C.world))
+            else:
+                ptrs = local_ptr + slot_base + srcs[:, None] * region + offs
+                m2 = peer_rows & cmask
+                tag_ptrs = my_tags + srcs[:, None] * tag_words + pid
+                if C.use_asm and (C.spin >= 3) and (C.world > 1):
+                    # every source's tag first, all at once, then the data in one parallel load
+                    wait_tags(my_tags + pid, tag_words, rank, calls, deadline, dead, abort_ptr, C)
+                v = tl.load(ptrs, mask=and_scalar(m2, dead == 0), other=0.0, volatile=True)
+                t = tl.load(tag_ptrs, mask=and_scalar(peer_rows, dead == 0), other=0, volatile=True)
+                v, status = poll_block(v, t, ptrs, m2, tag_ptrs, calls, deadline, max_spins, dead, abort_ptr, C)
+                arrived = tl.max(tl.max(status, axis=0), axis=0) == 0
+                if (arrived == 0) & (dead == 0):
+                    pend, foreign = source_status(status, srcs)
+                    fail(err_ptr, errmap_ptr, abort_ptr, bufs, rank, pend, foreign, row, calls, C)
+                dead = dead | (arrived == 0)
+                tl.store(ptrs, fill, mask=m2)  # re-arm exactly what was read (a failed workspace is never read again)
+                acc = tl.where(dead, float("nan"), sum_in_rank_order(v, x, srcs, rank, C.world))
             s = round_like(acc, x, C.soft_bf16)
             if C.split:  # every program has published before any waits: no program waits on a waiter
                 nr = s

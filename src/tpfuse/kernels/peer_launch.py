@@ -12,7 +12,8 @@ Launch options (`LaunchOptions`): programmatic dependent launch (`pdl`: 0 off, 1
 trigger at the kernel's end, 2 with the trigger at entry: the next call's programs are launched
 while this one runs and wait in `griddepcontrol.wait`), the per-thread spins in inline assembly
 (`spin`: 1 for the data polls, 2 for the norm partials' waits and two-shot's row words as well,
-3 also a wait on every source's tag at once before a one-shot decode poll loads the data)
+3 also a wait on every source's tag at once before a one-shot decode poll loads the data, 4 instead
+a per-thread poll of every source's vector at once there)
 and cooperative launch (`cooperative`). Co-residency: the partials' waits need all programs of a
 launch resident together, and a rank's waits need its peers' programs resident too when ranks
 share a GPU, so the first launch of a shape checks the compiled kernel's occupancy against the
@@ -72,14 +73,14 @@ class LaunchOptions:
 
     pdl: int = 0
     spin: int = 0  # 0: block-wide polls; 1: data polls spin per thread; 2: partial waits and row words too;
-    # 3: one-shot decode polls wait on all tags at once first
+    # 3: one-shot decode polls wait on all tags at once first; 4: they poll every source at once instead
     cooperative: bool = False
 
     def __post_init__(self) -> None:
         if self.pdl not in (0, 1, 2):
             raise ValueError(f"LaunchOptions: pdl={self.pdl!r} is not 0 (off), 1 (trigger at the end) or 2 (at entry)")
-        if self.spin not in (0, 1, 2, 3):
-            raise ValueError(f"LaunchOptions: spin={self.spin!r} is not 0, 1, 2 or 3 (see LaunchOptions.spin)")
+        if self.spin not in (0, 1, 2, 3, 4):
+            raise ValueError(f"LaunchOptions: spin={self.spin!r} is not 0, 1, 2, 3 or 4 (see LaunchOptions.spin)")
 
 
 def spin_bounds(timeout_s: float) -> tuple[int, int]:

@@ -61,7 +61,7 @@ class PeerConfig(NamedTuple):
     soft_bf16: bool  # round to bf16 in software (the interpreter)
     pdl: int  # programmatic dependent launch: 0 off, 1 on with the trigger at the end, 2 trigger at entry
     spin: int  # per-thread spins in inline assembly (GPU builds): 1 data polls, 2 also partials and row words,
-    # 3 also one wait on every tag before a one-shot decode poll
+    # 3 also one wait on every tag before a one-shot decode poll, 4 instead a poll of every source at once
     single: bool  # one-shot: every program holds at most one item (one pass)
     rows_owned: bool  # two-shot: owners hold whole rows and push each row's sum of squares
     per_poll: int  # two-shot whole rows: items a program receives per poll (a power of two)
@@ -271,4 +271,14 @@ def sum_in_rank_order(v, x, srcs, rank, W: tl.constexpr):
     for src in tl.static_range(W):
         mine = tl.sum(tl.where(srcs[:, None] == src, vf, 0.0), axis=0, keep_dims=True)  # one row: in-thread adds
         acc += tl.where(rank == src, x.to(tl.float32), mine)
+    return acc
+
+
+@triton.jit
+def sum_sources(got, x, rank, W: tl.constexpr):
+    """`sum_in_rank_order` over a tuple of per-source tensors (`sync.poll_sources`): the same adds in
+    the same order (there each peer's row is first summed with zeros, which changes no bits)."""
+    acc = tl.zeros(x.shape, dtype=tl.float32)
+    for src in tl.static_range(W):
+        acc += tl.where(rank == src, x.to(tl.float32), got[src].to(tl.float32))
     return acc

@@ -27,9 +27,10 @@ plain store, so no rank waits for a call that cannot complete and none pushes in
 (`entry_state`). With C.spin (GPU builds), each thread spins on its own 16-byte vectors in inline
 assembly (`spin_vectors`), reading the timer and the abort word with every reload and with no
 block-wide reduction per retry; otherwise one reduction per retry decides (`poll_block`). With
-C.spin >= 3 a one-item poll first waits on every source's tag at once (`wait_tags`) and only then
+C.spin == 3 a one-item poll first waits on every source's tag at once (`wait_tags`) and only then
 loads the data: the vector spin reloads one vector after another, a round trip for each source
-that arrived after its vector was first loaded.
+that arrived after its vector was first loaded. With C.spin >= 4 it polls every source's vector
+and tag in one per-thread loop instead (`poll_sources`), reloading only the sources still missing.
 
 Failure words: the error record (`err`, device memory, local atomics) and its mirror (`errmap`,
 host-mapped memory on GPUs: the host reads the code there without a copy kernel).
@@ -38,6 +39,8 @@ host-mapped memory on GPUs: the host reads the code there without a copy kernel)
 """
 
 from __future__ import annotations
+
+import os
 
 import triton
 import triton.language as tl
@@ -303,6 +306,122 @@ def wait_tags(tag0_ptr, tag_words, rank, want, deadline_ns, dead, abort_ptr, C: 
                                      [tag0_ptr.to(tl.int64), tag_words.to(tl.int64) * 4, rank.to(tl.int32),
                                       want.to(tl.int32), abort_ptr.to(tl.int64), deadline_ns.to(tl.int64),
                                       dead.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+# the poll experiment's two forms (benchmarks/device/poll_experiment.sh)
+POLL_SLEEP_NS = tl.constexpr(int(os.environ.get("TPFUSE_POLL_SLEEP_NS", "0")))
+POLL_ONLY_MISSING = tl.constexpr(int(os.environ.get("TPFUSE_POLL_ONLY_MISSING", "1")))
+
+
+@triton.constexpr_function
+def sources_asm(world, pack, sleep_ns=0, only_missing=1):
+    """Per-thread poll of one 16-byte vector from each of `world` sources at once (`pack`
+    elements a vector: 8 of 16 bits or 4 of 32). Operands: outputs 4 words of data per source
+    (source s at $4s..$4s+3; the own source's stay 0), then the status word once per element;
+    inputs, each repeated once per element (only the first copy is read): source 0's vector
+    address, a region's bytes, source 0's tag address, a tag column's bytes, the expected tag,
+    this rank, the abort word's address, the deadline, whether the vector is polled at all. Every
+    retry issues the loads of all W - 1 vectors, their tags and the abort word before it tests
+    any, so it is one round trip whatever W. Status: bit s when source s's data still holds a
+    sentinel, bit 8 + s when its tag is not the expected one; 0 when every source arrived.
+    Between the outputs and the inputs: 4 words of this rank's own vector, not read (see
+    `poll_sources`)."""
+    w, pack, sleep_ns, only_missing = int(world), int(pack), int(sleep_ns), int(only_missing)
+    out_status = 4 * w
+    ops = {}
+    cursor = out_status + pack + 4
+    for name in ("PTR", "RSTRIDE", "TAGP", "TSTRIDE", "WANT", "RANK", "ABORTP", "DEADLINE", "ACT"):
+        ops[name] = cursor
+        cursor += pack
+    preds = ", ".join([f"m{k}" for k in range(w)] + [f"n{k}" for k in range(w)])
+    body = [f"{{ .reg .pred pl, pt, pq, {preds}; .reg .b32 w, ab, miss, bad, {', '.join(f't{k}' for k in range(w))};",
+            f".reg .b64 now, off, {', '.join(f'a{k}' for k in range(w))}, {', '.join(f'g{k}' for k in range(w))};"]
+    body += [f"mov.b32 ${i}, 0;" for i in range(4 * w)]
+    body += ["mov.b32 miss, 0;", "mov.b32 bad, 0;", "setp.ne.b32 pq, $ACT, 0;", "@!pq bra DONE;"]
+    body += [f"setp.ne.s32 m{k}, $RANK, {k}; mul.lo.s64 off, $RSTRIDE, {k}; add.s64 a{k}, $PTR, off; "
+             f"mul.lo.s64 off, $TSTRIDE, {k}; add.s64 g{k}, $TAGP, off; mov.pred n{k}, m{k};" for k in range(w)]
+    body += ["LOOP:"]
+    body += [f"@n{k} ld.volatile.global.v4.b32 {{${4 * k}, ${4 * k + 1}, ${4 * k + 2}, ${4 * k + 3}}}, [a{k}];"
+             for k in range(w)]
+    body += [f"@n{k} ld.volatile.global.b32 t{k}, [g{k}];" for k in range(w)]
+    body += ["ld.volatile.global.b32 ab, [$ABORTP];", "mov.b32 miss, 0;", "mov.b32 bad, 0;"]
+    for k in range(w):
+        body += ["mov.pred pl, 0;"]
+        for i in range(4 * k, 4 * k + 4):
+            if pack == 8:
+                body += [f"and.b32 w, ${i}, 0xFFFF; setp.eq.or.b32 pl, w, 0x8000, pl;",
+                         f"shr.u32 w, ${i}, 16; setp.eq.or.b32 pl, w, 0x8000, pl;"]
+            else:
+                body += [f"setp.eq.or.b32 pl, ${i}, 0x80000000, pl;"]
+        body += [f"selp.b32 w, {1 << k}, 0, pl; or.b32 miss, miss, w;",
+                 f"mov.pred pt, 0; @m{k} setp.ne.b32 pt, t{k}, $WANT; selp.b32 w, {1 << (8 + k)}, 0, pt; "
+                 "or.b32 bad, bad, w;"]
+        if only_missing:
+            body += [f"or.pred n{k}, pl, pt; and.pred n{k}, n{k}, m{k};"]
+    body += ["or.b32 w, miss, bad;", "setp.eq.b32 pq, w, 0;", "@pq bra DONE;", "mov.u64 now, %globaltimer;",
+             "setp.ne.b32 pq, ab, 0;", "setp.gt.or.s64 pq, now, $DEADLINE, pq;", "@pq bra DONE;"]
+    body += [f"nanosleep.u32 {sleep_ns};"] if sleep_ns else []
+    body += ["bra LOOP;", "DONE:", "or.b32 w, miss, bad;"]
+    body += [f"mov.b32 ${out_status + k}, w;" for k in range(pack)]
+    text = "\n".join(body) + " }"
+    for name, index in sorted(ops.items(), key=lambda kv: -len(kv[0])):
+        text = text.replace(f"${name}", f"${index}")
+    return text
+
+
+@triton.constexpr_function
+def sources_constraints(world, pack):
+    """The operand constraints of `sources_asm(world, pack)`."""
+    w, pack = int(world), int(pack)
+    kinds = ["=r"] * (4 * w + pack) + ["r"] * 4
+    for kind in ("l", "l", "l", "l", "r", "r", "l", "l", "r"):  # PTR RSTRIDE TAGP TSTRIDE WANT RANK ABORTP DEADLINE ACT
+        kinds += [kind] * pack
+    return ",".join(kinds)
+
+
+@triton.constexpr_function
+def sources_dtypes(dtype, world):
+    """The result types of `sources_asm`: the data dtype once per source, then the status word."""
+    return (dtype, ) * int(world) + (tl.int32, )
+
+
+@triton.jit
+def poll_sources(x, ptr0, region, tag0_ptr, tag_words, rank, want, active, deadline_ns, abort_ptr, C: tl.constexpr):
+    """Per-thread poll (GPU builds, C.spin >= 4) of one item from every other source at once:
+    `ptr0` ([1, chunk] pointers) is the item in source 0's region, source s's lies `region`
+    elements further per s and its tag at `tag0_ptr` + s * `tag_words`. Each thread reloads its
+    16-byte vector of every source, every tag and the abort word together until all arrived, the
+    abort word is set or the deadline passes. Returns (a tuple of C.world [1, chunk] tensors, the
+    own rank's zeros; a status word per element, `sources_asm`).
+
+    `x`, this rank's own chunk as loaded (16-byte vectors), is an operand only for its layout:
+    the assembly reads a whole vector at the first element's address, so a thread's `pack`
+    elements must be consecutive in memory, and from pointers alone Triton gives the operation
+    one element a thread (tests/kernels/test_oneshot.py lowers it and checks)."""
+    z = tl.zeros(ptr0.shape, dtype=tl.int32)
+    stride = (region.to(tl.int64) * (C.elem_bits // 8)) + z.to(tl.int64)
+    args = [x, ptr0.to(tl.int64), stride, (tag0_ptr + z).to(tl.int64), tag_words.to(tl.int64) * 4 + z.to(tl.int64),
+            want + z, rank + z, (abort_ptr + z).to(tl.int64), deadline_ns + z.to(tl.int64), active.to(tl.int32)]
+    pack: tl.constexpr = 8 if C.elem_bits == 16 else 4
+    out = tl.inline_asm_elementwise(sources_asm(C.world, pack, POLL_SLEEP_NS, POLL_ONLY_MISSING),
+                                    sources_constraints(C.world, pack), args,
+                                    dtype=sources_dtypes(ptr0.dtype.element_ty, C.world), is_pure=False, pack=pack)
+    return out
+
+
+@triton.jit
+def _or(a, b):
+    return a | b
+
+
+@triton.jit
+def sources_failed(status):
+    """(bitmask of the sources with an element not arrived, bitmask of those whose data was all
+    present under a foreign tag) from `poll_sources`' status words: `source_status`'s record."""
+    words = tl.reduce(tl.reduce(status, 1, _or), 0, _or)
+    missing = words & 0xFF
+    bad = (words >> 8) & 0xFF
+    return missing | bad, bad & ~missing
 
 
 @triton.jit

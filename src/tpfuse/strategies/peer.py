@@ -13,9 +13,9 @@ one (an entry trigger deadlocks there: early-launched programs of fast ranks tak
 rank still needs); "end", "early" (refused when ranks share a GPU) and "off" force one), `spin`
 (per-thread spins in inline assembly: 0 none, 1 the data polls, 2, the default, also the norm
 partials' waits and two-shot's row words, 3 also a wait on every source's tag at once before a
-one-shot decode poll loads the data) and `cooperative` (cooperative launch, the driver then
-refuses a grid that cannot be resident; default False). Launch options change the
-speed, never the bits.
+one-shot decode poll loads the data, 4 instead a one-shot decode poll of every source at once)
+and `cooperative` (cooperative launch, the driver then refuses a grid that cannot be resident;
+default False). Launch options change the speed, never the bits.
 
 Workspace lifetime: allocated once, in prepare() (before graph capture) for that (hidden, dtype,
 max_tokens), or by the first eager call. It is never reallocated: a later call that does not fit
