@@ -11,9 +11,9 @@ can be resident together), `pdl` (programmatic dependent launch: "auto", the def
 next launch at a kernel's entry when every rank has its own GPU and at its end when ranks share
 one (an entry trigger deadlocks there: early-launched programs of fast ranks take the SMs a slower
 rank still needs); "end", "early" (refused when ranks share a GPU) and "off" force one), `spin`
-(per-thread spins in inline assembly: 0 none, 1 the data polls, 2, the default, also the norm
-partials' waits and two-shot's row words, 3 also a wait on every source's tag at once before a
-one-shot decode poll loads the data, 4 instead a one-shot decode poll of every source at once)
+(per-thread spins in inline assembly: 0 none, 1 the data polls, 2 also the norm partials' waits
+and two-shot's row words, 3 also a wait on every source's tag at once before a one-shot decode
+poll loads the data, 4, the default, instead a one-shot decode poll of every source at once)
 and `cooperative` (cooperative launch, the driver then refuses a grid that cannot be resident;
 default False). Launch options change the speed, never the bits.
 
@@ -112,7 +112,7 @@ class PeerStrategy(Strategy):
         self._max_tokens = ctx.options.get("max_tokens")
         self.plan_programs = plan_programs(ctx.world_size, shares)
         self.launch_options = LaunchOptions(pdl=self._pdl_mode(ctx.options.get("pdl", "auto"), shares),
-                                            spin=int(ctx.options.get("spin", 2)),
+                                            spin=int(ctx.options.get("spin", 4)),
                                             cooperative=bool(ctx.options.get("cooperative", False)))
         self._workspaces: dict = {}
         self._routes: dict = {}
