@@ -40,8 +40,6 @@ host-mapped memory on GPUs: the host reads the code there without a copy kernel)
 
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
 
@@ -308,9 +306,10 @@ def wait_tags(tag0_ptr, tag_words, rank, want, deadline_ns, dead, abort_ptr, C: 
                                       dead.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
 
-# the poll experiment's two forms (benchmarks/device/poll_experiment.sh)
-POLL_SLEEP_NS = tl.constexpr(int(os.environ.get("TPFUSE_POLL_SLEEP_NS", "0")))
-POLL_ONLY_MISSING = tl.constexpr(int(os.environ.get("TPFUSE_POLL_ONLY_MISSING", "1")))
+# `poll_sources`' form, measured (benchmarks/results/README.md, "the decode poll"): a retry reloads
+# only the sources still missing, with no pause (a 100 ns pause per retry measured no better)
+POLL_SLEEP_NS = tl.constexpr(0)
+POLL_ONLY_MISSING = tl.constexpr(1)
 
 
 @triton.constexpr_function
