@@ -51,20 +51,6 @@ def test_split_rows_quantized_in_the_kernel_equal_the_reference():
 
 # ---- plain: the GPU build lowers on CPU ---------------------------------------------------------
 
-def _decode_signature(world):
-    """Triton types of oneshot_kernel's parameters for bf16 data and no quantization."""
-    p = "*bf16"
-    return {"x_ptr": p, "res_ptr": p, "w_ptr": p, "out_ptr": p, "newres_ptr": p, "bufs": (p,) * world,
-            "local_ptr": p, "part_ptr": "*i64", "state_ptr": "*i32", "err_ptr": "*i32", "errmap_ptr": "*i32",
-            "qargs": (p, "i32", p, "i32", "i32", p, "fp32"), "rank": "i32", "M": "i32", "H": "i32",
-            "region": "i64", "header": "i32", "tag_words": "i32", "eps": "fp32", "timeout_ns": "i64",
-            "max_spins": "i64", "C": "constexpr", "Q": "constexpr"}
-
-
-# what a launch specialises (16-byte aligned pointers, sizes divisible by 16), as a real call has it
-DECODE_ALIGNED = ("x_ptr", "res_ptr", "w_ptr", "out_ptr", "newres_ptr", "local_ptr", "H", "region", "header")
-
-
 @pytest.mark.parametrize("world, spin", [(8, 2), (8, 3), (2, 3), (8, 4), (2, 4)])
 def test_decode_kernel_lowers_and_assembles_for_sm90(world, spin):
     """The one-pass decode kernel (one item a program, rows of 6 chunks, entry trigger) as a GPU
@@ -73,24 +59,21 @@ def test_decode_kernel_lowers_and_assembles_for_sm90(world, spin):
     vector and tag together; ptxas takes the whole kernel."""
     import re
 
-    from support.ptx import assemble, lower_to_ptx
+    from support.ptx import PEER_ALIGNED, assemble, assert_poll_vectorised, lower_to_ptx, peer_kernel_signature
     from tpfuse.kernels.oneshot import oneshot_kernel
     from tpfuse.kernels.peer_stages import PeerConfig, QuantOpts
 
     C = PeerConfig.of(world=world, world_p2=world, chunk=1024, num_chunks=6, num_chunks_p2=8, sentinel=-(1 << 15),
                       elem_bits=16, has_res=True, has_norm=True, split=True, use_asm=True, soft_bf16=False, pdl=2,
                       spin=spin, single=True, rows_owned=False, per_poll=1)
-    sig, constexprs = _decode_signature(world), {"C": C, "Q": QuantOpts.of()}
-    ptx = lower_to_ptx(oneshot_kernel, sig, constexprs, DECODE_ALIGNED, cc=90)
+    sig, constexprs = peer_kernel_signature(world), {"C": C, "Q": QuantOpts.of()}
+    ptx = lower_to_ptx(oneshot_kernel, sig, constexprs, PEER_ALIGNED, cc=90)
     tag_loads = set(re.findall(r"@[mn](\d+) ld\.volatile\.global\.b32", ptx))
     assert tag_loads == (set(map(str, range(world))) if spin >= 3 else set()), tag_loads
     vector_polls = re.findall(r"@n(\d+) ld\.volatile\.global\.v4\.b32", ptx)
     assert sorted(map(int, vector_polls)) == (list(range(world)) if spin >= 4 else []), vector_polls
-    if spin >= 4:  # the poll reads a whole vector at its first element: 8 consecutive elements a thread
-        ttgir = lower_to_ptx(oneshot_kernel, sig, constexprs, DECODE_ALIGNED, cc=90, stage="ttgir")
-        poll = next(line for line in ttgir.splitlines() if "elementwise_inline_asm \"{ .reg .pred pl, pt, pq" in line)
-        layout = re.search(r"-> tensor<1x\d+xbf16, (#\w+)>", poll).group(1)
-        assert re.search(rf"^{layout} = #ttg.blocked<{{sizePerThread = \[1, 8\]", ttgir, re.M), (layout, poll[-300:])
+    if spin >= 4:
+        assert_poll_vectorised(lower_to_ptx(oneshot_kernel, sig, constexprs, PEER_ALIGNED, cc=90, stage="ttgir"))
     assert "griddepcontrol.wait" in ptx and "st.relaxed.sys.global.v4.b32" in ptx
     assemble(ptx)
 

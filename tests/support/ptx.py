@@ -1,6 +1,7 @@
 """Lower a Triton kernel to PTX for a GPU this machine need not have, and assemble PTX with ptxas
 (the plain tier: checks of what a kernel compiles to, on CPU). Each helper skips the calling test
-with the reason when Triton's compiler internals or ptxas are not available."""
+with the reason when Triton's compiler internals or ptxas are not available. Also the Triton
+signature of the peer kernels (oneshot_kernel and twoshot_kernel take the same parameters)."""
 
 import re
 import shutil
@@ -55,3 +56,27 @@ def assemble(ptx: str) -> None:
     arch = re.search(r"\.target (sm_\w+)", ptx).group(1)
     proc = subprocess.run([ptxas, f"-arch={arch}", "-o", "/dev/null", "-"], input=ptx, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def peer_kernel_signature(world: int) -> dict:
+    """Triton types of the peer kernels' parameters for bf16 data and no quantization."""
+    p = "*bf16"
+    return {"x_ptr": p, "res_ptr": p, "w_ptr": p, "out_ptr": p, "newres_ptr": p, "bufs": (p,) * world,
+            "local_ptr": p, "part_ptr": "*i64", "state_ptr": "*i32", "err_ptr": "*i32", "errmap_ptr": "*i32",
+            "qargs": (p, "i32", p, "i32", "i32", p, "fp32"), "rank": "i32", "M": "i32", "H": "i32",
+            "region": "i64", "header": "i32", "tag_words": "i32", "eps": "fp32", "timeout_ns": "i64",
+            "max_spins": "i64", "C": "constexpr", "Q": "constexpr"}
+
+
+# what a launch specialises (16-byte aligned pointers, sizes divisible by 16), as a real call has it
+PEER_ALIGNED = ("x_ptr", "res_ptr", "w_ptr", "out_ptr", "newres_ptr", "local_ptr", "H", "region", "header")
+
+
+def assert_poll_vectorised(ttgir: str) -> None:
+    """Every `sync.poll_sources` poll in `ttgir` has 8 consecutive bf16 elements a thread: its
+    assembly reads a whole 16-byte vector at the first element's address."""
+    polls = [line for line in ttgir.splitlines() if 'elementwise_inline_asm "{ .reg .pred pl, pt, pq' in line]
+    assert polls, "no poll_sources poll in the kernel"
+    for poll in polls:
+        layout = re.search(r"-> tensor<1x\d+xbf16, (#\w+)>", poll).group(1)
+        assert re.search(rf"^{layout} = #ttg.blocked<{{sizePerThread = \[1, 8\]", ttgir, re.M), (layout, poll[-300:])

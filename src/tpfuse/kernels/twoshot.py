@@ -10,10 +10,12 @@ items [o*K, (o+1)*K), K = ceil(items / W), so even one token is spread over W ra
 programs. Program p handles items p, p + G, ... in every phase:
   1. scatter: push each chunk (and its tag) into region `rank` of its owner's scatter area (own
      chunks stay in the input): each byte crosses the fabric once;
-  2. reduce: for owned items, issue the loads of all W - 1 sources at once, poll, re-arm what was
-     read, sum in fp32 in rank order with this rank's own chunk from its input, round to the
-     dtype, canonicalise -0.0 (a rounded sum can be -0.0, which is the sentinel) and push the sum
-     and its tag into every rank's gather area (this rank's own included);
+  2. reduce: for owned items, issue the loads of all W - 1 sources at once, poll (with C.spin >= 4
+     each thread reloads its vector of every source still missing, with the tags and the abort
+     word, in one round trip: `sync.poll_sources`), re-arm what was read, sum in fp32 in rank
+     order with this rank's own chunk from its input, round to the dtype, canonicalise -0.0 (a
+     rounded sum can be -0.0, which is the sentinel) and push the sum and its tag into every
+     rank's gather area (this rank's own included);
   3. gather + epilogue: for every item, poll its owner's sum (one source), re-arm it, add the
      residual, store new_residual, then normed directly or through the norm partials (as in
      one-shot); 4. `kernel_tail`.
@@ -41,7 +43,14 @@ import triton
 import triton.language as tl
 
 from tpfuse.kernels.epilogue import round_like
-from tpfuse.kernels.peer_stages import kernel_tail, normed_fp32, residual_step, start_quantized, sum_in_rank_order
+from tpfuse.kernels.peer_stages import (
+    kernel_tail,
+    normed_fp32,
+    residual_step,
+    start_quantized,
+    sum_in_rank_order,
+    sum_sources,
+)
 from tpfuse.kernels.protocol import NUM_SLOTS
 from tpfuse.kernels.sync import (
     and_scalar,
@@ -55,11 +64,13 @@ from tpfuse.kernels.sync import (
     partials_deadline,
     pdl_wait,
     poll_block,
+    poll_sources,
     push,
     push_word,
     push_word64,
     sentinel_like,
     source_status,
+    sources_failed,
     spin_vectors,
     start_deadline,
     tagged,
@@ -116,6 +127,7 @@ def twoshot_kernel(
     WP: tl.constexpr = C.world_p2  # shapes take constexprs, not a bundle's plain fields
     CHUNK: tl.constexpr = C.chunk
     fill = sentinel_like(tl.zeros([WP, CHUNK], dtype=local_ptr.dtype.element_ty), C.sentinel, C.elem_bits)
+    fill1 = sentinel_like(tl.zeros([1, CHUNK], dtype=local_ptr.dtype.element_ty), C.sentinel, C.elem_bits)
 
     if C.rows_owned:
         per_owner = tl.cdiv(M, C.world)  # rows
@@ -290,20 +302,34 @@ def twoshot_kernel(
             cmask = col < H
             x = canonicalize(tl.load(x_ptr + row.to(tl.int64) * H + col, mask=cmask, other=0.0), C.sentinel,
                              C.elem_bits)
-            ptrs = local_ptr + slot_base + srcs[:, None] * region + ((i - rank * per_owner).to(tl.int64) * C.chunk
-                                                                     + cols)
-            tag_ptrs = my_tags + srcs[:, None] * tag_words + (i - rank * per_owner)
-            m2 = peer_rows & cmask
-            v = tl.load(ptrs, mask=and_scalar(m2, dead == 0), other=0.0, volatile=True)
-            t = tl.load(tag_ptrs, mask=and_scalar(peer_rows, dead == 0), other=0, volatile=True)
-            v, status = poll_block(v, t, ptrs, m2, tag_ptrs, calls, deadline, max_spins, dead, abort_ptr, C)
-            arrived = tl.max(tl.max(status, axis=0), axis=0) == 0
-            if (arrived == 0) & (dead == 0):
-                pend, foreign = source_status(status, srcs)
-                fail(err_ptr, errmap_ptr, abort_ptr, bufs, rank, pend, foreign, row, calls, C)
-            dead = dead | (arrived == 0)
-            tl.store(ptrs, fill, mask=m2)  # re-arm exactly what was read (a failed workspace is never read again)
-            acc = sum_in_rank_order(v, x, srcs, rank, C.world)
+            index = i - rank * per_owner
+            local = index.to(tl.int64) * C.chunk + cols
+            if C.use_asm and (C.spin >= 4) and (C.world > 1):
+                # every source's vector, every tag and the abort word reloaded together, per thread
+                got = poll_sources(x, local_ptr + slot_base + local, region, my_tags + index, tag_words, rank, calls,
+                                   and_scalar(cmask, dead == 0), deadline, abort_ptr, C)
+                arrived = tl.max(got[C.world]) == 0
+                if (arrived == 0) & (dead == 0):
+                    pend, foreign = sources_failed(got[C.world])
+                    fail(err_ptr, errmap_ptr, abort_ptr, bufs, rank, pend, foreign, row, calls, C)
+                dead = dead | (arrived == 0)
+                for p in tl.static_range(C.world):  # re-arm exactly what was read
+                    tl.store(local_ptr + slot_base + p * region + local, fill1, mask=and_scalar(cmask, p != rank))
+                acc = sum_sources(got, x, rank, C.world)
+            else:
+                ptrs = local_ptr + slot_base + srcs[:, None] * region + local
+                tag_ptrs = my_tags + srcs[:, None] * tag_words + index
+                m2 = peer_rows & cmask
+                v = tl.load(ptrs, mask=and_scalar(m2, dead == 0), other=0.0, volatile=True)
+                t = tl.load(tag_ptrs, mask=and_scalar(peer_rows, dead == 0), other=0, volatile=True)
+                v, status = poll_block(v, t, ptrs, m2, tag_ptrs, calls, deadline, max_spins, dead, abort_ptr, C)
+                arrived = tl.max(tl.max(status, axis=0), axis=0) == 0
+                if (arrived == 0) & (dead == 0):
+                    pend, foreign = source_status(status, srcs)
+                    fail(err_ptr, errmap_ptr, abort_ptr, bufs, rank, pend, foreign, row, calls, C)
+                dead = dead | (arrived == 0)
+                tl.store(ptrs, fill, mask=m2)  # re-arm exactly what was read (a failed workspace is never read again)
+                acc = sum_in_rank_order(v, x, srcs, rank, C.world)
             s = canonicalize(round_like(acc, x, C.soft_bf16), C.sentinel, C.elem_bits)
             dst = gather_base + row.to(tl.int64) * H + col
             for o in tl.static_range(C.world):
