@@ -457,6 +457,13 @@ def suites(args) -> dict[str, list[tuple]]:
                           "steady"))
     for spin in (2, 4):  # several items a program: spins 3 and 4 change nothing there
         spins.append((f"pdl1_spin{spin}", spec("oneshot", 8, (16,), options=launch_options(1, spin)), "steady"))
+    twoshot_poll = []  # two-shot chunk owners: an owner's reduce polling source after source (2) or all at once (4)
+    for t in (1, 16, 64):
+        for world in ((8,) if t == 1 else (8, 4, 2)):
+            for spin in (2, 4):
+                twoshot_poll.append((f"pdl{args.pdl}_spin{spin}",
+                                     spec("twoshot", world, (t,), owns_rows=False,
+                                          options=launch_options(args.pdl, spin)), "steady"))
     chunks = []  # the plan's chunk size forced, against make_plan's choice (the `grid` rows of the same run)
     for world in WORLDS:
         for chunk in (512, 1024, 2048):
@@ -466,25 +473,27 @@ def suites(args) -> dict[str, list[tuple]]:
         for chunk in (512, 1024, 2048):
             chunks.append((f"chunk{chunk}", spec("twoshot", 8, (t,), chunk=chunk, owns_rows=False), "steady"))
         chunks.append(("grid", spec("twoshot", 8, (t,)), "steady"))
-    return {"variants": variants, "final": final, "report": report, "chunks": chunks, "spin": spins}
+    return {"variants": variants, "final": final, "report": report, "chunks": chunks, "spin": spins,
+            "twoshot_poll": twoshot_poll}
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="JSON-lines file for the result rows")
-    parser.add_argument("--suite", choices=("variants", "final", "report", "chunks", "spin", "all"), default="report",
+    parser.add_argument("--suite", choices=("variants", "final", "report", "chunks", "spin", "twoshot_poll", "all"),
+                        default="report",
                         help="variants: launch options and two-shot cuts compared; final: the whole grid; report: "
                              "what benchmarks/results/README.md reports, in one run; chunks: the plan's chunk size "
-                             "forced at decode sizes beside make_plan's choice; spin: the tag wait before a decode "
-                             "poll (spin 3) against spin 2 at 1 token")
+                             "forced at decode sizes beside make_plan's choice; spin: the decode poll's levels "
+                             "(spin 2, 3, 4) at 1 token; twoshot_poll: two-shot chunk owners at spin 2 and 4")
     parser.add_argument("--plot", help="PNG of per-call latency against tokens (steady, bf16, hidden 6144)")
     parser.add_argument("--budget-s", type=float, default=420.0, help="stop starting new cases after this long")
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--quick", action="store_true", help="the final grid at tokens 1/16/64 only")
     parser.add_argument("--pdl", type=int, default=2, choices=(0, 1, 2), help="launch trigger of the reported rows")
-    parser.add_argument("--spin", type=int, default=2, choices=(0, 1, 2, 3, 4),
-                        help="per-thread spins in the reported rows")
+    parser.add_argument("--spin", type=int, default=4, choices=(0, 1, 2, 3, 4),
+                        help="per-thread spins in the reported rows (default: the peer strategies' own, 4)")
     parser.add_argument("--compile-workers", type=int, default=12, help="processes that compile before timing")
     args = parser.parse_args(argv)
     t0 = time.time()

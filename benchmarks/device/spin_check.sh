@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# One device call on a one-GPU machine for the decode poll's launch options (spin 3: a tag wait
-# first; spin 4: every source polled at once): the one-shot decode kernel at spin 2, 3 and 4
-# (bench_peer_kernels.py --suite spin, W ranks emulated as W streams: no fabric), the GPU tiers of
-# the waits and of one-shot (tests/kernels/test_sync.py, test_oneshot.py), then processes sharing
-# the GPU under MPS: the peer strategies' GPU tests selected by PEER_TESTS_K (pytest -k; default:
-# those the earlier calls' limits did not reach; "none" skips them).
+# One device call on a one-GPU machine for the polls' launch options (spin 3: a tag wait first;
+# spin 4: every source polled at once): a bench_peer_kernels.py suite (PEER_SUITE, default spin:
+# the one-shot decode kernel at spin 2, 3 and 4; twoshot_poll: two-shot chunk owners at spin 2
+# and 4; W ranks emulated as W streams: no fabric), the GPU tiers of the kernels (KERNEL_TESTS,
+# default tests/kernels/test_sync.py and test_oneshot.py; KERNEL_K selects with pytest -k), then
+# processes sharing the GPU under MPS: the peer strategies' GPU tests selected by PEER_TESTS_K
+# (pytest -k; default: those the earlier calls' limits did not reach; "none" skips them).
 # Usage, from the repository root: OUT=/some/dir bash benchmarks/device/spin_check.sh
 set -o pipefail
 cd "$(dirname "$0")/../.."
@@ -22,10 +23,10 @@ step() {  # step NAME LIMIT_S COMMAND...
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader
   python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
 } | tee "$OUT/summary.txt"
-step "peer spin" "${PEER_LIMIT:-190}" bash -c "python3 benchmarks/bench_peer_kernels.py --suite spin \
+step "peer ${PEER_SUITE:-spin}" "${PEER_LIMIT:-190}" bash -c "python3 benchmarks/bench_peer_kernels.py --suite ${PEER_SUITE:-spin} \
   --budget-s ${PEER_BUDGET:-140} --out $OUT/peer_spin.jsonl > $OUT/peer_spin.log 2>&1"
 step "kernel gpu tests" "${KERNEL_LIMIT:-150}" bash -c "python3 -m pytest -q -rs -p no:cacheprovider -m gpu \
-  tests/kernels/test_sync.py tests/kernels/test_oneshot.py \
+  ${KERNEL_TESTS:-tests/kernels/test_sync.py tests/kernels/test_oneshot.py} ${KERNEL_K:+-k '$KERNEL_K'} \
   > $OUT/kernel_tests.log 2>&1"
 if [[ "${PEER_TESTS_K:-}" != none ]]; then
 nvidia-cuda-mps-control -d && echo "MPS on"
@@ -34,7 +35,7 @@ step "peer strategy gpu tests" "${PEER_TESTS_LIMIT:-200}" bash -c "python3 -m py
   > $OUT/peer_tests.log 2>&1"
 echo quit | nvidia-cuda-mps-control && echo "MPS off"
 fi
-{ echo "--- peer spin"; grep -v "^compiled" "$OUT/peer_spin.log" | grep -v "^estimate" | head -n 40
+{ echo "--- peer ${PEER_SUITE:-spin}"; grep -v "^compiled" "$OUT/peer_spin.log" | grep -v "^estimate" | head -n 40
   echo "--- kernel gpu tests"; tail -n 40 "$OUT/kernel_tests.log"
   [[ -f "$OUT/peer_tests.log" ]] && { echo "--- peer strategy gpu tests"; tail -n 15 "$OUT/peer_tests.log"; }; } >> "$OUT/summary.txt" 2>&1
 cat "$OUT/summary.txt"
