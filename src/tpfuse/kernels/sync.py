@@ -306,26 +306,22 @@ def wait_tags(tag0_ptr, tag_words, rank, want, deadline_ns, dead, abort_ptr, C: 
                                       dead.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
 
-# `poll_sources`' form, measured (benchmarks/results/README.md, "the decode poll"): a retry reloads
-# only the sources still missing, with no pause (a 100 ns pause per retry measured no better)
-POLL_SLEEP_NS = tl.constexpr(0)
-POLL_ONLY_MISSING = tl.constexpr(1)
-
-
 @triton.constexpr_function
-def sources_asm(world, pack, sleep_ns=0, only_missing=1):
+def sources_asm(world, pack):
     """Per-thread poll of one 16-byte vector from each of `world` sources at once (`pack`
     elements a vector: 8 of 16 bits or 4 of 32). Operands: outputs 4 words of data per source
     (source s at $4s..$4s+3; the own source's stay 0), then the status word once per element;
     inputs, each repeated once per element (only the first copy is read): source 0's vector
     address, a region's bytes, source 0's tag address, a tag column's bytes, the expected tag,
     this rank, the abort word's address, the deadline, whether the vector is polled at all. Every
-    retry issues the loads of all W - 1 vectors, their tags and the abort word before it tests
-    any, so it is one round trip whatever W. Status: bit s when source s's data still holds a
+    retry issues the loads of the vectors still missing, their tags and the abort word before it
+    tests any, so it is one round trip whatever W, and goes on at once (the form measured best:
+    reloading every source each retry, or a 100 ns pause per retry, measured no better;
+    benchmarks/results/README.md, "the decode poll"). Status: bit s when source s's data still holds a
     sentinel, bit 8 + s when its tag is not the expected one; 0 when every source arrived.
     Between the outputs and the inputs: 4 words of this rank's own vector, not read (see
     `poll_sources`)."""
-    w, pack, sleep_ns, only_missing = int(world), int(pack), int(sleep_ns), int(only_missing)
+    w, pack = int(world), int(pack)
     out_status = 4 * w
     ops = {}
     cursor = out_status + pack + 4
@@ -354,13 +350,10 @@ def sources_asm(world, pack, sleep_ns=0, only_missing=1):
                 body += [f"setp.eq.or.b32 pl, ${i}, 0x80000000, pl;"]
         body += [f"selp.b32 w, {1 << k}, 0, pl; or.b32 miss, miss, w;",
                  f"mov.pred pt, 0; @m{k} setp.ne.b32 pt, t{k}, $WANT; selp.b32 w, {1 << (8 + k)}, 0, pt; "
-                 "or.b32 bad, bad, w;"]
-        if only_missing:
-            body += [f"or.pred n{k}, pl, pt; and.pred n{k}, n{k}, m{k};"]
+                 "or.b32 bad, bad, w;", f"or.pred n{k}, pl, pt; and.pred n{k}, n{k}, m{k};"]
     body += ["or.b32 w, miss, bad;", "setp.eq.b32 pq, w, 0;", "@pq bra DONE;", "mov.u64 now, %globaltimer;",
-             "setp.ne.b32 pq, ab, 0;", "setp.gt.or.s64 pq, now, $DEADLINE, pq;", "@pq bra DONE;"]
-    body += [f"nanosleep.u32 {sleep_ns};"] if sleep_ns else []
-    body += ["bra LOOP;", "DONE:", "or.b32 w, miss, bad;"]
+             "setp.ne.b32 pq, ab, 0;", "setp.gt.or.s64 pq, now, $DEADLINE, pq;", "@pq bra DONE;",
+             "bra LOOP;", "DONE:", "or.b32 w, miss, bad;"]
     body += [f"mov.b32 ${out_status + k}, w;" for k in range(pack)]
     text = "\n".join(body) + " }"
     for name, index in sorted(ops.items(), key=lambda kv: -len(kv[0])):
@@ -402,7 +395,7 @@ def poll_sources(x, ptr0, region, tag0_ptr, tag_words, rank, want, active, deadl
     args = [x, ptr0.to(tl.int64), stride, (tag0_ptr + z).to(tl.int64), tag_words.to(tl.int64) * 4 + z.to(tl.int64),
             want + z, rank + z, (abort_ptr + z).to(tl.int64), deadline_ns + z.to(tl.int64), active.to(tl.int32)]
     pack: tl.constexpr = 8 if C.elem_bits == 16 else 4
-    out = tl.inline_asm_elementwise(sources_asm(C.world, pack, POLL_SLEEP_NS, POLL_ONLY_MISSING),
+    out = tl.inline_asm_elementwise(sources_asm(C.world, pack),
                                     sources_constraints(C.world, pack), args,
                                     dtype=sources_dtypes(ptr0.dtype.element_ty, C.world), is_pure=False, pack=pack)
     return out
