@@ -73,7 +73,8 @@ class LaunchOptions:
 
     pdl: int = 0
     spin: int = 0  # 0: block-wide polls; 1: data polls spin per thread; 2: partial waits and row words too;
-    # 3: one-shot decode polls wait on all tags at once first; 4: they poll every source at once instead
+    # 3: one-shot decode polls wait on all tags at once first; 4: one-shot decode polls and two-shot
+    # chunk owners' reduce poll every source at once instead
     cooperative: bool = False
 
     def __post_init__(self) -> None:

@@ -13,7 +13,8 @@ one (an entry trigger deadlocks there: early-launched programs of fast ranks tak
 rank still needs); "end", "early" (refused when ranks share a GPU) and "off" force one), `spin`
 (per-thread spins in inline assembly: 0 none, 1 the data polls, 2 also the norm partials' waits
 and two-shot's row words, 3 also a wait on every source's tag at once before a one-shot decode
-poll loads the data, 4, the default, instead a one-shot decode poll of every source at once)
+poll loads the data, 4, the default, instead a poll of every source at once in one-shot's decode
+and in two-shot's chunk-owner reduce)
 and `cooperative` (cooperative launch, the driver then refuses a grid that cannot be resident;
 default False). Launch options change the speed, never the bits.
 
