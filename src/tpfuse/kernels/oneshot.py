@@ -38,12 +38,12 @@ from tpfuse.kernels.peer_stages import (
     kernel_tail,
     normed_fp32,
     publish_amax,
+    reduce_sources,
     residual_step,
     row_amax_of,
     start_quantized,
     store_normed,
     sum_in_rank_order,
-    sum_sources,
 )
 from tpfuse.kernels.protocol import NUM_SLOTS
 from tpfuse.kernels.sync import (
@@ -55,14 +55,12 @@ from tpfuse.kernels.sync import (
     partials_deadline,
     pdl_wait,
     poll_block,
-    poll_sources,
     publish_partial,
     push,
     push_word,
     row_partials,
     sentinel_like,
     source_status,
-    sources_failed,
     stall,
     start_deadline,
     wait_tags,
@@ -99,7 +97,6 @@ def oneshot_kernel(
     WP: tl.constexpr = C.world_p2  # shapes take constexprs, not a bundle's plain fields
     CHUNK: tl.constexpr = C.chunk
     fill = sentinel_like(tl.zeros([WP, CHUNK], dtype=local_ptr.dtype.element_ty), C.sentinel, C.elem_bits)
-    fill1 = sentinel_like(tl.zeros([1, CHUNK], dtype=local_ptr.dtype.element_ty), C.sentinel, C.elem_bits)
     peer_rows = (srcs[:, None] != rank) & (srcs[:, None] < C.world)
 
     if C.single:
@@ -124,16 +121,9 @@ def oneshot_kernel(
                     push_word(tags_at(bufs[p], header, region, tag_words, slot, rank, C) + pid, calls, C)
             if C.use_asm and (C.spin >= 4) and (C.world > 1):
                 # every source's vector, every tag and the abort word reloaded together, per thread
-                got = poll_sources(x, local_ptr + slot_base + offs, region, my_tags + pid, tag_words, rank, calls,
-                                   and_scalar(cmask, dead == 0), deadline, abort_ptr, C)
-                arrived = tl.max(got[C.world]) == 0
-                if (arrived == 0) & (dead == 0):
-                    pend, foreign = sources_failed(got[C.world])
-                    fail(err_ptr, errmap_ptr, abort_ptr, bufs, rank, pend, foreign, row, calls, C)
-                dead = dead | (arrived == 0)
-                for p in tl.static_range(C.world):  # re-arm exactly what was read
-                    tl.store(local_ptr + slot_base + p * region + offs, fill1, mask=and_scalar(cmask, p != rank))
-                acc = tl.where(dead, float("nan"), sum_sources(got, x, rank, C.world))
+                acc, dead = reduce_sources(x, local_ptr + slot_base, offs, region, my_tags + pid, tag_words, calls,
+                                           cmask, row, deadline, dead, fx, C)
+                acc = tl.where(dead, float("nan"), acc)
             else:
                 ptrs = local_ptr + slot_base + srcs[:, None] * region + offs
                 m2 = peer_rows & cmask

@@ -38,7 +38,17 @@ import triton.language as tl
 from tpfuse.kernels.epilogue import round_like
 from tpfuse.kernels.protocol import MAX_GRID
 from tpfuse.kernels.quant import KIND_FP8_TOKEN, PAD_CHUNK, abs_bits, load_param, quantize_chunk, zero_scale_padding
-from tpfuse.kernels.sync import and_scalar, pdl_trigger_at_end, publish_partial, row_partials, stall
+from tpfuse.kernels.sync import (
+    and_scalar,
+    fail,
+    pdl_trigger_at_end,
+    poll_sources,
+    publish_partial,
+    row_partials,
+    sentinel_like,
+    sources_failed,
+    stall,
+)
 
 KIND_FP8_TOKEN_C = tl.constexpr(KIND_FP8_TOKEN)
 MAX_GRID_C = tl.constexpr(MAX_GRID)
@@ -282,3 +292,26 @@ def sum_sources(got, x, rank, W: tl.constexpr):
     for src in tl.static_range(W):
         acc += tl.where(rank == src, x.to(tl.float32), got[src].to(tl.float32))
     return acc
+
+
+@triton.jit
+def reduce_sources(x, slot_ptr, offs, region, tags, tag_words, calls, cmask, row, deadline, dead, fx,
+                   C: tl.constexpr):
+    """One item from every other source at once (GPU builds, C.spin >= 4): `sync.poll_sources`
+    until all arrived (or the abort word, the deadline, or `dead`), the failure recorded (`fx`),
+    exactly what was read re-armed, and the fp32 sum in rank order with this rank's own chunk `x`
+    ([1, chunk], as loaded). Source s's copy of the item lies at `slot_ptr` + s * `region` +
+    `offs`, its tag at `tags` + s * `tag_words`. Returns (sum, dead); where the wait failed the
+    sum holds whatever was read and `dead` is set."""
+    err_ptr, errmap_ptr, abort_ptr, rank, bufs = fx
+    got = poll_sources(x, slot_ptr + offs, region, tags, tag_words, rank, calls, and_scalar(cmask, dead == 0),
+                       deadline, abort_ptr, C)
+    arrived = tl.max(got[C.world]) == 0
+    if (arrived == 0) & (dead == 0):
+        pend, foreign = sources_failed(got[C.world])
+        fail(err_ptr, errmap_ptr, abort_ptr, bufs, rank, pend, foreign, row, calls, C)
+    dead = dead | (arrived == 0)
+    fill = sentinel_like(x, C.sentinel, C.elem_bits)
+    for p in tl.static_range(C.world):
+        tl.store(slot_ptr + p * region + offs, fill, mask=and_scalar(cmask, p != rank))
+    return sum_sources(got, x, rank, C.world), dead

@@ -46,10 +46,10 @@ from tpfuse.kernels.epilogue import round_like
 from tpfuse.kernels.peer_stages import (
     kernel_tail,
     normed_fp32,
+    reduce_sources,
     residual_step,
     start_quantized,
     sum_in_rank_order,
-    sum_sources,
 )
 from tpfuse.kernels.protocol import NUM_SLOTS
 from tpfuse.kernels.sync import (
@@ -64,13 +64,11 @@ from tpfuse.kernels.sync import (
     partials_deadline,
     pdl_wait,
     poll_block,
-    poll_sources,
     push,
     push_word,
     push_word64,
     sentinel_like,
     source_status,
-    sources_failed,
     spin_vectors,
     start_deadline,
     tagged,
@@ -127,7 +125,6 @@ def twoshot_kernel(
     WP: tl.constexpr = C.world_p2  # shapes take constexprs, not a bundle's plain fields
     CHUNK: tl.constexpr = C.chunk
     fill = sentinel_like(tl.zeros([WP, CHUNK], dtype=local_ptr.dtype.element_ty), C.sentinel, C.elem_bits)
-    fill1 = sentinel_like(tl.zeros([1, CHUNK], dtype=local_ptr.dtype.element_ty), C.sentinel, C.elem_bits)
 
     if C.rows_owned:
         per_owner = tl.cdiv(M, C.world)  # rows
@@ -306,16 +303,8 @@ def twoshot_kernel(
             local = index.to(tl.int64) * C.chunk + cols
             if C.use_asm and (C.spin >= 4) and (C.world > 1):
                 # every source's vector, every tag and the abort word reloaded together, per thread
-                got = poll_sources(x, local_ptr + slot_base + local, region, my_tags + index, tag_words, rank, calls,
-                                   and_scalar(cmask, dead == 0), deadline, abort_ptr, C)
-                arrived = tl.max(got[C.world]) == 0
-                if (arrived == 0) & (dead == 0):
-                    pend, foreign = sources_failed(got[C.world])
-                    fail(err_ptr, errmap_ptr, abort_ptr, bufs, rank, pend, foreign, row, calls, C)
-                dead = dead | (arrived == 0)
-                for p in tl.static_range(C.world):  # re-arm exactly what was read
-                    tl.store(local_ptr + slot_base + p * region + local, fill1, mask=and_scalar(cmask, p != rank))
-                acc = sum_sources(got, x, rank, C.world)
+                acc, dead = reduce_sources(x, local_ptr + slot_base, local, region, my_tags + index, tag_words, calls,
+                                           cmask, row, deadline, dead, fx, C)
             else:
                 ptrs = local_ptr + slot_base + srcs[:, None] * region + local
                 tag_ptrs = my_tags + srcs[:, None] * tag_words + index
