@@ -10,10 +10,10 @@ Both are NamedTuples passed as `tl.constexpr`: one argument each, read by field 
 field as a `tl.constexpr` (so a field serves as a shape, a `static_range` bound or a constexpr
 argument in compiled code as well as in the interpreter; host code reads it with bool() / int()).
 
-Both reduce an item polled from every other source at once the same way (`reduce_sources`: one-shot's
-decode, two-shot's chunk owners, at spin 4). After a chunk of a row has been reduced (sum of all
-ranks, rounded to the data dtype), both
-kernels finish it the same way: new_residual, then the norm (a row of one chunk at once; a split
+Both reduce an item polled from every other source at once the same way (`reduce_sources`:
+one-shot's decode, two-shot's chunk owners, at spin 4). After a chunk of a row has been reduced
+(sum of all ranks, rounded to the data dtype), both kernels finish it the same way: new_residual,
+then the norm (a row of one chunk at once; a split
 row through epoch-tagged sum-of-squares partials in `norm_partials_pass`), then the normed values
 stored in the data dtype or quantized (`tpfuse.kernels.quant.quantize_chunk`; per-token FP8 of a
 split row exchanges its absmax as a second partial and quantizes in `token_quant_pass`). Both end
