@@ -13,11 +13,11 @@ argument in compiled code as well as in the interpreter; host code reads it with
 Both reduce an item polled from every other source at once the same way (`reduce_sources`:
 one-shot's decode, two-shot's chunk owners, at spin 4). After a chunk of a row has been reduced
 (sum of all ranks, rounded to the data dtype), both kernels finish it the same way: new_residual,
-then the norm (a row of one chunk at once; a split
-row through epoch-tagged sum-of-squares partials in `norm_partials_pass`), then the normed values
-stored in the data dtype or quantized (`tpfuse.kernels.quant.quantize_chunk`; per-token FP8 of a
-split row exchanges its absmax as a second partial and quantizes in `token_quant_pass`). Both end
-in `kernel_tail`: the split-row passes, the epoch words, the end-of-kernel launch trigger.
+then the norm (a row of one chunk at once; a split row through epoch-tagged sum-of-squares partials
+in `norm_partials_pass`), then the normed values stored in the data dtype or quantized
+(`tpfuse.kernels.quant.quantize_chunk`; per-token FP8 of a split row exchanges its absmax as a
+second partial and quantizes in `token_quant_pass`). Both end in `kernel_tail`: the split-row
+passes, the epoch words, the end-of-kernel launch trigger.
 
 Deadlock freedom of the partials: every program publishes all of its partials of a kind before it
 waits for any of that kind, and all programs of a launch are resident together (the launcher
