@@ -38,6 +38,7 @@ from tpfuse.kernels.peer_stages import (
     kernel_tail,
     normed_fp32,
     publish_amax,
+    reduce_block,
     reduce_sources,
     residual_step,
     row_amax_of,
@@ -131,16 +132,9 @@ def oneshot_kernel(
                 if C.use_asm and (C.spin >= 3) and (C.world > 1):
                     # every source's tag first, all at once, then the data in one parallel load
                     wait_tags(my_tags + pid, tag_words, rank, calls, deadline, dead, abort_ptr, C)
-                v = tl.load(ptrs, mask=and_scalar(m2, dead == 0), other=0.0, volatile=True)
-                t = tl.load(tag_ptrs, mask=and_scalar(peer_rows, dead == 0), other=0, volatile=True)
-                v, status = poll_block(v, t, ptrs, m2, tag_ptrs, calls, deadline, max_spins, dead, abort_ptr, C)
-                arrived = tl.max(tl.max(status, axis=0), axis=0) == 0
-                if (arrived == 0) & (dead == 0):
-                    pend, foreign = source_status(status, srcs)
-                    fail(err_ptr, errmap_ptr, abort_ptr, bufs, rank, pend, foreign, row, calls, C)
-                dead = dead | (arrived == 0)
-                tl.store(ptrs, fill, mask=m2)  # re-arm exactly what was read (a failed workspace is never read again)
-                acc = tl.where(dead, float("nan"), sum_in_rank_order(v, x, srcs, rank, C.world))
+                acc, dead = reduce_block(x, ptrs, tag_ptrs, m2, peer_rows, srcs, calls, row, deadline, max_spins,
+                                         dead, fx, C)
+                acc = tl.where(dead, float("nan"), acc)
             s = round_like(acc, x, C.soft_bf16)
             if C.split:  # every program has published before any waits: no program waits on a waiter
                 nr = s

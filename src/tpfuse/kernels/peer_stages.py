@@ -10,14 +10,15 @@ Both are NamedTuples passed as `tl.constexpr`: one argument each, read by field 
 field as a `tl.constexpr` (so a field serves as a shape, a `static_range` bound or a constexpr
 argument in compiled code as well as in the interpreter; host code reads it with bool() / int()).
 
-Both reduce an item polled from every other source at once the same way (`reduce_sources`:
-one-shot's decode, two-shot's chunk owners, at spin 4). After a chunk of a row has been reduced
-(sum of all ranks, rounded to the data dtype), both kernels finish it the same way: new_residual,
-then the norm (a row of one chunk at once; a split row through epoch-tagged sum-of-squares partials
-in `norm_partials_pass`), then the normed values stored in the data dtype or quantized
-(`tpfuse.kernels.quant.quantize_chunk`; per-token FP8 of a split row exchanges its absmax as a
-second partial and quantizes in `token_quant_pass`). Both end in `kernel_tail`: the split-row
-passes, the epoch words, the end-of-kernel launch trigger.
+Both reduce an item of every other source the same way: polled all at once per thread
+(`reduce_sources`: one-shot's decode, two-shot's chunk owners, at spin 4) or as a [sources, chunk]
+block (`reduce_block`: the interpreter and lower spin levels). After a chunk of a row has been
+reduced (sum of all ranks, rounded to the data dtype), both kernels finish it the same way:
+new_residual, then the norm (a row of one chunk at once; a split row through epoch-tagged
+sum-of-squares partials in `norm_partials_pass`), then the normed values stored in the data dtype
+or quantized (`tpfuse.kernels.quant.quantize_chunk`; per-token FP8 of a split row exchanges its
+absmax as a second partial and quantizes in `token_quant_pass`). Both end in `kernel_tail`: the
+split-row passes, the epoch words, the end-of-kernel launch trigger.
 
 Deadlock freedom of the partials: every program publishes all of its partials of a kind before it
 waits for any of that kind, and all programs of a launch are resident together (the launcher
@@ -44,10 +45,12 @@ from tpfuse.kernels.sync import (
     and_scalar,
     fail,
     pdl_trigger_at_end,
+    poll_block,
     poll_sources,
     publish_partial,
     row_partials,
     sentinel_like,
+    source_status,
     sources_failed,
     stall,
 )
@@ -317,3 +320,25 @@ def reduce_sources(x, slot_ptr, offs, region, tags, tag_words, calls, cmask, row
     for p in tl.static_range(C.world):
         tl.store(slot_ptr + p * region + offs, fill, mask=and_scalar(cmask, p != rank))
     return sum_sources(got, x, rank, C.world), dead
+
+
+@triton.jit
+def reduce_block(x, ptrs, tag_ptrs, mask, peer_rows, srcs, calls, row, deadline, max_spins, dead, fx,
+                 C: tl.constexpr):
+    """One item from every other source as a [sources, chunk] block (`sync.poll_block`: the
+    interpreter and spin levels below 4): the block at `ptrs` (under `mask`; `peer_rows` the
+    sources polled) and its tags at `tag_ptrs` loaded, polled until all arrived (or the abort
+    word, the deadline, or `dead`), the failure recorded (`fx`), exactly what was read re-armed,
+    and the fp32 sum in rank order with this rank's own chunk `x`. Returns (sum, dead), as
+    `reduce_sources` does."""
+    err_ptr, errmap_ptr, abort_ptr, rank, bufs = fx
+    v = tl.load(ptrs, mask=and_scalar(mask, dead == 0), other=0.0, volatile=True)
+    t = tl.load(tag_ptrs, mask=and_scalar(peer_rows, dead == 0), other=0, volatile=True)
+    v, status = poll_block(v, t, ptrs, mask, tag_ptrs, calls, deadline, max_spins, dead, abort_ptr, C)
+    arrived = tl.max(tl.max(status, axis=0), axis=0) == 0
+    if (arrived == 0) & (dead == 0):
+        pend, foreign = source_status(status, srcs)
+        fail(err_ptr, errmap_ptr, abort_ptr, bufs, rank, pend, foreign, row, calls, C)
+    dead = dead | (arrived == 0)
+    tl.store(ptrs, sentinel_like(v, C.sentinel, C.elem_bits), mask=mask)  # (a failed workspace is never read again)
+    return sum_in_rank_order(v, x, srcs, rank, C.world), dead

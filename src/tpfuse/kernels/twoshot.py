@@ -46,6 +46,7 @@ from tpfuse.kernels.epilogue import round_like
 from tpfuse.kernels.peer_stages import (
     kernel_tail,
     normed_fp32,
+    reduce_block,
     reduce_sources,
     residual_step,
     start_quantized,
@@ -308,17 +309,8 @@ def twoshot_kernel(
             else:
                 ptrs = local_ptr + slot_base + srcs[:, None] * region + local
                 tag_ptrs = my_tags + srcs[:, None] * tag_words + index
-                m2 = peer_rows & cmask
-                v = tl.load(ptrs, mask=and_scalar(m2, dead == 0), other=0.0, volatile=True)
-                t = tl.load(tag_ptrs, mask=and_scalar(peer_rows, dead == 0), other=0, volatile=True)
-                v, status = poll_block(v, t, ptrs, m2, tag_ptrs, calls, deadline, max_spins, dead, abort_ptr, C)
-                arrived = tl.max(tl.max(status, axis=0), axis=0) == 0
-                if (arrived == 0) & (dead == 0):
-                    pend, foreign = source_status(status, srcs)
-                    fail(err_ptr, errmap_ptr, abort_ptr, bufs, rank, pend, foreign, row, calls, C)
-                dead = dead | (arrived == 0)
-                tl.store(ptrs, fill, mask=m2)  # re-arm exactly what was read (a failed workspace is never read again)
-                acc = sum_in_rank_order(v, x, srcs, rank, C.world)
+                acc, dead = reduce_block(x, ptrs, tag_ptrs, peer_rows & cmask, peer_rows, srcs, calls, row, deadline,
+                                         max_spins, dead, fx, C)
             s = canonicalize(round_like(acc, x, C.soft_bf16), C.sentinel, C.elem_bits)
             dst = gather_base + row.to(tl.int64) * H + col
             for o in tl.static_range(C.world):
