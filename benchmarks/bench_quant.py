@@ -135,8 +135,8 @@ def reference_fused(kind: str, spec: Q.QuantSpec, eps: float):
 def providers(kind: str, spec: Q.QuantSpec, eps: float, configs=()):
     """(name -> factory(x, res, w) -> (zero-argument call, outputs() -> (codes, scales)), notes on
     what could not run, extra bytes a provider moves beyond `fused`'s). `configs`: (warps, rows per
-    program) pairs, each a `fused[w=..,r=..]` provider launched with that configuration instead of
-    `launch_config`'s."""
+    program[, slice]) tuples, each a `fused[w=..,r=..]` (`fused[w=..,r=..,s=..]`: the columns one
+    program quantizes) provider launched with that configuration instead of `quant_launch_config`'s."""
     from tpfuse.kernels.device import hardware_fp4, hardware_fp8
     from tpfuse.kernels.epilogue import residual_rmsnorm
     from tpfuse.kernels.quant import quantize
@@ -166,9 +166,9 @@ def providers(kind: str, spec: Q.QuantSpec, eps: float, configs=()):
             box["out"] = compiled(x, r, w)
         return call, lambda: box["out"][:2]
 
-    def fused_with(warps, rows):
+    def fused_with(warps, rows, *cut):
         def factory(x, r, w):
-            box, config = {}, (triton.next_power_of_2(x.shape[1]), warps, rows)
+            box, config = {}, (triton.next_power_of_2(x.shape[1]), warps, rows, *cut)
             def call():
                 box["out"] = residual_rmsnorm(x, r, w, eps, quant=spec, config=config)
             return call, lambda: (box["out"].out, box["out"].scale)
@@ -176,13 +176,18 @@ def providers(kind: str, spec: Q.QuantSpec, eps: float, configs=()):
 
     table = {"fused": fused, "epilogue_only": epilogue_only, "torch_compile": torch_compile,
              "epilogue+tpfuse_quant": separate}
-    table.update({f"fused[w={w},r={r}]": fused_with(w, r) for w, r in configs})
+    table.update({config_name(c): fused_with(*c) for c in configs})
     notes, extra_bytes = dict(UNCARRIED), {}
     try:
         table["flashinfer"], extra_bytes["flashinfer"] = _flashinfer(kind, spec, eps)
     except Exception as exc:  # report why, keep benchmarking the rest
         notes["flashinfer"] = f"{type(exc).__name__}: {exc}"
     return table, notes, extra_bytes
+
+
+def config_name(config: tuple) -> str:
+    """The provider name of a `--configs` launch configuration."""
+    return "fused[" + ",".join(f"{k}={v}" for k, v in zip("wrs", config)) + "]"
 
 
 def _flashinfer(kind: str, spec: Q.QuantSpec, eps: float):
@@ -267,14 +272,17 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--trials", type=int, default=7)
     p.add_argument("--eps", type=float, default=1e-6)
-    p.add_argument("--configs", nargs="*", default=[], metavar="WARPS:ROWS",
-                   help="also time the fused kernel with these launch configurations (warps, rows per program)")
+    p.add_argument("--configs", nargs="*", default=[], metavar="WARPS:ROWS[:SLICE]",
+                   help="also time the fused kernel with these launch configurations (warps, rows per program, "
+                        "optionally the columns one program quantizes: a power of two, rows 1)")
     args = p.parse_args(argv)
     try:
         configs = [tuple(int(v) for v in c.split(":")) for c in args.configs]
-        assert all(len(c) == 2 and c[0] in (1, 2, 4, 8, 16, 32) and c[1] >= 1 for c in configs)
+        assert all(len(c) in (2, 3) and c[0] in (1, 2, 4, 8, 16, 32) and c[1] >= 1 for c in configs)
+        assert all(c[2] > 0 and c[2] & (c[2] - 1) == 0 and c[1] == 1 for c in configs if len(c) == 3)
     except (ValueError, AssertionError):
-        p.error(f"--configs takes WARPS:ROWS pairs (warps a power of two up to 32, rows >= 1), got {args.configs}")
+        p.error(f"--configs takes WARPS:ROWS or WARPS:1:SLICE (warps a power of two up to 32, rows >= 1, slice a "
+                f"power of two), got {args.configs}")
     if not torch.cuda.is_available():
         print("bench_quant: needs a CUDA GPU; torch sees none", file=sys.stderr)
         return 2
@@ -342,13 +350,14 @@ def _print_summary(summary, copy_gbps, notes) -> None:
         print(f"{kind:>13} {tokens:>6} {hidden:>6} | {fused:>8.2f} {frac:>6.1%} {target:>4} | {epi:>7.2f} "
               f"{fused - epi:>+6.2f} | {cu:>8.2f} {cf:>6.1%} | {fu:>8.2f} {ff:>6.1%} {differ:>7.1e} | "
               f"{med.get('epilogue+tpfuse_quant', nan):>7.2f}")
-    variants = [(kind, tokens, hidden, name, us, nbytes) for kind, tokens, hidden, med, nbytes, _, _ in summary
-                for name, us in med.items() if name.startswith("fused[")]
+    variants = [(kind, tokens, hidden, name, us, nbytes, med.get("epilogue_only", nan))
+                for kind, tokens, hidden, med, nbytes, _, _ in summary for name, us in med.items()
+                if name.startswith("fused[")]
     if variants:
-        print(f"\n{'format':>13} {'tokens':>6} {'hidden':>6} | {'launch':>16} {'us':>8} {'%copy':>6}")
-    for kind, tokens, hidden, name, us, nbytes in variants:
+        print(f"\n{'format':>13} {'tokens':>6} {'hidden':>6} | {'launch':>20} {'us':>8} {'%copy':>6} {'+us':>6}")
+    for kind, tokens, hidden, name, us, nbytes, epi in variants:
         frac = nbytes / (us * 1e-6) / 1e9 / copy_gbps
-        print(f"{kind:>13} {tokens:>6} {hidden:>6} | {name[5:]:>16} {us:>8.2f} {frac:>6.1%}")
+        print(f"{kind:>13} {tokens:>6} {hidden:>6} | {name[5:]:>20} {us:>8.2f} {frac:>6.1%} {us - epi:>+6.2f}")
     for name, why in notes.items():
         print(f"{name} not run: {why}")
 

@@ -147,18 +147,27 @@ def _inputs(kind, dtype, m, with_res):
     return s, res, w
 
 
+# Rows cut into 64-column slices, one program each (the launch `quant_launch_config` may choose at
+# decode sizes): H = 128 in two whole slices, H = 96 in a whole one and a masked one.
+SPLIT = (128, 4, 1, 64)
+
+
 def _cases():
-    """(kind, dtype, M, with residual, spec index); the swizzled spec (128 programs for the
-    padded scale rows, slow in the interpreter) runs once."""
+    """(kind, dtype, M, with residual, spec index, launch config or None); the swizzled spec (128
+    programs for the padded scale rows, slow in the interpreter) runs once a launch."""
     linear = [i for i, spec in enumerate(EPI_SPECS) if spec.layout != "swizzled"]
     swizzled = [i for i, spec in enumerate(EPI_SPECS) if spec.layout == "swizzled"]
-    cases = [("int", dtype, 3, True, i) for dtype in DTYPES for i in linear]
-    cases += [("int", torch.bfloat16, 3, True, i) for i in swizzled]
-    cases += [("int", torch.bfloat16, 2, False, i) for i in linear[:2]]
+    cases = [("int", dtype, 3, True, i, None) for dtype in DTYPES for i in linear]
+    cases += [("int", torch.bfloat16, 3, True, i, None) for i in swizzled]
+    cases += [("int", torch.bfloat16, 2, False, i, None) for i in linear[:2]]
     # rows shorter than their block
-    cases += [("int96", torch.bfloat16, 3, True, i) for i in linear if EPI_SPECS[i].group in (0, 16)]
-    cases += [("rand", torch.bfloat16, 6, True, i) for i in linear]
-    cases += [("int", torch.bfloat16, 0, True, i) for i in (1, swizzled[0])]  # zero tokens
+    cases += [("int96", torch.bfloat16, 3, True, i, None) for i in linear if EPI_SPECS[i].group in (0, 16)]
+    cases += [("rand", torch.bfloat16, 6, True, i, None) for i in linear]
+    cases += [("int", torch.bfloat16, 0, True, i, None) for i in (1, swizzled[0])]  # zero tokens
+    cases += [("int", torch.bfloat16, 3, True, i, SPLIT) for i in linear + swizzled]
+    cases += [("int96", torch.bfloat16, 3, True, i, SPLIT) for i in linear if EPI_SPECS[i].group in (0, 16)]
+    cases += [("rand", torch.bfloat16, 6, True, i, SPLIT) for i in linear]
+    cases += [("int", torch.bfloat16, 2, False, 1, SPLIT)]
     return cases
 
 
@@ -167,11 +176,11 @@ def _epilogue_rank(rank, world_size, cases):
     from tpfuse.kernels.epilogue import residual_rmsnorm
 
     out = []
-    for kind, dtype, m, with_res, i in cases:
+    for kind, dtype, m, with_res, i, config in cases:
         s, res, w = _inputs(kind, dtype, m, with_res)
-        got = residual_rmsnorm(s, res, w, 1e-6, quant=EPI_SPECS[i])
-        op = (residual_rmsnorm_quant_op(s, res, w, 1e-6, EPI_SPECS[i]) if kind == "int" and dtype == torch.bfloat16
-              else None)
+        got = residual_rmsnorm(s, res, w, 1e-6, quant=EPI_SPECS[i], config=config)
+        op = (residual_rmsnorm_quant_op(s, res, w, 1e-6, EPI_SPECS[i])
+              if kind == "int" and dtype == torch.bfloat16 and config is None else None)
         out.append((tuple(_pack(t) for t in got), None if op is None else tuple(_pack(t) for t in op)))
     return out
 
@@ -189,11 +198,11 @@ def _ordinal(codes, nibbles: bool):
 def test_quantized_epilogue_matches_reference():
     cases = _cases()
     (results,) = run_ranks(_epilogue_rank, 1, args=(cases,), env=INTERP, timeout_s=600)
-    for (kind, dtype, m, with_res, i), (got, op) in zip(cases, results):
+    for (kind, dtype, m, with_res, i, config), (got, op) in zip(cases, results):
         spec = EPI_SPECS[i]
         s, res, w = _inputs(kind, dtype, m, with_res)
         ref = residual_rmsnorm_quant_ref(s, res, w, 1e-6, spec)
-        label = f"{spec.key} {kind} {dtype} M={m} res={with_res}"
+        label = f"{spec.key} {kind} {dtype} M={m} res={with_res} config={config}"
         got = Q.QuantOutput(*got)
         assert _same(got.residual, ref.residual), label  # the residual add is exact
         if op is not None:  # the torch.library op returns the launcher's bits and layouts
@@ -259,18 +268,20 @@ def test_reference_e4m3_equals_torch_cuda_conversion():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("hidden", [6144, 7168])
-def test_epilogue_at_model_shapes(hidden):
+@pytest.mark.parametrize("hidden, config", [(6144, None), (7168, None), (6144, (8192, 16, 1, 2048)),
+                                            (7168, (8192, 4, 1, 1024)), (6144, (8192, 8, 1, 512))])
+def test_epilogue_at_model_shapes(hidden, config):
+    """Whole rows (config None: the launcher's own) and rows cut into slices, one program each."""
     from tpfuse.kernels.epilogue import residual_rmsnorm
 
     for spec in MODEL_SPECS:
         s, r = small_integer_inputs(0, 37, hidden, torch.bfloat16), small_integer_inputs(1, 37, hidden, torch.bfloat16)
         w = small_integer_inputs(2, 1, hidden, torch.bfloat16)[0]
-        got = _cpu(residual_rmsnorm(s.cuda(), r.cuda(), w.cuda(), 1e-6, quant=_on(spec)))
+        got = _cpu(residual_rmsnorm(s.cuda(), r.cuda(), w.cuda(), 1e-6, quant=_on(spec), config=config))
         ref = residual_rmsnorm_quant_ref(s, r, w, 1e-6, spec)
         assert all(_same(a, b.contiguous() if b is not None else None) for a, b in zip(got, ref)), spec.key
         s, r = random_inputs(0, 256, hidden, torch.bfloat16), random_inputs(1, 256, hidden, torch.bfloat16)
-        got = _cpu(residual_rmsnorm(s.cuda(), r.cuda(), w.cuda(), 1e-6, quant=_on(spec)))
+        got = _cpu(residual_rmsnorm(s.cuda(), r.cuda(), w.cuda(), 1e-6, quant=_on(spec), config=config))
         ref = residual_rmsnorm_quant_ref(s, r, w, 1e-6, spec)
         assert _same(got[2], ref.residual)
         nib = spec.kind == "nvfp4"
@@ -470,27 +481,27 @@ def test_quantized_peer_calls_replay_in_a_cuda_graph(strategy):
 SIG = {"s_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "newres_ptr": "*bf16", "M": "i32",
        "H": "i32", "eps": "fp32", "q_ptr": "*u8", "q_row_stride": "i32", "sc_ptr": "*fp32", "s_row_stride": "i32",
        "s_col_stride": "i32", "param_ptr": "*fp32", "scale_ub": "fp32", "BLOCK_H": "constexpr", "ROWS": "constexpr",
-       "HAS_RES": "constexpr", "SOFT_BF16": "constexpr", "WITH_NORMED": "constexpr", "KIND": "constexpr",
-       "GROUP": "constexpr", "SWIZZLED": "constexpr", "HAS_UB": "constexpr", "HW_CVT": "constexpr"}
+       "SLICE": "constexpr", "HAS_RES": "constexpr", "SOFT_BF16": "constexpr", "WITH_NORMED": "constexpr",
+       "KIND": "constexpr", "GROUP": "constexpr", "SWIZZLED": "constexpr", "HAS_UB": "constexpr", "HW_CVT": "constexpr"}
 ALIGNED = ("s_ptr", "res_ptr", "w_ptr", "out_ptr", "newres_ptr", "H", "q_ptr", "q_row_stride", "sc_ptr", "param_ptr")
 
 
-def _ptx(cc: int, kind: int, group: int, swizzled: bool, hw: int) -> str:
+def _ptx(cc: int, kind: int, group: int, swizzled: bool, hw: int, cut: int = 8192, warps: int = 16) -> str:
     """PTX of the quantized epilogue kernel for format KIND on sm_`cc` (KIND 0: the unquantized
-    epilogue kernel)."""
+    epilogue kernel), rows of 8192 columns quantized `cut` columns a program of `warps` warps."""
     pytest.importorskip("triton")
     from support.ptx import lower_to_ptx
     from tpfuse.kernels.epilogue import residual_rmsnorm_kernel, residual_rmsnorm_quant_kernel
 
     sig = dict(SIG, sc_ptr="*u8" if kind == 4 else "*fp32")
-    constexprs = {"BLOCK_H": 8192, "ROWS": 1, "HAS_RES": True, "SOFT_BF16": False, "WITH_NORMED": False, "KIND": kind,
-                  "GROUP": group, "SWIZZLED": swizzled, "HAS_UB": False, "HW_CVT": hw}
+    constexprs = {"BLOCK_H": 8192, "ROWS": 1, "SLICE": cut, "HAS_RES": True, "SOFT_BF16": False, "WITH_NORMED": False,
+                  "KIND": kind, "GROUP": group, "SWIZZLED": swizzled, "HAS_UB": False, "HW_CVT": hw}
     kernel = residual_rmsnorm_quant_kernel
     if kind == 0:
         kernel = residual_rmsnorm_kernel
         constexprs = {k: constexprs[k] for k in ("BLOCK_H", "ROWS", "HAS_RES", "SOFT_BF16")}
         sig = {**dict(list(SIG.items())[:8]), **{k: "constexpr" for k in constexprs}}
-    return lower_to_ptx(kernel, sig, constexprs, ALIGNED, cc, num_warps=16)
+    return lower_to_ptx(kernel, sig, constexprs, ALIGNED, cc, num_warps=warps)
 
 
 def test_software_and_hardware_paths_lower_as_admitted():

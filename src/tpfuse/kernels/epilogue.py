@@ -32,6 +32,7 @@ from tpfuse.kernels.protocol import MAX_HIDDEN  # one row in registers: 16384 fp
 from tpfuse.kernels.quant import (
     PAD_CHUNK,
     QuantBuffers,
+    abs_bits,
     block_for,
     load_param,
     pad_programs,
@@ -91,17 +92,28 @@ def epilogue_row(
 def normed_row(s, row, cols, mask, res_ptr, w, newres_ptr, H, eps, HAS_RES: tl.constexpr, SOFT_BF16: tl.constexpr):
     """Store the row's new residual and return its normed values in fp32, before any rounding:
     what `epilogue_row` rounds to the data dtype and `tpfuse.kernels.quant.quantize_row` quantizes."""
-    offs = row.to(tl.int64) * H + cols
+    nr = new_residual(s, row, cols, mask, res_ptr, H, HAS_RES, SOFT_BF16)
+    tl.store(newres_ptr + row.to(tl.int64) * H + cols, nr, mask=mask)
+    h = nr.to(tl.float32)
+    return h * inverse_rms(h, H, eps) * w
+
+
+@triton.jit
+def new_residual(s, row, cols, mask, res_ptr, H, HAS_RES: tl.constexpr, SOFT_BF16: tl.constexpr):
+    """s + residual rounded to s's dtype (s itself without a residual), at columns `cols` of `row`."""
     if HAS_RES:
-        r = tl.load(res_ptr + offs, mask=mask, other=0.0)
+        r = tl.load(res_ptr + row.to(tl.int64) * H + cols, mask=mask, other=0.0)
         nr = round_like(s.to(tl.float32) + r.to(tl.float32), s, SOFT_BF16)
     else:
         nr = s
-    tl.store(newres_ptr + offs, nr, mask=mask)
-    h = nr.to(tl.float32)
+    return nr
+
+
+@triton.jit
+def inverse_rms(h, H, eps):
+    """1 / sqrt(mean(h^2) + eps) of a whole fp32 row `h` (zeros in masked lanes), correctly rounded."""
     ms = tl.math.div_rn(tl.sum(h * h, axis=0), H.to(tl.float32))
-    inv = tl.math.div_rn(1.0, tl.math.sqrt_rn(ms + eps))
-    return h * inv * w
+    return tl.math.div_rn(1.0, tl.math.sqrt_rn(ms + eps))
 
 
 @triton.jit
@@ -133,27 +145,63 @@ def residual_rmsnorm_kernel(
 def residual_rmsnorm_quant_kernel(
     s_ptr, res_ptr, w_ptr, out_ptr, newres_ptr, M, H, eps,
     q_ptr, q_row_stride, sc_ptr, s_row_stride, s_col_stride, param_ptr, scale_ub,
-    BLOCK_H: tl.constexpr, ROWS: tl.constexpr, HAS_RES: tl.constexpr, SOFT_BF16: tl.constexpr,
+    BLOCK_H: tl.constexpr, ROWS: tl.constexpr, SLICE: tl.constexpr, HAS_RES: tl.constexpr, SOFT_BF16: tl.constexpr,
     WITH_NORMED: tl.constexpr, KIND: tl.constexpr, GROUP: tl.constexpr, SWIZZLED: tl.constexpr,
     HAS_UB: tl.constexpr, HW_CVT: tl.constexpr,
 ):
-    """The epilogue with quantized output (`tpfuse.kernels.quant.quantize_chunk` of whole rows); with swizzled
-    NVFP4 scales the programs after the row programs zero the scales of the padding rows."""
+    """The epilogue with quantized output (`tpfuse.kernels.quant.quantize_chunk`); with swizzled
+    NVFP4 scales the programs after the row programs zero the scales of the padding rows.
+
+    SLICE == BLOCK_H: program p finishes rows p*ROWS .. p*ROWS+ROWS-1 whole. SLICE < BLOCK_H (ROWS
+    1): cdiv(H, SLICE) programs share a row, program p taking row p // parts and its columns
+    (p % parts) * SLICE .. + SLICE - 1. Each of them reads the whole row for its sum of squares
+    (per-token FP8: and its absmax), so every program of a row computes the same fp32 values, then
+    stores the new residual and the quantized output of its columns only: at decode sizes the
+    per-element work of the conversion is spread over that many SMs instead of one."""
     pid = tl.program_id(0)
-    row_programs = (M + ROWS - 1) // ROWS
+    if SLICE < BLOCK_H:
+        parts = (H + SLICE - 1) // SLICE
+        row_programs = M * parts
+    else:
+        parts = 1
+        row_programs = (M + ROWS - 1) // ROWS
     if pid < row_programs:
-        cols = tl.arange(0, BLOCK_H)
-        cmask = cols < H
-        w = load_weight(w_ptr, cols, cmask, True)
-        param = load_param(param_ptr, KIND)  # with the weight, off the rows' dependency chains
-        for i in tl.static_range(ROWS):
-            row = pid * ROWS + i
+        if SLICE < BLOCK_H:
+            row = pid // parts
+            start = (pid % parts) * SLICE
+            full = tl.arange(0, BLOCK_H)
+            fmask = full < H
+            cols = start + tl.arange(0, SLICE)
+            cmask = cols < H
+            w = load_weight(w_ptr, cols, cmask, True)
+            param = load_param(param_ptr, KIND)  # with the weight, off the row's dependency chain
+            s_all, m_all = load_row(s_ptr, row, full, fmask, M, H)
+            h_all = new_residual(s_all, row, full, m_all, res_ptr, H, HAS_RES, SOFT_BF16).to(tl.float32)
+            inv = inverse_rms(h_all, H, eps)
+            amax = 0
+            if KIND == 2:  # the row's absmax, of the normed values every program of the row computes alike
+                amax = tl.max(abs_bits(h_all * inv * load_weight(w_ptr, full, fmask, True), m_all), axis=0)
             s, mask = load_row(s_ptr, row, cols, cmask, M, H)
-            y = normed_row(s, row, cols, mask, res_ptr, w, newres_ptr, H, eps, HAS_RES, SOFT_BF16)
+            nr = new_residual(s, row, cols, mask, res_ptr, H, HAS_RES, SOFT_BF16)
+            tl.store(newres_ptr + row.to(tl.int64) * H + cols, nr, mask=mask)
+            y = nr.to(tl.float32) * inv * w
             if WITH_NORMED:
                 tl.store(out_ptr + row.to(tl.int64) * H + cols, round_like(y, s, SOFT_BF16), mask=mask)
-            quantize_chunk(y, row, 0, M, H, q_ptr, q_row_stride, sc_ptr, s_row_stride, s_col_stride, param, scale_ub,
-                           0, KIND, GROUP, BLOCK_H, SWIZZLED, HAS_UB, HW_CVT, False)
+            quantize_chunk(y, row, start, M, H, q_ptr, q_row_stride, sc_ptr, s_row_stride, s_col_stride, param,
+                           scale_ub, amax, KIND, GROUP, SLICE, SWIZZLED, HAS_UB, HW_CVT, KIND == 2)
+        else:
+            cols = tl.arange(0, BLOCK_H)
+            cmask = cols < H
+            w = load_weight(w_ptr, cols, cmask, True)
+            param = load_param(param_ptr, KIND)  # with the weight, off the rows' dependency chains
+            for i in tl.static_range(ROWS):
+                row = pid * ROWS + i
+                s, mask = load_row(s_ptr, row, cols, cmask, M, H)
+                y = normed_row(s, row, cols, mask, res_ptr, w, newres_ptr, H, eps, HAS_RES, SOFT_BF16)
+                if WITH_NORMED:
+                    tl.store(out_ptr + row.to(tl.int64) * H + cols, round_like(y, s, SOFT_BF16), mask=mask)
+                quantize_chunk(y, row, 0, M, H, q_ptr, q_row_stride, sc_ptr, s_row_stride, s_col_stride, param,
+                               scale_ub, 0, KIND, GROUP, BLOCK_H, SWIZZLED, HAS_UB, HW_CVT, False)
     elif SWIZZLED:
         zero_scale_padding(sc_ptr, M, H, pid - row_programs, BLOCK_H // 16, PAD_CHUNK)
 
@@ -178,6 +226,39 @@ def launch_config(hidden: int, itemsize: int, num_tokens: int, quantized: bool =
     return block, num_warps, rows
 
 
+def quant_launch_config(hidden: int, itemsize: int, num_tokens: int, kind: str) -> tuple[int, int, int, int]:
+    """(BLOCK_H, num_warps, rows per program, SLICE) of the quantized epilogue: `launch_config`'s
+    with the columns a program quantizes (SLICE == BLOCK_H: whole rows)."""
+    block, warps, rows = launch_config(hidden, itemsize, num_tokens, quantized=True)
+    block = max(block, block_for(hidden, kind))
+    return block, warps, rows, block
+
+
+def check_quant_config(config: tuple, hidden: int, quant) -> tuple[int, int, int, int]:
+    """`config` of a quantized call as (BLOCK_H, num_warps, rows, SLICE); a 3-tuple quantizes whole
+    rows. Raises ValueError, naming the fix, for a launch the kernel cannot run."""
+    op = "residual_rmsnorm"
+    if len(config) not in (3, 4):
+        raise ValueError(f"{op}: config must be (BLOCK_H, num_warps, rows[, slice]), got {config!r}")
+    block, warps, rows = config[:3]
+    block = max(block, block_for(hidden, quant.kind))
+    cut = config[3] if len(config) == 4 else block
+    if not (_power_of_two(block) and block >= hidden and _power_of_two(warps) and warps <= 32
+            and isinstance(rows, int) and rows >= 1):
+        raise ValueError(f"{op}: config {config!r} needs BLOCK_H a power of two >= hidden {hidden}, num_warps a "
+                         "power of two up to 32 and rows >= 1; omit config for the default")
+    least = {"fp8_per_group": quant.group, "nvfp4": 64}.get(quant.kind, 1)
+    if not (_power_of_two(cut) and least <= cut <= block) or (cut < block and rows != 1):
+        raise ValueError(f"{op}: slice {cut} of config {config!r} must be a power of two from {least} "
+                         f"({quant.kind}) to BLOCK_H {block}, with rows 1 when it cuts rows; omit it to quantize "
+                         "whole rows")
+    return block, warps, rows, cut
+
+
+def _power_of_two(value) -> bool:
+    return isinstance(value, int) and value > 0 and value & (value - 1) == 0
+
+
 def residual_rmsnorm(
     s: torch.Tensor,
     residual: torch.Tensor | None,
@@ -185,17 +266,20 @@ def residual_rmsnorm(
     eps: float = 1e-6,
     *,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
-    config: tuple[int, int, int] | None = None,
+    config: tuple[int, ...] | None = None,
     quant=None,
 ):
-    """(normed, new_residual) of `s` (M, H); see the module docstring. `out` reuses buffers.
+    """(normed, new_residual) of `s` (M, H); see the module docstring. `out` reuses buffers;
+    `config` replaces `launch_config`'s (BLOCK_H, num_warps, rows).
 
     With `quant` (a `tpfuse.quant.QuantSpec`) the normed rows are quantized in the same pass and
-    a `tpfuse.quant.QuantOutput` (out, scale, residual, normed) is returned instead."""
+    a `tpfuse.quant.QuantOutput` (out, scale, residual, normed) is returned instead; `config` may
+    then add SLICE, the columns one program quantizes (`check_quant_config`)."""
     _check(s, residual, weight)
     if quant is not None:
-
         check_quant("residual_rmsnorm", quant, s.shape[1], device=s.device)
+        if config is not None:
+            config = check_quant_config(tuple(config), s.shape[1], quant)
     return launch_residual_rmsnorm(s, residual, weight, eps, out=out, config=config, quant=quant)
 
 
@@ -210,7 +294,8 @@ _LAUNCHES: dict[tuple, PreboundLaunch] = {}
 def launch_residual_rmsnorm(s, residual, weight, eps: float, *, out=None, config=None, quant=None):
     """`residual_rmsnorm` for callers that have validated its arguments (as `residual_rmsnorm`
     does: contiguous (M, H) `s` of a supported dtype, H <= MAX_HIDDEN, residual and weight to
-    match, `quant` a fitting QuantSpec): the outputs, then one launch pre-bound per shape."""
+    match, `quant` a fitting QuantSpec and `config` then a 4-tuple from `check_quant_config`):
+    the outputs, then one launch pre-bound per shape."""
     if quant is not None:
         return _launch_quant(s, residual, weight, eps, quant, config)
     m, h = s.shape
@@ -245,10 +330,9 @@ def _launch_quant(s, residual, weight, eps, quant, config):
     if launch is not None:
         launch(*args)
         return QuantOutput(buf.out, buf.scale, new_res, normed)
-    block, warps, rows = config or launch_config(h, s.element_size(), m, quantized=True)
-    block = max(block, block_for(h, quant.kind))
-    grid = triton.cdiv(m, rows) + (pad_programs(m) if buf.swizzled else 0)
-    meta = dict(BLOCK_H=block, ROWS=rows, HAS_RES=residual is not None, SOFT_BF16=interpreting(),
+    block, warps, rows, cut = config or quant_launch_config(h, s.element_size(), m, quant.kind)
+    grid = (m * triton.cdiv(h, cut) if cut < block else triton.cdiv(m, rows)) + (pad_programs(m) if buf.swizzled else 0)
+    meta = dict(BLOCK_H=block, ROWS=rows, SLICE=cut, HAS_RES=residual is not None, SOFT_BF16=interpreting(),
                 WITH_NORMED=normed is not None, num_warps=warps, **_quant_constexprs(buf, block))
     _remember(key, bind(residual_rmsnorm_quant_kernel, (grid,), args, meta, launch=True))
     return QuantOutput(buf.out, buf.scale, new_res, normed)
