@@ -464,12 +464,6 @@ def suites(args) -> dict[str, list[tuple]]:
                 twoshot_poll.append((f"pdl{args.pdl}_spin{spin}",
                                      spec("twoshot", world, (t,), owns_rows=False,
                                           options=launch_options(args.pdl, spin)), "steady"))
-    rows_poll = []  # two-shot whole-row owners: each chunk's sources as a prefetched block (2) or all at once (4)
-    for t, worlds in ((16, (8,)), (64, (8,)), (256, (8, 4, 2))):
-        for world in worlds:
-            for spin in (2, 4):
-                rows_poll.append((f"pdl{args.pdl}_spin{spin}", spec("twoshot", world, (t,), owns_rows=True,
-                                                                    options=launch_options(args.pdl, spin)), "steady"))
     chunks = []  # the plan's chunk size forced, against make_plan's choice (the `grid` rows of the same run)
     for world in WORLDS:
         for chunk in (512, 1024, 2048):
@@ -480,20 +474,19 @@ def suites(args) -> dict[str, list[tuple]]:
             chunks.append((f"chunk{chunk}", spec("twoshot", 8, (t,), chunk=chunk, owns_rows=False), "steady"))
         chunks.append(("grid", spec("twoshot", 8, (t,)), "steady"))
     return {"variants": variants, "final": final, "report": report, "chunks": chunks, "spin": spins,
-            "twoshot_poll": twoshot_poll, "rows_poll": rows_poll}
+            "twoshot_poll": twoshot_poll}
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="JSON-lines file for the result rows")
-    parser.add_argument("--suite", default="report",
-                        choices=("variants", "final", "report", "chunks", "spin", "twoshot_poll", "rows_poll", "all"),
+    parser.add_argument("--suite", choices=("variants", "final", "report", "chunks", "spin", "twoshot_poll", "all"),
+                        default="report",
                         help="variants: launch options and two-shot cuts compared; final: the whole grid; report: "
                              "what benchmarks/results/README.md reports, in one run; chunks: the plan's chunk size "
                              "forced at decode sizes beside make_plan's choice; spin: the decode poll's levels "
-                             "(spin 2, 3, 4) at 1 token; twoshot_poll: two-shot chunk owners at spin 2 and 4; "
-                             "rows_poll: two-shot whole-row owners at spin 2 and 4")
+                             "(spin 2, 3, 4) at 1 token; twoshot_poll: two-shot chunk owners at spin 2 and 4")
     parser.add_argument("--plot", help="PNG of per-call latency against tokens (steady, bf16, hidden 6144)")
     parser.add_argument("--budget-s", type=float, default=420.0, help="stop starting new cases after this long")
     parser.add_argument("--reps", type=int, default=15)

@@ -148,19 +148,15 @@ def twoshot_kernel(
                         push_word(tag_words_of(bufs[o], header, region, tag_words, slot, rank, C) + index, calls, C)
                 i += nprog
 
-        # 2. reduce each owned row in one program; push its chunks' sums, then its sum of squares.
-        # With C.spin >= 4 each chunk's sources are polled at once per thread (`reduce_sources`);
-        # below, as a [sources, chunk] block loaded before the previous chunk is finished.
-        POLL_ALL: tl.constexpr = C.use_asm and (C.spin >= 4) and (C.world > 1)
+        # 2. reduce each owned row in one program; push its chunks' sums, then its sum of squares
         own_end = tl.minimum((rank + 1) * per_owner, M)
         row = first_of(rank * per_owner, pid, nprog)
-        if not POLL_ALL:
-            m_row = and_scalar(peer_rows & (cols < H), row < own_end)
-            local = (row - rank * per_owner).to(tl.int64) * H
-            v_next = tl.load(local_ptr + slot_base + srcs[:, None] * region + local + cols,
-                             mask=and_scalar(m_row, dead == 0), other=0.0, volatile=True)
-            t_next = tl.load(my_tags + srcs[:, None] * tag_words + (row - rank * per_owner) * C.num_chunks,
-                             mask=and_scalar(peer_rows, (dead == 0) & (row < own_end)), other=0, volatile=True)
+        m_row = and_scalar(peer_rows & (cols < H), row < own_end)
+        local = (row - rank * per_owner).to(tl.int64) * H
+        v_next = tl.load(local_ptr + slot_base + srcs[:, None] * region + local + cols,
+                         mask=and_scalar(m_row, dead == 0), other=0.0, volatile=True)
+        t_next = tl.load(my_tags + srcs[:, None] * tag_words + (row - rank * per_owner) * C.num_chunks,
+                         mask=and_scalar(peer_rows, (dead == 0) & (row < own_end)), other=0, volatile=True)
         while row < own_end:
             local = (row - rank * per_owner).to(tl.int64) * H
             ss = 0.0
@@ -171,40 +167,34 @@ def twoshot_kernel(
                 index = (row - rank * per_owner) * C.num_chunks + c
                 x = canonicalize(tl.load(x_ptr + offs, mask=cmask, other=0.0), C.sentinel, C.elem_bits)
                 r = tl.load(res_ptr + offs, mask=cmask & C.has_res, other=0.0)
-                if POLL_ALL:
-                    acc, dead = reduce_sources(x, local_ptr + slot_base, local + col, region, my_tags + index,
-                                               tag_words, calls, cmask, row, deadline, dead, fx, C)
+                ptrs = local_ptr + slot_base + srcs[:, None] * region + local + col
+                tag_ptrs = my_tags + srcs[:, None] * tag_words + index
+                m2 = peer_rows & cmask
+                v, status = poll_block(v_next, t_next, ptrs, m2, tag_ptrs, calls, deadline, max_spins, dead,
+                                       abort_ptr, C)
+                arrived = tl.max(tl.max(status, axis=0), axis=0) == 0
+                if (arrived == 0) & (dead == 0):
+                    pend, foreign = source_status(status, srcs)
+                    fail(err_ptr, errmap_ptr, abort_ptr, bufs, rank, pend, foreign, row, calls, C)
+                dead = dead | (arrived == 0)
+                # the next chunk's sources (or the next owned row's first chunk), before this one is finished
+                if c + 1 < C.num_chunks:
+                    col_n = (c + 1) * C.chunk + cols
+                    v_next = tl.load(local_ptr + slot_base + srcs[:, None] * region + local + col_n,
+                                     mask=and_scalar(peer_rows & (col_n < H), dead == 0), other=0.0, volatile=True)
+                    t_next = tl.load(my_tags + srcs[:, None] * tag_words + index + 1,
+                                     mask=and_scalar(peer_rows, dead == 0), other=0, volatile=True)
                 else:
-                    ptrs = local_ptr + slot_base + srcs[:, None] * region + local + col
-                    tag_ptrs = my_tags + srcs[:, None] * tag_words + index
-                    m2 = peer_rows & cmask
-                    v, status = poll_block(v_next, t_next, ptrs, m2, tag_ptrs, calls, deadline, max_spins, dead,
-                                           abort_ptr, C)
-                    arrived = tl.max(tl.max(status, axis=0), axis=0) == 0
-                    if (arrived == 0) & (dead == 0):
-                        pend, foreign = source_status(status, srcs)
-                        fail(err_ptr, errmap_ptr, abort_ptr, bufs, rank, pend, foreign, row, calls, C)
-                    dead = dead | (arrived == 0)
-                    # the next chunk's sources (or the next owned row's first chunk), before this one is finished
-                    if c + 1 < C.num_chunks:
-                        col_n = (c + 1) * C.chunk + cols
-                        v_next = tl.load(local_ptr + slot_base + srcs[:, None] * region + local + col_n,
-                                         mask=and_scalar(peer_rows & (col_n < H), dead == 0), other=0.0,
-                                         volatile=True)
-                        t_next = tl.load(my_tags + srcs[:, None] * tag_words + index + 1,
-                                         mask=and_scalar(peer_rows, dead == 0), other=0, volatile=True)
-                    else:
-                        nxt = row + nprog
-                        local_n = (nxt - rank * per_owner).to(tl.int64) * H
-                        live = (dead == 0) & (nxt < own_end)
-                        v_next = tl.load(local_ptr + slot_base + srcs[:, None] * region + local_n + cols,
-                                         mask=and_scalar(peer_rows & (cols < H), live), other=0.0, volatile=True)
-                        t_next = tl.load(my_tags + srcs[:, None] * tag_words
-                                         + (nxt - rank * per_owner) * C.num_chunks,
-                                         mask=and_scalar(peer_rows, live), other=0, volatile=True)
-                    tl.store(ptrs, fill, mask=m2)  # re-arm exactly what was read
-                    acc = sum_in_rank_order(v, x, srcs, rank, C.world)
-                s = canonicalize(round_like(acc, x, C.soft_bf16), C.sentinel, C.elem_bits)
+                    nxt = row + nprog
+                    local_n = (nxt - rank * per_owner).to(tl.int64) * H
+                    live = (dead == 0) & (nxt < own_end)
+                    v_next = tl.load(local_ptr + slot_base + srcs[:, None] * region + local_n + cols,
+                                     mask=and_scalar(peer_rows & (cols < H), live), other=0.0, volatile=True)
+                    t_next = tl.load(my_tags + srcs[:, None] * tag_words + (nxt - rank * per_owner) * C.num_chunks,
+                                     mask=and_scalar(peer_rows, live), other=0, volatile=True)
+                tl.store(ptrs, fill, mask=m2)  # re-arm exactly what was read
+                s = canonicalize(round_like(sum_in_rank_order(v, x, srcs, rank, C.world), x, C.soft_bf16),
+                                 C.sentinel, C.elem_bits)
                 for o in tl.static_range(C.world):
                     push(bufs[o] + gather_base + offs, s, and_scalar(cmask, dead == 0), C)
                 if C.has_norm:
