@@ -271,15 +271,17 @@ def test_reference_e4m3_equals_torch_cuda_conversion():
 @pytest.mark.parametrize("hidden, config", [(6144, None), (7168, None), (6144, (8192, 16, 1, 2048)),
                                             (7168, (8192, 4, 1, 1024)), (6144, (8192, 8, 1, 512))])
 def test_epilogue_at_model_shapes(hidden, config):
-    """Whole rows (config None: the launcher's own) and rows cut into slices, one program each."""
+    """Whole rows and rows cut into slices, one program each; config None: the launcher's own
+    (at 5 tokens per-group FP8 and NVFP4 cut rows, at 37 and 256 none does)."""
     from tpfuse.kernels.epilogue import residual_rmsnorm
 
     for spec in MODEL_SPECS:
-        s, r = small_integer_inputs(0, 37, hidden, torch.bfloat16), small_integer_inputs(1, 37, hidden, torch.bfloat16)
         w = small_integer_inputs(2, 1, hidden, torch.bfloat16)[0]
-        got = _cpu(residual_rmsnorm(s.cuda(), r.cuda(), w.cuda(), 1e-6, quant=_on(spec), config=config))
-        ref = residual_rmsnorm_quant_ref(s, r, w, 1e-6, spec)
-        assert all(_same(a, b.contiguous() if b is not None else None) for a, b in zip(got, ref)), spec.key
+        for m in (37, 5):
+            s, r = (small_integer_inputs(i, m, hidden, torch.bfloat16) for i in (0, 1))
+            got = _cpu(residual_rmsnorm(s.cuda(), r.cuda(), w.cuda(), 1e-6, quant=_on(spec), config=config))
+            ref = residual_rmsnorm_quant_ref(s, r, w, 1e-6, spec)
+            assert all(_same(a, b.contiguous() if b is not None else None) for a, b in zip(got, ref)), (spec.key, m)
         s, r = random_inputs(0, 256, hidden, torch.bfloat16), random_inputs(1, 256, hidden, torch.bfloat16)
         got = _cpu(residual_rmsnorm(s.cuda(), r.cuda(), w.cuda(), 1e-6, quant=_on(spec), config=config))
         ref = residual_rmsnorm_quant_ref(s, r, w, 1e-6, spec)
@@ -577,3 +579,35 @@ def test_column_major_group_scales_leave_no_padding_byte_unwritten():
         s, r, w = (small_integer_inputs(i, m, 64, torch.bfloat16) for i in range(3))
         want = residual_rmsnorm_quant_ref(s, r, w[0], 1e-6, Q.fp8_per_group(16, layout="col"))
         assert torch.equal(scales[:, :m], want.scale.t()), m
+
+
+# ---- launch configurations (plain tier) ----------------------------------------------------------
+
+def test_rows_are_cut_only_where_every_slice_holds_whole_scale_blocks():
+    """The launcher's rule: slices for per-group FP8 and NVFP4 at decode sizes, each a power of two
+    that divides BLOCK_H into whole scale blocks; whole rows for the other formats and past
+    SLICE_MAX_TOKENS."""
+    from tpfuse.kernels.epilogue import SLICE_MAX_TOKENS, quant_launch_config
+
+    for hidden in (96, 2048, 6144, 7168, 16384):
+        for kind, group in (("fp8_static", 0), ("fp8_per_token", hidden), ("fp8_per_group", 128),
+                            ("fp8_per_group", 16), ("nvfp4", 16)):
+            for tokens in (1, SLICE_MAX_TOKENS, SLICE_MAX_TOKENS + 1, 4096):
+                block, warps, rows, cut = quant_launch_config(hidden, 2, tokens, kind, group=group)
+                assert block >= hidden and block & (block - 1) == 0 and cut & (cut - 1) == 0 and block % cut == 0
+                cuts = kind in ("fp8_per_group", "nvfp4") and tokens <= SLICE_MAX_TOKENS and block > 1024
+                assert (cut < block) == cuts, (hidden, kind, tokens)
+                if cut < block:
+                    assert rows == 1 and cut % max(group, 64 if kind == "nvfp4" else 1) == 0
+
+
+@pytest.mark.parametrize("config, says", [((8192, 8, 1, 96), "power of two"), ((8192, 8, 1, 64), "from 128"),
+                                          ((8192, 8, 2, 1024), "rows 1"), ((4096, 8, 1), "BLOCK_H a power of two"),
+                                          ((8192, 3, 1), "num_warps"), ((8192, 8), "config must be")])
+def test_a_launch_config_the_kernel_cannot_run_is_refused_with_the_fix(config, says):
+    from tpfuse.kernels.epilogue import check_quant_config
+
+    with pytest.raises(ValueError, match=says) as info:
+        check_quant_config(config, 6144, Q.fp8_per_group(128))
+    assert "omit" in str(info.value)
+    assert check_quant_config((8192, 8, 1), 6144, Q.fp8_per_group(128)) == (8192, 8, 1, 8192)

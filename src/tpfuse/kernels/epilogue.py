@@ -92,17 +92,18 @@ def epilogue_row(
 def normed_row(s, row, cols, mask, res_ptr, w, newres_ptr, H, eps, HAS_RES: tl.constexpr, SOFT_BF16: tl.constexpr):
     """Store the row's new residual and return its normed values in fp32, before any rounding:
     what `epilogue_row` rounds to the data dtype and `tpfuse.kernels.quant.quantize_row` quantizes."""
-    nr = new_residual(s, row, cols, mask, res_ptr, H, HAS_RES, SOFT_BF16)
-    tl.store(newres_ptr + row.to(tl.int64) * H + cols, nr, mask=mask)
+    offs = row.to(tl.int64) * H + cols
+    nr = new_residual(s, offs, mask, res_ptr, HAS_RES, SOFT_BF16)
+    tl.store(newres_ptr + offs, nr, mask=mask)
     h = nr.to(tl.float32)
     return h * inverse_rms(h, H, eps) * w
 
 
 @triton.jit
-def new_residual(s, row, cols, mask, res_ptr, H, HAS_RES: tl.constexpr, SOFT_BF16: tl.constexpr):
-    """s + residual rounded to s's dtype (s itself without a residual), at columns `cols` of `row`."""
+def new_residual(s, offs, mask, res_ptr, HAS_RES: tl.constexpr, SOFT_BF16: tl.constexpr):
+    """s + residual rounded to s's dtype (s itself without a residual), s's elements at `offs`."""
     if HAS_RES:
-        r = tl.load(res_ptr + row.to(tl.int64) * H + cols, mask=mask, other=0.0)
+        r = tl.load(res_ptr + offs, mask=mask, other=0.0)
         nr = round_like(s.to(tl.float32) + r.to(tl.float32), s, SOFT_BF16)
     else:
         nr = s
@@ -176,17 +177,18 @@ def residual_rmsnorm_quant_kernel(
             w = load_weight(w_ptr, cols, cmask, True)
             param = load_param(param_ptr, KIND)  # with the weight, off the row's dependency chain
             s_all, m_all = load_row(s_ptr, row, full, fmask, M, H)
-            h_all = new_residual(s_all, row, full, m_all, res_ptr, H, HAS_RES, SOFT_BF16).to(tl.float32)
+            h_all = new_residual(s_all, row.to(tl.int64) * H + full, m_all, res_ptr, HAS_RES, SOFT_BF16).to(tl.float32)
             inv = inverse_rms(h_all, H, eps)
             amax = 0
             if KIND == 2:  # the row's absmax, of the normed values every program of the row computes alike
                 amax = tl.max(abs_bits(h_all * inv * load_weight(w_ptr, full, fmask, True), m_all), axis=0)
             s, mask = load_row(s_ptr, row, cols, cmask, M, H)
-            nr = new_residual(s, row, cols, mask, res_ptr, H, HAS_RES, SOFT_BF16)
-            tl.store(newres_ptr + row.to(tl.int64) * H + cols, nr, mask=mask)
+            offs = row.to(tl.int64) * H + cols
+            nr = new_residual(s, offs, mask, res_ptr, HAS_RES, SOFT_BF16)
+            tl.store(newres_ptr + offs, nr, mask=mask)
             y = nr.to(tl.float32) * inv * w
             if WITH_NORMED:
-                tl.store(out_ptr + row.to(tl.int64) * H + cols, round_like(y, s, SOFT_BF16), mask=mask)
+                tl.store(out_ptr + offs, round_like(y, s, SOFT_BF16), mask=mask)
             quantize_chunk(y, row, start, M, H, q_ptr, q_row_stride, sc_ptr, s_row_stride, s_col_stride, param,
                            scale_ub, amax, KIND, GROUP, SLICE, SWIZZLED, HAS_UB, HW_CVT, KIND == 2)
         else:
@@ -226,11 +228,26 @@ def launch_config(hidden: int, itemsize: int, num_tokens: int, quantized: bool =
     return block, num_warps, rows
 
 
-def quant_launch_config(hidden: int, itemsize: int, num_tokens: int, kind: str) -> tuple[int, int, int, int]:
-    """(BLOCK_H, num_warps, rows per program, SLICE) of the quantized epilogue: `launch_config`'s
-    with the columns a program quantizes (SLICE == BLOCK_H: whole rows)."""
+# Decode sizes at which per-group FP8 and NVFP4 cut rows into slices of SLICE_COLUMNS columns, and
+# the warps of a slice's program: the fastest launches of the `fused[w=..,r=1,s=..]` sweep in
+# `quant.jsonl` (benchmarks/results/README.md, "the quantized epilogue's rows cut into slices");
+# static and per-token FP8 keep whole rows (slices gained them nothing).
+SLICE_MAX_TOKENS = 16
+SLICE_COLUMNS = 1024
+SLICE_WARPS = {"fp8_per_group": 8, "nvfp4": 4}
+
+
+def quant_launch_config(hidden: int, itemsize: int, num_tokens: int, kind: str, *, group: int = 0
+                        ) -> tuple[int, int, int, int]:
+    """(BLOCK_H, num_warps, rows per program, SLICE) of the quantized epilogue, a pure function of
+    the shape and the format: `launch_config`'s with whole rows (SLICE == BLOCK_H), except per-group
+    FP8 (`group`: its columns a scale) and NVFP4 at decode sizes, whose conversion work per row is
+    spread over programs of SLICE_COLUMNS columns each."""
     block, warps, rows = launch_config(hidden, itemsize, num_tokens, quantized=True)
     block = max(block, block_for(hidden, kind))
+    if (kind in SLICE_WARPS and num_tokens <= SLICE_MAX_TOKENS and block > SLICE_COLUMNS
+            and SLICE_COLUMNS % max(group, 1) == 0):
+        return block, SLICE_WARPS[kind], 1, SLICE_COLUMNS
     return block, warps, rows, block
 
 
@@ -239,14 +256,15 @@ def check_quant_config(config: tuple, hidden: int, quant) -> tuple[int, int, int
     rows. Raises ValueError, naming the fix, for a launch the kernel cannot run."""
     op = "residual_rmsnorm"
     if len(config) not in (3, 4):
-        raise ValueError(f"{op}: config must be (BLOCK_H, num_warps, rows[, slice]), got {config!r}")
+        raise ValueError(f"{op}: config must be (BLOCK_H, num_warps, rows[, slice]), got {config!r}; omit config "
+                         "for the default")
     block, warps, rows = config[:3]
-    block = max(block, block_for(hidden, quant.kind))
-    cut = config[3] if len(config) == 4 else block
     if not (_power_of_two(block) and block >= hidden and _power_of_two(warps) and warps <= 32
             and isinstance(rows, int) and rows >= 1):
         raise ValueError(f"{op}: config {config!r} needs BLOCK_H a power of two >= hidden {hidden}, num_warps a "
                          "power of two up to 32 and rows >= 1; omit config for the default")
+    block = max(block, block_for(hidden, quant.kind))
+    cut = config[3] if len(config) == 4 else block
     least = {"fp8_per_group": quant.group, "nvfp4": 64}.get(quant.kind, 1)
     if not (_power_of_two(cut) and least <= cut <= block) or (cut < block and rows != 1):
         raise ValueError(f"{op}: slice {cut} of config {config!r} must be a power of two from {least} "
@@ -330,7 +348,8 @@ def _launch_quant(s, residual, weight, eps, quant, config):
     if launch is not None:
         launch(*args)
         return QuantOutput(buf.out, buf.scale, new_res, normed)
-    block, warps, rows, cut = config or quant_launch_config(h, s.element_size(), m, quant.kind)
+    block, warps, rows, cut = config or quant_launch_config(h, s.element_size(), m, quant.kind,
+                                                                    group=quant.group)
     grid = (m * triton.cdiv(h, cut) if cut < block else triton.cdiv(m, rows)) + (pad_programs(m) if buf.swizzled else 0)
     meta = dict(BLOCK_H=block, ROWS=rows, SLICE=cut, HAS_RES=residual is not None, SOFT_BF16=interpreting(),
                 WITH_NORMED=normed is not None, num_warps=warps, **_quant_constexprs(buf, block))
