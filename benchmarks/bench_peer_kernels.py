@@ -127,7 +127,7 @@ class Case:
 
         def plan_for(m):
             if chunk is None:
-                return make_plan(m, hidden, dtype.itemsize, self.plan_programs, world)
+                return make_plan(m, hidden, dtype.itemsize, self.plan_programs)
             nc = -(-hidden // chunk)
             return Plan(chunk, nc, m * nc, max(1, chunk * dtype.itemsize // 512), self.plan_programs)
 

@@ -21,7 +21,7 @@ def _launch(name="oneshot", world=2, m=3, h=64, **kw):
     from tpfuse.strategies.workspace import emulated_workspaces
 
     twoshot = name == "twoshot"
-    plan = make_plan(m, h, 2, 4, world)
+    plan = make_plan(m, h, 2, 4)
     (ws, *_) = emulated_workspaces(world, device="cpu", dtype=torch.bfloat16,
                                    region_elems=region_elems_for(m, h, world, plan, twoshot=twoshot),
                                    num_regions=world + int(twoshot), tag_words=tag_words_for(plan, m), timeout_s=1.0)

@@ -266,7 +266,7 @@ def test_chunks_that_cut_scale_blocks_are_refused_by_the_kernels():
             and quantizes_in_kernel(Plan(16, 4, 4, 1), Q.fp8_static(1.0)))
     for tokens in (1, 16, 4096):  # real plans: chunks of at least 128 elements hold every group <= 128
         for itemsize in (2, 4):
-            plan = make_plan(tokens, 7168, itemsize, 128, 8)
+            plan = make_plan(tokens, 7168, itemsize, 128)
             assert all(quantizes_in_kernel(plan, spec) for spec in (Q.fp8_per_group(128), Q.nvfp4(1.0))), plan
 
 

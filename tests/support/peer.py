@@ -91,7 +91,7 @@ class EmulatedRanks:
 
         def plan_for(m):
             if chunk is None:
-                return make_plan(m, hidden, dtype.itemsize, self.programs, world)
+                return make_plan(m, hidden, dtype.itemsize, self.programs)
             nc = -(-hidden // chunk)
             return Plan(chunk, nc, m * nc, max(1, chunk * dtype.itemsize // 512), self.programs)
 

@@ -73,17 +73,16 @@ MAX_CHUNK_BYTES = 4096  # eight warps
 # Programs a plan aims to keep busy on one GPU: about one per SM of the GPUs this targets (H100 /
 # H200: 132, RTX PRO 6000: 188, A100: 108; a plan over more programs than SMs only queues them).
 PLAN_PROGRAMS_PER_GPU = 128
-# The plan's cost model, in bytes moved: an item costs the bytes its program moves (its chunk from
-# each of the W ranks) plus a fixed cost per item a program handles in sequence (loop step, index
-# math, its norm partial), and a split row costs per chunk (the row's partials are awaited by all
-# of its programs, so more chunks mean a wider wait). Chosen so that the model picks what the
-# emulated-peer chunk sweeps on one H200 measured fastest (rows with `chunk_forced`:
-# benchmarks/results/peer_kernels_emulated_first.jsonl, W=8: 1 token x 6144, 6 chunks of 1024
-# beat 12 of 512 and 3 of 2048; 16 and 64 tokens, 2048; peer_kernels_v3_chunks_emulated.jsonl,
-# 1 token: 3 chunks of 2048 beat 6 of 1024 at W=2 and W=4, where an item moves less data and the
-# partials' wait is the larger part).
-ITEM_OVERHEAD_BYTES = 4096
-PARTIAL_FANIN_BYTES = 4096
+# The plan's cost model, in bytes of data each cost is worth: an item costs its chunk's bytes plus a
+# fixed cost per item a program handles in sequence (loop step, index math, its norm partial), and
+# a split row costs per chunk (the row's partials are awaited by all of its programs, so more
+# chunks mean a wider wait). Chosen so that the model picks what the emulated-peer chunk sweeps on
+# one H200 measured fastest (rows with `chunk_forced`: peer_kernels_emulated_first.jsonl, W=8:
+# 1 token x 6144, 6 chunks of 1024 beat 12 of 512 and 3 of 2048; 16 and 64 tokens, 2048;
+# peer_kernels_v3_chunks_emulated.jsonl with every source polled at once (spin 4), 1 token: 6 of
+# 1024 fastest at W = 2, 4 and 8, within 0.05 us of 3 of 2048 at W = 1).
+ITEM_OVERHEAD_BYTES = 512
+PARTIAL_FANIN_BYTES = 512
 
 
 @dataclass(frozen=True)
@@ -107,20 +106,19 @@ def plan_programs(world_size: int, shares_device: bool) -> int:
 
 
 @lru_cache(maxsize=4096)
-def make_plan(num_tokens: int, hidden: int, itemsize: int, programs: int, world_size: int) -> Plan:
+def make_plan(num_tokens: int, hidden: int, itemsize: int, programs: int) -> Plan:
     """The chunk size with the least modelled cost: the work one program does in sequence, plus the
     partials' fan-in of a split row (see ITEM_OVERHEAD_BYTES).
 
-    A pure function of the shape, `programs` (which `plan_programs` derives from agreed group
-    facts) and the world size, so every rank makes the same plan. Ties go to the larger chunk
-    (fewer partials).
+    A pure function of the shape and `programs` (which `plan_programs` derives from agreed group
+    facts), so every rank makes the same plan. Ties go to the larger chunk (fewer partials).
     """
     best = None
     chunk = MAX_CHUNK_BYTES // itemsize
     while chunk * itemsize >= MIN_CHUNK_BYTES:
         num_chunks = -(-hidden // chunk)
         items = num_tokens * num_chunks
-        serial = -(-items // programs) * (chunk * itemsize * world_size + ITEM_OVERHEAD_BYTES)
+        serial = -(-items // programs) * (chunk * itemsize + ITEM_OVERHEAD_BYTES)
         if num_chunks > 1:
             serial += num_chunks * PARTIAL_FANIN_BYTES
         if best is None or serial < best[0]:

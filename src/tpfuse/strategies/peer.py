@@ -144,7 +144,7 @@ class PeerStrategy(Strategy):
         raise NotImplementedError
 
     def _plan(self, num_tokens: int, hidden: int, dtype: torch.dtype):
-        return make_plan(num_tokens, hidden, dtype.itemsize, self.plan_programs, self.ctx.world_size)
+        return make_plan(num_tokens, hidden, dtype.itemsize, self.plan_programs)
 
     def _need(self, num_tokens: int, hidden: int, dtype: torch.dtype) -> tuple[int, int]:
         """(region elements, tag words) a call of this shape needs (a pure function of the shape)."""
