@@ -230,7 +230,7 @@ def launch_config(hidden: int, itemsize: int, num_tokens: int, quantized: bool =
 
 # Decode sizes at which per-group FP8 and NVFP4 cut rows into slices of SLICE_COLUMNS columns, and
 # the warps of a slice's program: the fastest launches of the `fused[w=..,r=1,s=..]` sweep in
-# `quant.jsonl` (benchmarks/results/README.md, "the quantized epilogue's rows cut into slices");
+# `quant.jsonl` (benchmarks/results/README.md, "Quantized epilogue: rows cut into slices at decode");
 # static and per-token FP8 keep whole rows (slices gained them nothing).
 SLICE_MAX_TOKENS = 16
 SLICE_COLUMNS = 1024
