@@ -611,3 +611,5 @@ def test_a_launch_config_the_kernel_cannot_run_is_refused_with_the_fix(config, s
         check_quant_config(config, 6144, Q.fp8_per_group(128))
     assert "omit" in str(info.value)
     assert check_quant_config((8192, 8, 1), 6144, Q.fp8_per_group(128)) == (8192, 8, 1, 8192)
+    with pytest.raises(ValueError, match="from 64"):  # every format: slices of at least 64 columns
+        check_quant_config((8192, 8, 1, 32), 6144, Q.fp8_static(1.0))

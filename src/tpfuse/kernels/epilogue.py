@@ -265,7 +265,9 @@ def check_quant_config(config: tuple, hidden: int, quant) -> tuple[int, int, int
                          "power of two up to 32 and rows >= 1; omit config for the default")
     block = max(block, block_for(hidden, quant.kind))
     cut = config[3] if len(config) == 4 else block
-    least = {"fp8_per_group": quant.group, "nvfp4": 64}.get(quant.kind, 1)
+    # a slice holds whole scale blocks, and at least 64 columns (NVFP4's 16-column blocks in groups
+    # of 4 scales; and what the tests run: narrower slices leave a thread less than one code run)
+    least = max(64, quant.group) if quant.kind == "fp8_per_group" else 64
     if not (_power_of_two(cut) and least <= cut <= block) or (cut < block and rows != 1):
         raise ValueError(f"{op}: slice {cut} of config {config!r} must be a power of two from {least} "
                          f"({quant.kind}) to BLOCK_H {block}, with rows 1 when it cuts rows; omit it to quantize "
