@@ -584,21 +584,23 @@ def test_column_major_group_scales_leave_no_padding_byte_unwritten():
 # ---- launch configurations (plain tier) ----------------------------------------------------------
 
 def test_rows_are_cut_only_where_every_slice_holds_whole_scale_blocks():
-    """The launcher's rule: slices for per-group FP8 and NVFP4 at decode sizes, each a power of two
-    that divides BLOCK_H into whole scale blocks; whole rows for the other formats and past
-    SLICE_MAX_TOKENS."""
-    from tpfuse.kernels.epilogue import SLICE_MAX_TOKENS, quant_launch_config
+    """The launcher's rule: slices for per-group FP8 and NVFP4 at decode sizes (the measured
+    choice at hidden 6144), each a launch `check_quant_config` accepts; whole rows for the other
+    formats and from 17 tokens."""
+    from tpfuse.kernels.epilogue import check_quant_config, quant_launch_config
 
+    assert quant_launch_config(6144, 2, 1, "fp8_per_group", group=128) == (8192, 8, 1, 1024)
+    assert quant_launch_config(6144, 2, 16, "nvfp4", group=16) == (8192, 4, 1, 1024)
+    specs = {"fp8_static": Q.fp8_static(1.0), "fp8_per_token": Q.fp8_per_token(), "fp8_per_group": Q.fp8_per_group(128),
+             "nvfp4": Q.nvfp4(1.0)}
     for hidden in (96, 2048, 6144, 7168, 16384):
-        for kind, group in (("fp8_static", 0), ("fp8_per_token", hidden), ("fp8_per_group", 128),
-                            ("fp8_per_group", 16), ("nvfp4", 16)):
-            for tokens in (1, SLICE_MAX_TOKENS, SLICE_MAX_TOKENS + 1, 4096):
-                block, warps, rows, cut = quant_launch_config(hidden, 2, tokens, kind, group=group)
-                assert block >= hidden and block & (block - 1) == 0 and cut & (cut - 1) == 0 and block % cut == 0
-                cuts = kind in ("fp8_per_group", "nvfp4") and tokens <= SLICE_MAX_TOKENS and block > 1024
-                assert (cut < block) == cuts, (hidden, kind, tokens)
-                if cut < block:
-                    assert rows == 1 and cut % max(group, 64 if kind == "nvfp4" else 1) == 0
+        for kind, spec in specs.items():
+            for tokens in (1, 16, 17, 4096):
+                config = quant_launch_config(hidden, 2, tokens, kind, group=spec.group)
+                assert check_quant_config(config, hidden, spec) == config  # a launch the kernel can run
+                block, _, _, cut = config
+                cuts = kind in ("fp8_per_group", "nvfp4") and tokens <= 16 and hidden > 1024
+                assert (cut < block) == cuts, (hidden, kind, tokens, config)
 
 
 @pytest.mark.parametrize("config, says", [((8192, 8, 1, 96), "power of two"), ((8192, 8, 1, 64), "from 128"),
