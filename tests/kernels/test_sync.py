@@ -22,7 +22,7 @@ def _config(world, use_asm, spin=0):
     return PeerConfig.of(world=world, world_p2=triton.next_power_of_2(world), chunk=256, num_chunks=1,
                          num_chunks_p2=1, sentinel=-(1 << 15), elem_bits=16, has_res=True, has_norm=True, split=False,
                          use_asm=use_asm, soft_bf16=not use_asm, pdl=0, spin=spin, single=True, rows_owned=False,
-                         per_poll=1)
+                         per_poll=1, per_push=1)
 
 
 def _record(world, rank, ranks, epoch_ranks, what, abort_from, device):

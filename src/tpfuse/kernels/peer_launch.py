@@ -61,6 +61,10 @@ INTERPRETER_SPINS_PER_S = 1_000
 # Items a two-shot receiver polls at once with whole-row owners: enough loads in flight to cover
 # a read's latency (four 4 KB chunks a program), few enough registers to stay resident.
 TWOSHOT_PER_POLL = 4
+# Items a two-shot program scatters per step (loads issued together, then their pushes): one at a
+# time, a program's scatter was a chain of dependent reads, 48 of them a program at 256 tokens x 6144
+# on W = 8 ranks of 16 programs.
+TWOSHOT_PER_PUSH = 4
 # Compiles `compile_all` runs at once at most (each one thread of the compiler and one assembler process).
 MAX_COMPILE_THREADS = 8
 # Hopper and Ampere SM limits, for the occupancy check where torch does not report them.
@@ -116,8 +120,14 @@ def quant_opts(device, quant, hidden: int) -> QuantOpts:
 
 
 def peer_config(m: int, ws, plan: Plan, grid: int, *, itemsize: int, has_res: bool, has_norm: bool, twoshot: bool,
-                rows: bool, options: LaunchOptions, quantized: bool) -> PeerConfig:
+                rows: bool, options: LaunchOptions, quantized: bool, per_push: int | None = None) -> PeerConfig:
     world = len(ws.peers.views)
+    several = -(-plan.items // grid) > 1  # a program holds more than one item
+    if per_push is None:
+        per_push = TWOSHOT_PER_PUSH if twoshot and several else 1
+    if per_push < 1 or per_push & (per_push - 1):
+        raise ValueError(f"per_push={per_push!r}: the items a two-shot program scatters per step must be a power of "
+                         "two (1, 2, 4, ...); pass None for the default")
     gpu = not interpreting()
     return PeerConfig.of(
         world=world, world_p2=triton.next_power_of_2(world), chunk=plan.chunk, num_chunks=plan.num_chunks,
@@ -125,7 +135,7 @@ def peer_config(m: int, ws, plan: Plan, grid: int, *, itemsize: int, has_res: bo
         has_res=has_res, has_norm=has_norm, split=has_norm and plan.split and not rows, use_asm=gpu,
         soft_bf16=not gpu, pdl=options.pdl if gpu else 0, spin=int(options.spin) if gpu else 0,
         single=not twoshot and plan.items <= grid, rows_owned=rows,
-        per_poll=TWOSHOT_PER_POLL if rows and not quantized and -(-plan.items // grid) > 1 else 1)
+        per_poll=TWOSHOT_PER_POLL if rows and not quantized and several else 1, per_push=per_push)
 
 
 def grid_for(plan: Plan, max_programs: int) -> int:
@@ -141,14 +151,17 @@ class PeerLaunch:
     `__call__(x, residual, weight, eps, out=None, quant=None)` runs one call on the current stream
     and returns (out, new_residual) (new_residual None without norm), or a QuantOutput with
     `quant` (its format must be the one this launch was built for; its scale tensors are data).
-    `owns_rows` forces two-shot's cut (None: `twoshot_owns_rows`; benchmarks force one to compare).
+    `owns_rows` forces two-shot's cut (None: `twoshot_owns_rows`; benchmarks force one to compare),
+    `per_push` the items a two-shot program scatters per step (None: TWOSHOT_PER_PUSH where a program
+    holds several items; a power of two; the bits do not depend on it).
     `out=(out, new_residual)` writes into given buffers (with `quant`: out is the unquantized
     normed output the spec asks for). `compile()` compiles the variant without launching.
     """
 
     def __init__(self, kernel, where: str, ws, num_tokens: int, hidden: int, dtype: torch.dtype, *, has_res: bool,
                  has_norm: bool, quant, plan: Plan, max_programs: int, timeout_s: float, twoshot: bool,
-                 options: LaunchOptions = LaunchOptions(), owns_rows: bool | None = None) -> None:
+                 options: LaunchOptions = LaunchOptions(), owns_rows: bool | None = None,
+                 per_push: int | None = None) -> None:
         rows = twoshot and (twoshot_owns_rows(num_tokens, len(ws.peers.views), plan.programs) if owns_rows is None
                             else owns_rows)
         check_fits(where, num_tokens, hidden, ws, plan, twoshot=twoshot, quant=quant, rows=rows)
@@ -161,7 +174,7 @@ class PeerLaunch:
         self.options = options
         self.C = peer_config(num_tokens, ws, plan, self.grid[0], itemsize=dtype.itemsize, has_res=has_res,
                              has_norm=has_norm, twoshot=twoshot, rows=rows, options=options,
-                             quantized=quant is not None)
+                             quantized=quant is not None, per_push=per_push)
         timeout_ns, max_spins = spin_bounds(timeout_s)
         self._workspace_args = (tuple(ws.peers.views), ws.peers.local, ws.partials, ws.state, ws.err, ws.errmap)
         self._shape_args = (ws.rank, num_tokens, hidden, ws.region_elems, ws.header_elems, ws.tag_words)
