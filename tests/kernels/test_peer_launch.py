@@ -60,6 +60,17 @@ def test_shape_facts_are_fixed_at_construction():
     _, small = _launch("twoshot", world=2, m=3)
     assert not bool(small.C.rows_owned)
     assert int(launch.C.pdl) == 2 and launch.grid == (min(launch.plan.items, 4),)
+    # whole-row owners holding several items scatter TWOSHOT_PER_PUSH a step; chunk owners one
+    from tpfuse.kernels.peer_launch import TWOSHOT_PER_PUSH
+
+    assert -(-launch.plan.items // launch.grid[0]) > 1 and int(launch.C.per_push) == TWOSHOT_PER_PUSH > 1
+    assert int(small.C.per_push) == 1 and int(_launch("twoshot", world=2, m=m, per_push=2)[1].C.per_push) == 2
+
+
+@pytest.mark.parametrize("per_push", [0, 3, -4])
+def test_scatter_steps_that_are_not_a_power_of_two_are_refused(per_push):
+    with pytest.raises(ValueError, match="power of two"):
+        _launch("twoshot", world=2, m=8, per_push=per_push)
 
 
 def test_twoshot_whole_rows_refuse_quantizing_in_the_kernel():

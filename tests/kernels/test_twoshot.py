@@ -54,7 +54,7 @@ def test_chunk_owner_kernel_lowers_and_assembles_for_sm90(world, spin):
 
     C = PeerConfig.of(world=world, world_p2=world, chunk=1024, num_chunks=6, num_chunks_p2=8, sentinel=-(1 << 15),
                       elem_bits=16, has_res=True, has_norm=True, split=True, use_asm=True, soft_bf16=False, pdl=1,
-                      spin=spin, single=False, rows_owned=False, per_poll=1, per_push=4)
+                      spin=spin, single=False, rows_owned=False, per_poll=1, per_push=1)
     sig, constexprs = peer_kernel_signature(world), {"C": C, "Q": QuantOpts.of()}
     ptx = lower_to_ptx(twoshot_kernel, sig, constexprs, PEER_ALIGNED, cc=90)
     vector_polls = re.findall(r"@n(\d+) ld\.volatile\.global\.v4\.b32", ptx)

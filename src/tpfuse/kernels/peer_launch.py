@@ -61,10 +61,12 @@ INTERPRETER_SPINS_PER_S = 1_000
 # Items a two-shot receiver polls at once with whole-row owners: enough loads in flight to cover
 # a read's latency (four 4 KB chunks a program), few enough registers to stay resident.
 TWOSHOT_PER_POLL = 4
-# Items a two-shot program scatters per step (loads issued together, then their pushes): one at a
-# time, a program's scatter was a chain of dependent reads, 48 of them a program at 256 tokens x 6144
-# on W = 8 ranks of 16 programs.
-TWOSHOT_PER_PUSH = 4
+# Items a two-shot program with whole-row owners scatters per step (their loads issued together,
+# then their pushes). W ranks emulated on one H200 (benchmarks/results/peer_kernels_v3_scatter_emulated.jsonl),
+# 256 tokens x 6144, 1 / 4 / 8 items a step: W = 8 125.3 / 119.0 / 115.4 us, W = 4 74.9 / 70.6 / 69.4,
+# W = 2 37.4 / 36.5 / 36.9. Chunk owners scatter one item a step: 4 were slower at 16 tokens (W = 8
+# 10.97 -> 11.69) and within 0.5 us either way at 64.
+TWOSHOT_PER_PUSH = 8
 # Compiles `compile_all` runs at once at most (each one thread of the compiler and one assembler process).
 MAX_COMPILE_THREADS = 8
 # Hopper and Ampere SM limits, for the occupancy check where torch does not report them.
@@ -124,7 +126,7 @@ def peer_config(m: int, ws, plan: Plan, grid: int, *, itemsize: int, has_res: bo
     world = len(ws.peers.views)
     several = -(-plan.items // grid) > 1  # a program holds more than one item
     if per_push is None:
-        per_push = TWOSHOT_PER_PUSH if twoshot and several else 1
+        per_push = TWOSHOT_PER_PUSH if rows and several else 1  # chunk owners ignore it
     if per_push < 1 or per_push & (per_push - 1):
         raise ValueError(f"per_push={per_push!r}: the items a two-shot program scatters per step must be a power of "
                          "two (1, 2, 4, ...); pass None for the default")
@@ -152,8 +154,9 @@ class PeerLaunch:
     and returns (out, new_residual) (new_residual None without norm), or a QuantOutput with
     `quant` (its format must be the one this launch was built for; its scale tensors are data).
     `owns_rows` forces two-shot's cut (None: `twoshot_owns_rows`; benchmarks force one to compare),
-    `per_push` the items a two-shot program scatters per step (None: TWOSHOT_PER_PUSH where a program
-    holds several items; a power of two; the bits do not depend on it).
+    `per_push` the items a program of two-shot's whole-row owners scatters per step (None:
+    TWOSHOT_PER_PUSH where a program holds several items; a power of two; chunk owners scatter one
+    item a step whatever it is; the bits do not depend on it).
     `out=(out, new_residual)` writes into given buffers (with `quant`: out is the unquantized
     normed output the spec asks for). `compile()` compiles the variant without launching.
     """

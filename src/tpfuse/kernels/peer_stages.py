@@ -80,7 +80,7 @@ class PeerConfig(NamedTuple):
     single: bool  # one-shot: every program holds at most one item (one pass)
     rows_owned: bool  # two-shot: owners hold whole rows and push each row's sum of squares
     per_poll: int  # two-shot whole rows: items a program receives per poll (a power of two)
-    per_push: int  # two-shot: items a program scatters per step (a power of two)
+    per_push: int  # two-shot whole rows: items a program scatters per step (a power of two)
 
     @classmethod
     def of(cls, **fields) -> PeerConfig:

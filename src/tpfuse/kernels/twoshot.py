@@ -9,9 +9,7 @@ Chunk owners (up to a few rows a rank): the call's items (row, chunk;
 items [o*K, (o+1)*K), K = ceil(items / W), so even one token is spread over W ranks and many
 programs. Program p handles items p, p + G, ... in every phase:
   1. scatter: push each chunk (and its tag) into region `rank` of its owner's scatter area (own
-     chunks stay in the input): each byte crosses the fabric once. C.per_push items a step
-     (items i, i + G, ...: their loads issued together, then their pushes, each item's tag after
-     its data), so a program's scatter is not a chain of one dependent read per item;
+     chunks stay in the input): each byte crosses the fabric once;
   2. reduce: for owned items, issue the loads of all W - 1 sources at once, poll (with C.spin >= 4
      each thread reloads its vector of every source still missing, with the tags and the abort
      word, in one round trip: `sync.poll_sources`), re-arm what was read, sum in fp32 in rank
@@ -24,14 +22,16 @@ programs. Program p handles items p, p + G, ... in every phase:
 Own sums are produced by the same program that later reads them (item i goes to program i % G
 in both phases), so a wait never names this rank itself.
 
-Row owners (from as many rows a rank as its plan has programs): owner o holds rows [o*R, (o+1)*R), R = ceil(M / W),
-scattered as above, each row reduced by one program chunk after chunk (the next chunk's sources loaded before the
-current one is finished), so the owner knows the row's sum of squares itself. It pushes each
-chunk's sum as above, then the row's sum of squares as one epoch-tagged 64-bit row word (the
-row's tag). Receivers poll C.per_poll items at once (a [per_poll, chunk] block, so several items'
-loads are in flight) together with their rows' words, and finish each item on the spot: new
-residual, normed from the owner's sum of squares (the bits a local sum would give: the owner
-rounds the same new residual), no partials.
+Row owners (from as many rows a rank as its plan has programs): owner o holds rows [o*R, (o+1)*R),
+R = ceil(M / W), scattered as above but C.per_push items a step (items i, i + G, ...: their loads
+issued together, then their pushes, each item's tag after its data). Each row is reduced by one
+program chunk after chunk (the next chunk's sources loaded before the current one is finished),
+so the owner knows the row's sum of squares itself. It pushes each chunk's sum as above, then the
+row's sum of squares as one epoch-tagged 64-bit row word (the row's tag). Receivers poll
+C.per_poll items at once (a [per_poll, chunk] block, so several items' loads are in flight)
+together with their rows' words, and finish each item on the spot: new residual, normed from the
+owner's sum of squares (the bits a local sum would give: the owner rounds the same new residual),
+no partials.
 
 A rank that failed, or whose abort word is set, pushes nothing (no sums, no NaN) and writes NaN.
 What is gathered is the reduced sum, not the normed rows: every rank needs new_residual anyway,
@@ -128,10 +128,10 @@ def twoshot_kernel(
     WP: tl.constexpr = C.world_p2  # shapes take constexprs, not a bundle's plain fields
     CHUNK: tl.constexpr = C.chunk
     fill = sentinel_like(tl.zeros([WP, CHUNK], dtype=local_ptr.dtype.element_ty), C.sentinel, C.elem_bits)
-    pushed = tl.arange(0, C.per_push)[:, None]  # the items of one scatter step, nprog apart
 
     if C.rows_owned:
         per_owner = tl.cdiv(M, C.world)  # rows
+        pushed = tl.arange(0, C.per_push)[:, None]  # the items of one scatter step, nprog apart
         # 1. scatter this rank's rows to their owners, C.per_push items at once
         if dead == 0:
             i = pid
@@ -280,27 +280,23 @@ def twoshot_kernel(
                     fx, qargs, C, Q, False)
     else:
         per_owner = tl.cdiv(items, C.world)
-        # 1. scatter this rank's chunks to their owners, C.per_push items at once
+        # 1. scatter this rank's chunks to their owners
         if dead == 0:
             i = pid
             while i < items:
-                ii = i + pushed * nprog  # [per_push, 1]
-                owner = ii // per_owner
-                col = (ii % C.num_chunks) * C.chunk + cols
-                cmask = (col < H) & (ii < items)
-                x = canonicalize(tl.load(x_ptr + (ii // C.num_chunks).to(tl.int64) * H + col, mask=cmask, other=0.0),
+                owner = i // per_owner
+                col = (i % C.num_chunks) * C.chunk + cols
+                cmask = col < H
+                x = canonicalize(tl.load(x_ptr + (i // C.num_chunks).to(tl.int64) * H + col, mask=cmask, other=0.0),
                                  C.sentinel, C.elem_bits)
-                dst = slot_base + rank * region + (ii - owner * per_owner).to(tl.int64) * C.chunk + cols
+                dst = slot_base + rank * region + (i - owner * per_owner).to(tl.int64) * C.chunk + cols
                 for o in tl.static_range(C.world):
-                    push(bufs[o] + dst, x, and_scalar(cmask & (owner == o), o != rank), C)
-                for k in tl.static_range(C.per_push):
-                    ik = i + k * nprog
-                    owner_k = ik // per_owner
-                    for o in tl.static_range(C.world):
-                        if (o == owner_k) & (o != rank) & (ik < items):
-                            tags_o = tag_words_of(bufs[o], header, region, tag_words, slot, rank, C)
-                            push_word(tags_o + ik - owner_k * per_owner, calls, C)
-                i += nprog * C.per_push
+                    push(bufs[o] + dst, x, and_scalar(cmask, (o == owner) & (o != rank)), C)
+                for o in tl.static_range(C.world):
+                    if (o == owner) & (o != rank):
+                        tags_o = tag_words_of(bufs[o], header, region, tag_words, slot, rank, C)
+                        push_word(tags_o + i - owner * per_owner, calls, C)
+                i += nprog
 
         # 2. reduce the owned chunks in rank order and publish the sums (and tags) to every rank
         own_end = tl.minimum((rank + 1) * per_owner, items)
