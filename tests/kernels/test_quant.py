@@ -272,12 +272,13 @@ def test_reference_e4m3_equals_torch_cuda_conversion():
                                             (7168, (8192, 4, 1, 1024)), (6144, (8192, 8, 1, 512))])
 def test_epilogue_at_model_shapes(hidden, config):
     """Whole rows and rows cut into slices, one program each; config None: the launcher's own
-    (at 5 tokens per-group FP8 and NVFP4 cut rows, at 37 and 256 none does)."""
+    (per-group FP8 cuts rows at 5, 37 and 64 tokens, into slices of 1024, 2048 and 4096 columns
+    at hidden 6144; at 256 no format does)."""
     from tpfuse.kernels.epilogue import residual_rmsnorm
 
     for spec in MODEL_SPECS:
         w = small_integer_inputs(2, 1, hidden, torch.bfloat16)[0]
-        for m in (37, 5):
+        for m in (64, 37, 5):
             s, r = (small_integer_inputs(i, m, hidden, torch.bfloat16) for i in (0, 1))
             got = _cpu(residual_rmsnorm(s.cuda(), r.cuda(), w.cuda(), 1e-6, quant=_on(spec), config=config))
             ref = residual_rmsnorm_quant_ref(s, r, w, 1e-6, spec)
@@ -585,22 +586,31 @@ def test_column_major_group_scales_leave_no_padding_byte_unwritten():
 
 def test_rows_are_cut_only_where_every_slice_holds_whole_scale_blocks():
     """The launcher's rule: slices for per-group FP8 and NVFP4 at decode sizes (the measured
-    choice at hidden 6144), each a launch `check_quant_config` accepts; whole rows for the other
-    formats and from 17 tokens."""
-    from tpfuse.kernels.epilogue import check_quant_config, quant_launch_config
+    choices at hidden 6144 and 7168), each a launch `check_quant_config` accepts, with a grid of
+    at most SLICE_PROGRAMS programs; whole rows for static and per-token FP8 and at prefill."""
+    from tpfuse.kernels.epilogue import SLICE_PROGRAMS, check_quant_config, quant_launch_config
 
-    assert quant_launch_config(6144, 2, 1, "fp8_per_group", group=128) == (8192, 8, 1, 1024)
-    assert quant_launch_config(6144, 2, 16, "nvfp4", group=16) == (8192, 4, 1, 1024)
+    measured = {(6144, 1, "fp8_per_group"): (8, 1024), (6144, 32, "fp8_per_group"): (16, 2048),
+                (6144, 64, "fp8_per_group"): (16, 4096), (7168, 32, "fp8_per_group"): (16, 2048),
+                (6144, 16, "nvfp4"): (4, 1024), (6144, 32, "nvfp4"): (8, 2048), (6144, 64, "nvfp4"): (8, 4096),
+                (7168, 32, "nvfp4"): (16, 8192), (6144, 1, "fp8_per_token"): (4, 8192),
+                (6144, 64, "fp8_per_token"): (16, 8192)}
+    for (hidden, tokens, kind), (warps, cut) in measured.items():
+        assert quant_launch_config(hidden, 2, tokens, kind, group=16 if kind == "nvfp4" else 128) == \
+            (8192, warps, 1, cut), (hidden, tokens, kind)
     specs = {"fp8_static": Q.fp8_static(1.0), "fp8_per_token": Q.fp8_per_token(), "fp8_per_group": Q.fp8_per_group(128),
              "nvfp4": Q.nvfp4(1.0)}
     for hidden in (96, 2048, 6144, 7168, 16384):
         for kind, spec in specs.items():
-            for tokens in (1, 16, 17, 4096):
+            for tokens in (1, 16, 17, 32, 64, 128, 4096):
                 config = quant_launch_config(hidden, 2, tokens, kind, group=spec.group)
                 assert check_quant_config(config, hidden, spec) == config  # a launch the kernel can run
-                block, _, _, cut = config
-                cuts = kind in ("fp8_per_group", "nvfp4") and tokens <= 16 and hidden > 1024
-                assert (cut < block) == cuts, (hidden, kind, tokens, config)
+                block, _, rows, cut = config
+                if cut < block:
+                    assert kind in ("fp8_per_group", "nvfp4") and rows == 1, (hidden, kind, tokens, config)
+                    assert tokens * -(-hidden // cut) <= SLICE_PROGRAMS, (hidden, kind, tokens, config)
+                if tokens >= 256:
+                    assert cut == block, (hidden, kind, tokens, config)
 
 
 @pytest.mark.parametrize("config, says", [((8192, 8, 1, 96), "power of two"), ((8192, 8, 1, 64), "from 128"),

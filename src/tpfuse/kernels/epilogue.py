@@ -228,13 +228,32 @@ def launch_config(hidden: int, itemsize: int, num_tokens: int, quantized: bool =
     return block, num_warps, rows
 
 
-# Decode sizes at which per-group FP8 and NVFP4 cut rows into slices of SLICE_COLUMNS columns, and
-# the warps of a slice's program: the fastest launches of the `fused[w=..,r=1,s=..]` sweep in
-# `quant.jsonl` (benchmarks/results/README.md, "Quantized epilogue: rows cut into slices at decode");
-# static and per-token FP8 keep whole rows (slices gained them nothing).
-SLICE_MAX_TOKENS = 16
+# Where per-group FP8 and NVFP4 cut rows into slices, from the `fused[w=..,r=1,s=..]` sweeps in
+# `quant.jsonl` (benchmarks/results/README.md, "Quantized epilogue: rows cut into slices at decode"
+# and "... slices up to 64 tokens"): the narrowest slice of at least SLICE_COLUMNS columns whose
+# grid (tokens x slices a row) stays within SLICE_PROGRAMS, about one program an SM of an H200
+# (132); none when only whole rows fit. Warps (slices of SLICE_COLUMNS, wider ones): per-group 8 / 16,
+# NVFP4 4 / 8. NVFP4 also keeps whole rows where that slice would cut a row in more than
+# NVFP4_MAX_SLICES (4 slices of 2048 at 32 x 7168 measured +1.47 us against whole rows' +0.84,
+# 3 of 2048 at 32 x 6144 +0.36 against +0.85). Static FP8 keeps whole rows (slices gained it
+# nothing); per-token FP8 keeps whole rows, with PER_TOKEN_DECODE_WARPS warps up to
+# PER_TOKEN_DECODE_TOKENS tokens.
 SLICE_COLUMNS = 1024
-SLICE_WARPS = {"fp8_per_group": 8, "nvfp4": 4}
+SLICE_PROGRAMS = 128
+SLICE_WARPS = {"fp8_per_group": (8, 16), "nvfp4": (4, 8)}
+NVFP4_MAX_SLICES = 3
+PER_TOKEN_DECODE_TOKENS = 16
+PER_TOKEN_DECODE_WARPS = 4
+
+
+def slice_for(hidden: int, num_tokens: int, block: int, kind: str) -> int:
+    """The columns one program of a row quantizes (`block`: whole rows), by the rule above."""
+    cut = SLICE_COLUMNS
+    while cut < block and num_tokens * -(-hidden // cut) > SLICE_PROGRAMS:
+        cut *= 2
+    if kind == "nvfp4" and cut > SLICE_COLUMNS and -(-hidden // cut) > NVFP4_MAX_SLICES:
+        return block
+    return min(cut, block)
 
 
 def quant_launch_config(hidden: int, itemsize: int, num_tokens: int, kind: str, *, group: int = 0
@@ -242,12 +261,15 @@ def quant_launch_config(hidden: int, itemsize: int, num_tokens: int, kind: str, 
     """(BLOCK_H, num_warps, rows per program, SLICE) of the quantized epilogue, a pure function of
     the shape and the format: `launch_config`'s with whole rows (SLICE == BLOCK_H), except per-group
     FP8 (`group`: its columns a scale) and NVFP4 at decode sizes, whose conversion work per row is
-    spread over programs of SLICE_COLUMNS columns each."""
+    spread over programs of SLICE columns each (`slice_for`), and per-token FP8 at decode sizes."""
     block, warps, rows = launch_config(hidden, itemsize, num_tokens, quantized=True)
     block = max(block, block_for(hidden, kind))
-    if (kind in SLICE_WARPS and num_tokens <= SLICE_MAX_TOKENS and block > SLICE_COLUMNS
-            and SLICE_COLUMNS % max(group, 1) == 0):
-        return block, SLICE_WARPS[kind], 1, SLICE_COLUMNS
+    if kind in SLICE_WARPS and block > SLICE_COLUMNS and SLICE_COLUMNS % max(group, 1) == 0:
+        cut = slice_for(hidden, num_tokens, block, kind)
+        if cut < block:
+            return block, SLICE_WARPS[kind][cut > SLICE_COLUMNS], 1, cut
+    if kind == "fp8_per_token" and num_tokens <= PER_TOKEN_DECODE_TOKENS:
+        warps = min(warps, PER_TOKEN_DECODE_WARPS)
     return block, warps, rows, block
 
 
