@@ -138,18 +138,25 @@ EPI_SPECS = [Q.fp8_static(0.05, with_normed=True), Q.fp8_per_token(), Q.fp8_per_
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
+# rows of 448 = 256 + 128 + 64 and 192 = 128 + 64 columns (the kinds "int448", "rand448", "int192"),
+# held whole in those parts (a BLOCK_H below H: `tpfuse.kernels.epilogue.row_parts`)
+WIDTHS = {"int96": 96, "int192": 192, "int448": 448, "rand448": 448}
+
+
 def _inputs(kind, dtype, m, with_res):
-    make = random_inputs if kind == "rand" else small_integer_inputs
-    h = 96 if kind == "int96" else H
+    make = random_inputs if kind.startswith("rand") else small_integer_inputs
+    h = WIDTHS.get(kind, H)
     s = make(0, m, h, dtype, seed=m)
     res = make(1, m, h, dtype, seed=m) if with_res else None
-    w = (1 + 0.1 * random_inputs(2, 1, h, torch.float32)[0]).to(dtype) if kind == "rand" else make(2, 1, h, dtype)[0]
+    w = ((1 + 0.1 * random_inputs(2, 1, h, torch.float32)[0]).to(dtype) if kind.startswith("rand")
+         else make(2, 1, h, dtype)[0])
     return s, res, w
 
 
 # Rows cut into 64-column slices, one program each (the launch `quant_launch_config` may choose at
 # decode sizes): H = 128 in two whole slices, H = 96 in a whole one and a masked one.
 SPLIT = (128, 4, 1, 64)
+PARTS = {"int448": (256, 4, 1), "rand448": (256, 4, 1), "int192": (128, 2, 2)}  # rows whole, in parts
 
 
 def _cases():
@@ -168,6 +175,9 @@ def _cases():
     cases += [("int96", torch.bfloat16, 3, True, i, SPLIT) for i in linear if EPI_SPECS[i].group in (0, 16)]
     cases += [("rand", torch.bfloat16, 6, True, i, SPLIT) for i in linear]
     cases += [("int", torch.bfloat16, 2, False, 1, SPLIT)]
+    cases += [(kind, torch.bfloat16, 5 if kind == "int192" else 3, True, i, PARTS[kind])
+              for kind in ("int448", "int192") for i in linear + swizzled]
+    cases += [("rand448", torch.bfloat16, 6, True, i, PARTS["rand448"]) for i in linear]
     return cases
 
 
@@ -207,7 +217,7 @@ def test_quantized_epilogue_matches_reference():
         assert _same(got.residual, ref.residual), label  # the residual add is exact
         if op is not None:  # the torch.library op returns the launcher's bits and layouts
             assert all(_same(a, b) for a, b in zip(op, got)), label
-        if kind != "rand":  # exact sum of squares: the fp32 rows equal the reference's, so every bit does
+        if not kind.startswith("rand"):  # exact sum of squares: the fp32 rows equal the reference's, so every bit does
             assert all(_same(a, b) for a, b in zip(got, ref)), label
             continue
         # Random rows: the sum of squares is a tree here and sequential in torch, so a row's fp32
@@ -269,11 +279,13 @@ def test_reference_e4m3_equals_torch_cuda_conversion():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("hidden, config", [(6144, None), (7168, None), (6144, (8192, 16, 1, 2048)),
-                                            (7168, (8192, 4, 1, 1024)), (6144, (8192, 8, 1, 512))])
+                                            (7168, (8192, 4, 1, 1024)), (6144, (8192, 8, 1, 512)),
+                                            (6144, (4096, 4, 1)), (7168, (4096, 8, 2))])
 def test_epilogue_at_model_shapes(hidden, config):
-    """Whole rows and rows cut into slices, one program each; config None: the launcher's own
-    (per-group FP8 cuts rows at 5, 37 and 64 tokens, into slices of 1024, 2048 and 4096 columns
-    at hidden 6144; at 256 no format does)."""
+    """Whole rows, rows cut into slices, one program each, and whole rows held in power-of-two
+    parts (BLOCK_H 4096: 6144 = 4096 + 2048, 7168 = 4096 + 2048 + 1024); config None: the
+    launcher's own (per-group FP8 cuts rows at 5, 37 and 64 tokens, into slices of 1024, 2048 and
+    4096 columns at hidden 6144; at 256 tokens every format holds rows whole in parts)."""
     from tpfuse.kernels.epilogue import residual_rmsnorm
 
     for spec in MODEL_SPECS:
@@ -614,7 +626,8 @@ def test_rows_are_cut_only_where_every_slice_holds_whole_scale_blocks():
 
 
 @pytest.mark.parametrize("config, says", [((8192, 8, 1, 96), "power of two"), ((8192, 8, 1, 64), "from 128"),
-                                          ((8192, 8, 2, 1024), "rows 1"), ((4096, 8, 1), "BLOCK_H a power of two"),
+                                          ((8192, 8, 2, 1024), "rows 1"), ((6000, 8, 1), "BLOCK_H a power of two"),
+                                          ((2048, 8, 1), "smaller powers of two"), ((4096, 8, 1, 1024), "no slice"),
                                           ((8192, 3, 1), "num_warps"), ((8192, 8), "config must be")])
 def test_a_launch_config_the_kernel_cannot_run_is_refused_with_the_fix(config, says):
     from tpfuse.kernels.epilogue import check_quant_config
@@ -625,3 +638,18 @@ def test_a_launch_config_the_kernel_cannot_run_is_refused_with_the_fix(config, s
     assert check_quant_config((8192, 8, 1), 6144, Q.fp8_per_group(128)) == (8192, 8, 1, 8192)
     with pytest.raises(ValueError, match="from 64"):  # every format: slices of at least 64 columns
         check_quant_config((8192, 8, 1, 32), 6144, Q.fp8_static(1.0))
+    with pytest.raises(ValueError, match="at least 128"):  # a part narrower than a scale block
+        check_quant_config((4096, 4, 1), 4096 + 64, Q.fp8_per_group(128))
+
+
+def test_rows_held_in_parts_are_a_power_of_two_and_one_or_two_smaller_ones():
+    from tpfuse.kernels.epilogue import quant_launch_config, row_parts
+
+    assert row_parts(6144, 4096) == (2048, 0) and row_parts(7168, 4096) == (2048, 1024)
+    for hidden, block in ((7680, 4096), (4096, 4096), (8192, 2048), (6144, 3072)):  # 3 smaller parts, none, ...
+        with pytest.raises(ValueError, match="BLOCK_H of"):
+            row_parts(hidden, block)
+    # the launcher holds prefill rows in parts where each is at least one code run a thread (4 warps: 1024)
+    assert quant_launch_config(6144, 2, 4096, "nvfp4", group=16) == (4096, 4, 1, 4096)
+    assert quant_launch_config(3584, 2, 4096, "nvfp4", group=16) == (4096, 4, 1, 4096)  # 512 < 1024: masked
+    assert quant_launch_config(6144, 2, 255, "fp8_static")[0] == 8192

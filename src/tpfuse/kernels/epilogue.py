@@ -113,8 +113,24 @@ def new_residual(s, offs, mask, res_ptr, HAS_RES: tl.constexpr, SOFT_BF16: tl.co
 @triton.jit
 def inverse_rms(h, H, eps):
     """1 / sqrt(mean(h^2) + eps) of a whole fp32 row `h` (zeros in masked lanes), correctly rounded."""
-    ms = tl.math.div_rn(tl.sum(h * h, axis=0), H.to(tl.float32))
+    return inverse_rms_of(tl.sum(h * h, axis=0), H, eps)
+
+
+@triton.jit
+def inverse_rms_of(ss, H, eps):
+    """1 / sqrt(ss / H + eps), correctly rounded, from a row's fp32 sum of squares `ss`."""
+    ms = tl.math.div_rn(ss, H.to(tl.float32))
     return tl.math.div_rn(1.0, tl.math.sqrt_rn(ms + eps))
+
+
+@triton.jit
+def part_residual(s_ptr, res_ptr, newres_ptr, row, cols, M, H, HAS_RES: tl.constexpr, SOFT_BF16: tl.constexpr):
+    """Columns `cols` of one row: (input, mask, new residual in fp32), the new residual stored."""
+    s, mask = load_row(s_ptr, row, cols, cols < H, M, H)
+    offs = row.to(tl.int64) * H + cols
+    nr = new_residual(s, offs, mask, res_ptr, HAS_RES, SOFT_BF16)
+    tl.store(newres_ptr + offs, nr, mask=mask)
+    return s, mask, nr.to(tl.float32)
 
 
 @triton.jit
@@ -148,7 +164,7 @@ def residual_rmsnorm_quant_kernel(
     q_ptr, q_row_stride, sc_ptr, s_row_stride, s_col_stride, param_ptr, scale_ub,
     BLOCK_H: tl.constexpr, ROWS: tl.constexpr, SLICE: tl.constexpr, HAS_RES: tl.constexpr, SOFT_BF16: tl.constexpr,
     WITH_NORMED: tl.constexpr, KIND: tl.constexpr, GROUP: tl.constexpr, SWIZZLED: tl.constexpr,
-    HAS_UB: tl.constexpr, HW_CVT: tl.constexpr,
+    HAS_UB: tl.constexpr, HW_CVT: tl.constexpr, P1: tl.constexpr = 0, P2: tl.constexpr = 0,
 ):
     """The epilogue with quantized output (`tpfuse.kernels.quant.quantize_chunk`); with swizzled
     NVFP4 scales the programs after the row programs zero the scales of the padding rows.
@@ -158,7 +174,11 @@ def residual_rmsnorm_quant_kernel(
     (p % parts) * SLICE .. + SLICE - 1. Each of them reads the whole row for its sum of squares
     (per-token FP8: and its absmax), so every program of a row computes the same fp32 values, then
     stores the new residual and the quantized output of its columns only: at decode sizes the
-    per-element work of the conversion is spread over that many SMs instead of one."""
+    per-element work of the conversion is spread over that many SMs instead of one.
+
+    P1 > 0 (whole rows, `row_parts`): a row is held in parts of BLOCK_H, P1 and P2 (if > 0)
+    columns, powers of two that add up to H, so that no lane is masked: with one masked block of
+    next_pow2(H) columns, a quarter of the conversion work at H = 6144 was on masked lanes."""
     pid = tl.program_id(0)
     if SLICE < BLOCK_H:
         parts = (H + SLICE - 1) // SLICE
@@ -191,6 +211,46 @@ def residual_rmsnorm_quant_kernel(
                 tl.store(out_ptr + offs, round_like(y, s, SOFT_BF16), mask=mask)
             quantize_chunk(y, row, start, M, H, q_ptr, q_row_stride, sc_ptr, s_row_stride, s_col_stride, param,
                            scale_ub, amax, KIND, GROUP, SLICE, SWIZZLED, HAS_UB, HW_CVT, KIND == 2)
+        elif P1 > 0:
+            cols0 = tl.arange(0, BLOCK_H)
+            cols1 = BLOCK_H + tl.arange(0, P1)
+            w0 = load_weight(w_ptr, cols0, cols0 < H, True)
+            w1 = load_weight(w_ptr, cols1, cols1 < H, True)
+            if P2 > 0:
+                cols2 = BLOCK_H + P1 + tl.arange(0, P2)
+                w2 = load_weight(w_ptr, cols2, cols2 < H, True)
+            param = load_param(param_ptr, KIND)  # with the weights, off the rows' dependency chains
+            for i in tl.static_range(ROWS):
+                row = pid * ROWS + i
+                s0, m0, h0 = part_residual(s_ptr, res_ptr, newres_ptr, row, cols0, M, H, HAS_RES, SOFT_BF16)
+                s1, m1, h1 = part_residual(s_ptr, res_ptr, newres_ptr, row, cols1, M, H, HAS_RES, SOFT_BF16)
+                ss = tl.sum(h0 * h0, axis=0) + tl.sum(h1 * h1, axis=0)
+                if P2 > 0:
+                    s2, m2, h2 = part_residual(s_ptr, res_ptr, newres_ptr, row, cols2, M, H, HAS_RES, SOFT_BF16)
+                    ss += tl.sum(h2 * h2, axis=0)
+                inv = inverse_rms_of(ss, H, eps)
+                y0 = h0 * inv * w0
+                y1 = h1 * inv * w1
+                amax = 0
+                if KIND == 2:  # the row's absmax over its parts
+                    amax = tl.maximum(tl.max(abs_bits(y0, m0), axis=0), tl.max(abs_bits(y1, m1), axis=0))
+                if P2 > 0:
+                    y2 = h2 * inv * w2
+                    if KIND == 2:
+                        amax = tl.maximum(amax, tl.max(abs_bits(y2, m2), axis=0))
+                if WITH_NORMED:
+                    tl.store(out_ptr + row.to(tl.int64) * H + cols0, round_like(y0, s0, SOFT_BF16), mask=m0)
+                    tl.store(out_ptr + row.to(tl.int64) * H + cols1, round_like(y1, s1, SOFT_BF16), mask=m1)
+                    if P2 > 0:
+                        tl.store(out_ptr + row.to(tl.int64) * H + cols2, round_like(y2, s2, SOFT_BF16), mask=m2)
+                quantize_chunk(y0, row, 0, M, H, q_ptr, q_row_stride, sc_ptr, s_row_stride, s_col_stride, param,
+                               scale_ub, amax, KIND, GROUP, BLOCK_H, SWIZZLED, HAS_UB, HW_CVT, KIND == 2)
+                quantize_chunk(y1, row, BLOCK_H, M, H, q_ptr, q_row_stride, sc_ptr, s_row_stride, s_col_stride,
+                               param, scale_ub, amax, KIND, GROUP, P1, SWIZZLED, HAS_UB, HW_CVT, KIND == 2)
+                if P2 > 0:
+                    quantize_chunk(y2, row, BLOCK_H + P1, M, H, q_ptr, q_row_stride, sc_ptr, s_row_stride,
+                                   s_col_stride, param, scale_ub, amax, KIND, GROUP, P2, SWIZZLED, HAS_UB, HW_CVT,
+                                   KIND == 2)
         else:
             cols = tl.arange(0, BLOCK_H)
             cmask = cols < H
@@ -204,8 +264,8 @@ def residual_rmsnorm_quant_kernel(
                     tl.store(out_ptr + row.to(tl.int64) * H + cols, round_like(y, s, SOFT_BF16), mask=mask)
                 quantize_chunk(y, row, 0, M, H, q_ptr, q_row_stride, sc_ptr, s_row_stride, s_col_stride, param,
                                scale_ub, 0, KIND, GROUP, BLOCK_H, SWIZZLED, HAS_UB, HW_CVT, False)
-    elif SWIZZLED:
-        zero_scale_padding(sc_ptr, M, H, pid - row_programs, BLOCK_H // 16, PAD_CHUNK)
+    elif SWIZZLED:  # (a row in parts spans 2 * BLOCK_H: a power of two >= H)
+        zero_scale_padding(sc_ptr, M, H, pid - row_programs, (BLOCK_H * 2 if P1 > 0 else BLOCK_H) // 16, PAD_CHUNK)
 
 
 def launch_config(hidden: int, itemsize: int, num_tokens: int, quantized: bool = False) -> tuple[int, int, int]:
@@ -244,6 +304,9 @@ SLICE_WARPS = {"fp8_per_group": (8, 16), "nvfp4": (4, 8)}
 NVFP4_MAX_SLICES = 3
 PER_TOKEN_DECODE_TOKENS = 16
 PER_TOKEN_DECODE_WARPS = 4
+# From this many tokens a whole row whose columns are a power of two and one or two smaller ones is
+# held in those parts (`parts_for`), none masked.
+ROW_PARTS_TOKENS = 256
 
 
 def slice_for(hidden: int, num_tokens: int, block: int, kind: str) -> int:
@@ -254,6 +317,31 @@ def slice_for(hidden: int, num_tokens: int, block: int, kind: str) -> int:
     if kind == "nvfp4" and cut > SLICE_COLUMNS and -(-hidden // cut) > NVFP4_MAX_SLICES:
         return block
     return min(cut, block)
+
+
+def row_parts(hidden: int, block: int) -> tuple[int, int]:
+    """(P1, P2) of a row of `hidden` columns held whole in parts of `block` (a power of two below
+    hidden), P1 and P2 columns: the powers of two after `block` that add up to hidden, P2 0 for two
+    parts. ValueError where hidden - block is not one or two smaller powers of two."""
+    rest = hidden - block
+    parts = [1 << b for b in range(rest.bit_length() - 1, -1, -1) if rest >> b & 1] if rest > 0 else []
+    if not (_power_of_two(block) and 0 < rest < block and len(parts) <= 2):
+        raise ValueError(f"a row of {hidden} columns is not {block} and one or two smaller powers of two; use a "
+                         f"BLOCK_H of {triton.next_power_of_2(hidden)} (one masked block) instead")
+    return parts[0], parts[1] if len(parts) == 2 else 0
+
+
+def parts_for(hidden: int, block: int, warps: int, least: int) -> tuple[int, int] | None:
+    """The parts (`row_parts`) of a whole row at prefill, or None for one masked block: where the
+    row is BLOCK_H / 2 plus one or two smaller powers of two, each at least `least` columns and one
+    code run (8 elements) a thread."""
+    half = block // 2
+    try:
+        parts = row_parts(hidden, half)
+    except ValueError:
+        return None
+    smallest = parts[1] or parts[0]
+    return parts if smallest >= max(least, 8 * 32 * warps) else None
 
 
 def quant_launch_config(hidden: int, itemsize: int, num_tokens: int, kind: str, *, group: int = 0
@@ -270,7 +358,16 @@ def quant_launch_config(hidden: int, itemsize: int, num_tokens: int, kind: str, 
             return block, SLICE_WARPS[kind][cut > SLICE_COLUMNS], 1, cut
     if kind == "fp8_per_token" and num_tokens <= PER_TOKEN_DECODE_TOKENS:
         warps = min(warps, PER_TOKEN_DECODE_WARPS)
+    if num_tokens >= ROW_PARTS_TOKENS and parts_for(hidden, block, warps, least_columns(kind, group)):
+        block //= 2  # the row in parts (`row_parts`): BLOCK_H below hidden
     return block, warps, rows, block
+
+
+def least_columns(kind: str, group: int) -> int:
+    """The narrowest slice or part of a row the quantized kernel takes: whole scale blocks, and at
+    least 64 columns (NVFP4's 16-column blocks in groups of 4 scales; and what the tests run:
+    narrower ones leave a thread less than one code run)."""
+    return max(64, group) if kind == "fp8_per_group" else 64
 
 
 def check_quant_config(config: tuple, hidden: int, quant) -> tuple[int, int, int, int]:
@@ -281,15 +378,22 @@ def check_quant_config(config: tuple, hidden: int, quant) -> tuple[int, int, int
         raise ValueError(f"{op}: config must be (BLOCK_H, num_warps, rows[, slice]), got {config!r}; omit config "
                          "for the default")
     block, warps, rows = config[:3]
-    if not (_power_of_two(block) and block >= hidden and _power_of_two(warps) and warps <= 32
-            and isinstance(rows, int) and rows >= 1):
-        raise ValueError(f"{op}: config {config!r} needs BLOCK_H a power of two >= hidden {hidden}, num_warps a "
-                         "power of two up to 32 and rows >= 1; omit config for the default")
+    if not (_power_of_two(block) and _power_of_two(warps) and warps <= 32 and isinstance(rows, int) and rows >= 1):
+        raise ValueError(f"{op}: config {config!r} needs BLOCK_H a power of two, num_warps a power of two up to "
+                         "32 and rows >= 1; omit config for the default")
+    least = least_columns(quant.kind, quant.group)
+    if block < hidden:  # a whole row in parts
+        try:
+            parts = row_parts(hidden, block)
+        except ValueError as exc:
+            raise ValueError(f"{op}: config {config!r}: {exc}; omit config for the default") from None
+        if len(config) == 4 and config[3] != block or min(p for p in (block, *parts) if p) < least:
+            raise ValueError(f"{op}: config {config!r} holds rows of {hidden} in parts {(block, *parts)}: they "
+                             f"quantize whole rows (no slice) and each must be at least {least} columns for "
+                             f"{quant.kind}; omit config for the default")
+        return block, warps, rows, block
     block = max(block, block_for(hidden, quant.kind))
     cut = config[3] if len(config) == 4 else block
-    # a slice holds whole scale blocks, and at least 64 columns (NVFP4's 16-column blocks in groups
-    # of 4 scales; and what the tests run: narrower slices leave a thread less than one code run)
-    least = max(64, quant.group) if quant.kind == "fp8_per_group" else 64
     if not (_power_of_two(cut) and least <= cut <= block) or (cut < block and rows != 1):
         raise ValueError(f"{op}: slice {cut} of config {config!r} must be a power of two from {least} "
                          f"({quant.kind}) to BLOCK_H {block}, with rows 1 when it cuts rows; omit it to quantize "
@@ -375,8 +479,9 @@ def _launch_quant(s, residual, weight, eps, quant, config):
     block, warps, rows, cut = config or quant_launch_config(h, s.element_size(), m, quant.kind,
                                                                     group=quant.group)
     grid = (m * triton.cdiv(h, cut) if cut < block else triton.cdiv(m, rows)) + (pad_programs(m) if buf.swizzled else 0)
+    p1, p2 = row_parts(h, block) if block < h else (0, 0)
     meta = dict(BLOCK_H=block, ROWS=rows, SLICE=cut, HAS_RES=residual is not None, SOFT_BF16=interpreting(),
-                WITH_NORMED=normed is not None, num_warps=warps, **_quant_constexprs(buf, block))
+                WITH_NORMED=normed is not None, num_warps=warps, P1=p1, P2=p2, **_quant_constexprs(buf, block))
     _remember(key, bind(residual_rmsnorm_quant_kernel, (grid,), args, meta, launch=True))
     return QuantOutput(buf.out, buf.scale, new_res, normed)
 
