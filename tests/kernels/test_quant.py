@@ -138,9 +138,9 @@ EPI_SPECS = [Q.fp8_static(0.05, with_normed=True), Q.fp8_per_token(), Q.fp8_per_
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-# rows of 448 = 256 + 128 + 64 and 192 = 128 + 64 columns (the kinds "int448", "rand448", "int192"),
-# held whole in those parts (a BLOCK_H below H: `tpfuse.kernels.epilogue.row_parts`)
-WIDTHS = {"int96": 96, "int192": 192, "int448": 448, "rand448": 448}
+# rows of 192 = 128 + 64 and 320 = 256 + 64 columns (the kinds "int192", "rand192", "int320"), held
+# whole in those two parts (a BLOCK_H below H: `tpfuse.kernels.epilogue.row_parts`)
+WIDTHS = {"int96": 96, "int192": 192, "rand192": 192, "int320": 320}
 
 
 def _inputs(kind, dtype, m, with_res):
@@ -156,7 +156,7 @@ def _inputs(kind, dtype, m, with_res):
 # Rows cut into 64-column slices, one program each (the launch `quant_launch_config` may choose at
 # decode sizes): H = 128 in two whole slices, H = 96 in a whole one and a masked one.
 SPLIT = (128, 4, 1, 64)
-PARTS = {"int448": (256, 4, 1), "rand448": (256, 4, 1), "int192": (128, 2, 2)}  # rows whole, in parts
+PARTS = {"int320": (256, 4, 1), "rand192": (128, 4, 1), "int192": (128, 2, 2)}  # rows whole, in two parts
 
 
 def _cases():
@@ -176,8 +176,8 @@ def _cases():
     cases += [("rand", torch.bfloat16, 6, True, i, SPLIT) for i in linear]
     cases += [("int", torch.bfloat16, 2, False, 1, SPLIT)]
     cases += [(kind, torch.bfloat16, 5 if kind == "int192" else 3, True, i, PARTS[kind])
-              for kind in ("int448", "int192") for i in linear + swizzled]
-    cases += [("rand448", torch.bfloat16, 6, True, i, PARTS["rand448"]) for i in linear]
+              for kind in ("int320", "int192") for i in linear + swizzled]
+    cases += [("rand192", torch.bfloat16, 6, True, i, PARTS["rand192"]) for i in linear]
     return cases
 
 
@@ -280,12 +280,12 @@ def test_reference_e4m3_equals_torch_cuda_conversion():
 @pytest.mark.gpu
 @pytest.mark.parametrize("hidden, config", [(6144, None), (7168, None), (6144, (8192, 16, 1, 2048)),
                                             (7168, (8192, 4, 1, 1024)), (6144, (8192, 8, 1, 512)),
-                                            (6144, (4096, 4, 1)), (7168, (4096, 8, 2))])
+                                            (6144, (4096, 4, 1)), (5120, (4096, 8, 2))])
 def test_epilogue_at_model_shapes(hidden, config):
-    """Whole rows, rows cut into slices, one program each, and whole rows held in power-of-two
-    parts (BLOCK_H 4096: 6144 = 4096 + 2048, 7168 = 4096 + 2048 + 1024); config None: the
-    launcher's own (per-group FP8 cuts rows at 5, 37 and 64 tokens, into slices of 1024, 2048 and
-    4096 columns at hidden 6144; at 256 tokens every format holds rows whole in parts)."""
+    """Whole rows, rows cut into slices, one program each, and whole rows held in two parts
+    (BLOCK_H 4096: 6144 = 4096 + 2048, 5120 = 4096 + 1024); config None: the launcher's own
+    (per-group FP8 cuts rows at 5, 37 and 64 tokens, into slices of 1024, 2048 and 4096 columns
+    at hidden 6144; at 256 tokens NVFP4 holds rows of 6144 in two parts)."""
     from tpfuse.kernels.epilogue import residual_rmsnorm
 
     for spec in MODEL_SPECS:
@@ -497,20 +497,24 @@ SIG = {"s_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16
        "H": "i32", "eps": "fp32", "q_ptr": "*u8", "q_row_stride": "i32", "sc_ptr": "*fp32", "s_row_stride": "i32",
        "s_col_stride": "i32", "param_ptr": "*fp32", "scale_ub": "fp32", "BLOCK_H": "constexpr", "ROWS": "constexpr",
        "SLICE": "constexpr", "HAS_RES": "constexpr", "SOFT_BF16": "constexpr", "WITH_NORMED": "constexpr",
-       "KIND": "constexpr", "GROUP": "constexpr", "SWIZZLED": "constexpr", "HAS_UB": "constexpr", "HW_CVT": "constexpr"}
+       "KIND": "constexpr", "GROUP": "constexpr", "SWIZZLED": "constexpr", "HAS_UB": "constexpr", "HW_CVT": "constexpr",
+       "P1": "constexpr"}
 ALIGNED = ("s_ptr", "res_ptr", "w_ptr", "out_ptr", "newres_ptr", "H", "q_ptr", "q_row_stride", "sc_ptr", "param_ptr")
 
 
-def _ptx(cc: int, kind: int, group: int, swizzled: bool, hw: int, cut: int = 8192, warps: int = 16) -> str:
+def _ptx(cc: int, kind: int, group: int, swizzled: bool, hw: int, cut: int = 8192, warps: int = 16,
+         parts: tuple = (8192, 0)) -> str:
     """PTX of the quantized epilogue kernel for format KIND on sm_`cc` (KIND 0: the unquantized
-    epilogue kernel), rows of 8192 columns quantized `cut` columns a program of `warps` warps."""
+    epilogue kernel), rows of 8192 columns quantized `cut` columns a program of `warps` warps, or
+    rows held in two parts of (BLOCK_H, P1) columns."""
     pytest.importorskip("triton")
     from support.ptx import lower_to_ptx
     from tpfuse.kernels.epilogue import residual_rmsnorm_kernel, residual_rmsnorm_quant_kernel
 
     sig = dict(SIG, sc_ptr="*u8" if kind == 4 else "*fp32")
-    constexprs = {"BLOCK_H": 8192, "ROWS": 1, "SLICE": cut, "HAS_RES": True, "SOFT_BF16": False, "WITH_NORMED": False,
-                  "KIND": kind, "GROUP": group, "SWIZZLED": swizzled, "HAS_UB": False, "HW_CVT": hw}
+    constexprs = {"BLOCK_H": parts[0], "ROWS": 1, "SLICE": min(cut, parts[0]), "HAS_RES": True, "SOFT_BF16": False,
+                  "WITH_NORMED": False, "KIND": kind, "GROUP": group, "SWIZZLED": swizzled, "HAS_UB": False,
+                  "HW_CVT": hw, "P1": parts[1]}
     kernel = residual_rmsnorm_quant_kernel
     if kind == 0:
         kernel = residual_rmsnorm_kernel
@@ -547,6 +551,18 @@ def test_codes_leave_without_a_shared_memory_layout_change():
     # 8 codes a thread in one 64-bit store; the mask built on the 2-D offsets keeps the store
     # vectorised (a reshaped 1-D mask gave 8 single-byte stores with Triton 3.6)
     assert set(re.findall(r"st\.global[.\w]*", _ptx(90, 1, 16, False, 5))) == {"st.global.v2.b32", "st.global.v4.b32"}
+
+
+def test_a_row_in_two_parts_converts_no_masked_lane():
+    """NVFP4 rows of 6144 = 4096 + 2048 held in two parts: fewer e2m1 conversions a thread than
+    one masked block of 8192 (its software conversion ends each code with a NaN select), and
+    ptxas takes the kernel."""
+    from support.ptx import assemble
+
+    masked, parts = (_ptx(90, 4, 16, True, 5, warps=4, parts=p) for p in ((8192, 0), (4096, 2048)))
+    selects = [len(re.findall(r"\bselp\.b32", ptx)) for ptx in (masked, parts)]
+    assert selects[1] <= selects[0] * 3 // 4, selects  # 6144 of 8192 lanes
+    assemble(parts)
 
 
 @pytest.mark.parametrize("cc", [100, 120])  # B200-class and RTX PRO 6000-class (Triton targets sm_100a / sm_120a)
@@ -627,7 +643,7 @@ def test_rows_are_cut_only_where_every_slice_holds_whole_scale_blocks():
 
 @pytest.mark.parametrize("config, says", [((8192, 8, 1, 96), "power of two"), ((8192, 8, 1, 64), "from 128"),
                                           ((8192, 8, 2, 1024), "rows 1"), ((6000, 8, 1), "BLOCK_H a power of two"),
-                                          ((2048, 8, 1), "smaller powers of two"), ((4096, 8, 1, 1024), "no slice"),
+                                          ((2048, 8, 1), "smaller power of two"), ((4096, 8, 1, 1024), "no slice"),
                                           ((8192, 3, 1), "num_warps"), ((8192, 8), "config must be")])
 def test_a_launch_config_the_kernel_cannot_run_is_refused_with_the_fix(config, says):
     from tpfuse.kernels.epilogue import check_quant_config
@@ -642,14 +658,17 @@ def test_a_launch_config_the_kernel_cannot_run_is_refused_with_the_fix(config, s
         check_quant_config((4096, 4, 1), 4096 + 64, Q.fp8_per_group(128))
 
 
-def test_rows_held_in_parts_are_a_power_of_two_and_one_or_two_smaller_ones():
+def test_rows_held_in_two_parts_are_a_power_of_two_and_a_smaller_one():
     from tpfuse.kernels.epilogue import quant_launch_config, row_parts
 
-    assert row_parts(6144, 4096) == (2048, 0) and row_parts(7168, 4096) == (2048, 1024)
-    for hidden, block in ((7680, 4096), (4096, 4096), (8192, 2048), (6144, 3072)):  # 3 smaller parts, none, ...
+    assert row_parts(6144, 4096) == 2048 and row_parts(5120, 4096) == 1024
+    for hidden, block in ((7168, 4096), (4096, 4096), (8192, 2048), (6144, 3072)):  # 3 parts, none, ...
         with pytest.raises(ValueError, match="BLOCK_H of"):
             row_parts(hidden, block)
-    # the launcher holds prefill rows in parts where each is at least one code run a thread (4 warps: 1024)
+    # the launcher holds NVFP4 rows at prefill in two parts where the smaller is at least one code
+    # run a thread (4 warps: 1024 columns); the FP8 formats and three-part rows keep one masked block
     assert quant_launch_config(6144, 2, 4096, "nvfp4", group=16) == (4096, 4, 1, 4096)
-    assert quant_launch_config(3584, 2, 4096, "nvfp4", group=16) == (4096, 4, 1, 4096)  # 512 < 1024: masked
-    assert quant_launch_config(6144, 2, 255, "fp8_static")[0] == 8192
+    assert quant_launch_config(7168, 2, 4096, "nvfp4", group=16) == (8192, 4, 1, 8192)
+    assert quant_launch_config(6144, 2, 4096, "fp8_per_group", group=128) == (8192, 4, 1, 8192)
+    assert quant_launch_config(2560, 2, 4096, "nvfp4", group=16) == (4096, 4, 1, 4096)  # 512 < 1024: masked
+    assert quant_launch_config(6144, 2, 255, "nvfp4", group=16)[0] == 8192

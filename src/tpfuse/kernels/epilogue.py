@@ -164,7 +164,7 @@ def residual_rmsnorm_quant_kernel(
     q_ptr, q_row_stride, sc_ptr, s_row_stride, s_col_stride, param_ptr, scale_ub,
     BLOCK_H: tl.constexpr, ROWS: tl.constexpr, SLICE: tl.constexpr, HAS_RES: tl.constexpr, SOFT_BF16: tl.constexpr,
     WITH_NORMED: tl.constexpr, KIND: tl.constexpr, GROUP: tl.constexpr, SWIZZLED: tl.constexpr,
-    HAS_UB: tl.constexpr, HW_CVT: tl.constexpr, P1: tl.constexpr = 0, P2: tl.constexpr = 0,
+    HAS_UB: tl.constexpr, HW_CVT: tl.constexpr, P1: tl.constexpr = 0,
 ):
     """The epilogue with quantized output (`tpfuse.kernels.quant.quantize_chunk`); with swizzled
     NVFP4 scales the programs after the row programs zero the scales of the padding rows.
@@ -176,8 +176,8 @@ def residual_rmsnorm_quant_kernel(
     stores the new residual and the quantized output of its columns only: at decode sizes the
     per-element work of the conversion is spread over that many SMs instead of one.
 
-    P1 > 0 (whole rows, `row_parts`): a row is held in parts of BLOCK_H, P1 and P2 (if > 0)
-    columns, powers of two that add up to H, so that no lane is masked: with one masked block of
+    P1 > 0 (whole rows, `row_parts`): a row is held in two parts, of BLOCK_H and P1 columns
+    (powers of two that add up to H), so that no lane is masked: with one masked block of
     next_pow2(H) columns, a quarter of the conversion work at H = 6144 was on masked lanes."""
     pid = tl.program_id(0)
     if SLICE < BLOCK_H:
@@ -216,41 +216,24 @@ def residual_rmsnorm_quant_kernel(
             cols1 = BLOCK_H + tl.arange(0, P1)
             w0 = load_weight(w_ptr, cols0, cols0 < H, True)
             w1 = load_weight(w_ptr, cols1, cols1 < H, True)
-            if P2 > 0:
-                cols2 = BLOCK_H + P1 + tl.arange(0, P2)
-                w2 = load_weight(w_ptr, cols2, cols2 < H, True)
             param = load_param(param_ptr, KIND)  # with the weights, off the rows' dependency chains
             for i in tl.static_range(ROWS):
                 row = pid * ROWS + i
                 s0, m0, h0 = part_residual(s_ptr, res_ptr, newres_ptr, row, cols0, M, H, HAS_RES, SOFT_BF16)
                 s1, m1, h1 = part_residual(s_ptr, res_ptr, newres_ptr, row, cols1, M, H, HAS_RES, SOFT_BF16)
-                ss = tl.sum(h0 * h0, axis=0) + tl.sum(h1 * h1, axis=0)
-                if P2 > 0:
-                    s2, m2, h2 = part_residual(s_ptr, res_ptr, newres_ptr, row, cols2, M, H, HAS_RES, SOFT_BF16)
-                    ss += tl.sum(h2 * h2, axis=0)
-                inv = inverse_rms_of(ss, H, eps)
+                inv = inverse_rms_of(tl.sum(h0 * h0, axis=0) + tl.sum(h1 * h1, axis=0), H, eps)
                 y0 = h0 * inv * w0
                 y1 = h1 * inv * w1
                 amax = 0
                 if KIND == 2:  # the row's absmax over its parts
                     amax = tl.maximum(tl.max(abs_bits(y0, m0), axis=0), tl.max(abs_bits(y1, m1), axis=0))
-                if P2 > 0:
-                    y2 = h2 * inv * w2
-                    if KIND == 2:
-                        amax = tl.maximum(amax, tl.max(abs_bits(y2, m2), axis=0))
                 if WITH_NORMED:
                     tl.store(out_ptr + row.to(tl.int64) * H + cols0, round_like(y0, s0, SOFT_BF16), mask=m0)
                     tl.store(out_ptr + row.to(tl.int64) * H + cols1, round_like(y1, s1, SOFT_BF16), mask=m1)
-                    if P2 > 0:
-                        tl.store(out_ptr + row.to(tl.int64) * H + cols2, round_like(y2, s2, SOFT_BF16), mask=m2)
                 quantize_chunk(y0, row, 0, M, H, q_ptr, q_row_stride, sc_ptr, s_row_stride, s_col_stride, param,
                                scale_ub, amax, KIND, GROUP, BLOCK_H, SWIZZLED, HAS_UB, HW_CVT, KIND == 2)
                 quantize_chunk(y1, row, BLOCK_H, M, H, q_ptr, q_row_stride, sc_ptr, s_row_stride, s_col_stride,
                                param, scale_ub, amax, KIND, GROUP, P1, SWIZZLED, HAS_UB, HW_CVT, KIND == 2)
-                if P2 > 0:
-                    quantize_chunk(y2, row, BLOCK_H + P1, M, H, q_ptr, q_row_stride, sc_ptr, s_row_stride,
-                                   s_col_stride, param, scale_ub, amax, KIND, GROUP, P2, SWIZZLED, HAS_UB, HW_CVT,
-                                   KIND == 2)
         else:
             cols = tl.arange(0, BLOCK_H)
             cmask = cols < H
@@ -304,8 +287,11 @@ SLICE_WARPS = {"fp8_per_group": (8, 16), "nvfp4": (4, 8)}
 NVFP4_MAX_SLICES = 3
 PER_TOKEN_DECODE_TOKENS = 16
 PER_TOKEN_DECODE_WARPS = 4
-# From this many tokens a whole row whose columns are a power of two and one or two smaller ones is
-# held in those parts (`parts_for`), none masked.
+# From this many tokens an NVFP4 row whose columns are a power of two and a smaller one is held in
+# those two parts (`parts_for`), none masked. At 4096 / 16384 tokens (`quant.jsonl`, rows of tree
+# 0f621a1 against `fused[w=4,r=1]`, one masked block): NVFP4 x 5120 62.35 -> 49.64 / 227.91 ->
+# 166.80 us, x 6144 61.67 -> 58.95 / 224.53 -> 207.52; the FP8 formats within 1-2% either way;
+# three parts (7168) slower for every format (NVFP4 61.31 -> 73.02).
 ROW_PARTS_TOKENS = 256
 
 
@@ -319,29 +305,26 @@ def slice_for(hidden: int, num_tokens: int, block: int, kind: str) -> int:
     return min(cut, block)
 
 
-def row_parts(hidden: int, block: int) -> tuple[int, int]:
-    """(P1, P2) of a row of `hidden` columns held whole in parts of `block` (a power of two below
-    hidden), P1 and P2 columns: the powers of two after `block` that add up to hidden, P2 0 for two
-    parts. ValueError where hidden - block is not one or two smaller powers of two."""
+def row_parts(hidden: int, block: int) -> int:
+    """P1 of a row of `hidden` columns held whole in two parts, of `block` (a power of two below
+    hidden) and P1 columns: hidden - block, which must be a smaller power of two. ValueError
+    otherwise."""
     rest = hidden - block
-    parts = [1 << b for b in range(rest.bit_length() - 1, -1, -1) if rest >> b & 1] if rest > 0 else []
-    if not (_power_of_two(block) and 0 < rest < block and len(parts) <= 2):
-        raise ValueError(f"a row of {hidden} columns is not {block} and one or two smaller powers of two; use a "
-                         f"BLOCK_H of {triton.next_power_of_2(hidden)} (one masked block) instead")
-    return parts[0], parts[1] if len(parts) == 2 else 0
+    if not (_power_of_two(block) and 0 < rest < block and _power_of_two(rest)):
+        raise ValueError(f"a row of {hidden} columns is not {block} and one smaller power of two; use a BLOCK_H of "
+                         f"{triton.next_power_of_2(hidden)} (one masked block) instead")
+    return rest
 
 
-def parts_for(hidden: int, block: int, warps: int, least: int) -> tuple[int, int] | None:
-    """The parts (`row_parts`) of a whole row at prefill, or None for one masked block: where the
-    row is BLOCK_H / 2 plus one or two smaller powers of two, each at least `least` columns and one
-    code run (8 elements) a thread."""
-    half = block // 2
+def parts_for(hidden: int, block: int, warps: int, least: int) -> bool:
+    """Whether an NVFP4 row at prefill is held in two parts (`row_parts`) rather than one masked
+    block of `block` columns: where hidden is block / 2 plus a smaller power of two of at least
+    `least` columns and one code run (8 elements) a thread."""
     try:
-        parts = row_parts(hidden, half)
+        rest = row_parts(hidden, block // 2)
     except ValueError:
-        return None
-    smallest = parts[1] or parts[0]
-    return parts if smallest >= max(least, 8 * 32 * warps) else None
+        return False
+    return rest >= max(least, 8 * 32 * warps)
 
 
 def quant_launch_config(hidden: int, itemsize: int, num_tokens: int, kind: str, *, group: int = 0
@@ -349,7 +332,8 @@ def quant_launch_config(hidden: int, itemsize: int, num_tokens: int, kind: str, 
     """(BLOCK_H, num_warps, rows per program, SLICE) of the quantized epilogue, a pure function of
     the shape and the format: `launch_config`'s with whole rows (SLICE == BLOCK_H), except per-group
     FP8 (`group`: its columns a scale) and NVFP4 at decode sizes, whose conversion work per row is
-    spread over programs of SLICE columns each (`slice_for`), and per-token FP8 at decode sizes."""
+    spread over programs of SLICE columns each (`slice_for`), per-token FP8 at decode sizes, and
+    NVFP4 rows at prefill held in two parts (`parts_for`; BLOCK_H below hidden)."""
     block, warps, rows = launch_config(hidden, itemsize, num_tokens, quantized=True)
     block = max(block, block_for(hidden, kind))
     if kind in SLICE_WARPS and block > SLICE_COLUMNS and SLICE_COLUMNS % max(group, 1) == 0:
@@ -358,8 +342,8 @@ def quant_launch_config(hidden: int, itemsize: int, num_tokens: int, kind: str, 
             return block, SLICE_WARPS[kind][cut > SLICE_COLUMNS], 1, cut
     if kind == "fp8_per_token" and num_tokens <= PER_TOKEN_DECODE_TOKENS:
         warps = min(warps, PER_TOKEN_DECODE_WARPS)
-    if num_tokens >= ROW_PARTS_TOKENS and parts_for(hidden, block, warps, least_columns(kind, group)):
-        block //= 2  # the row in parts (`row_parts`): BLOCK_H below hidden
+    if kind == "nvfp4" and num_tokens >= ROW_PARTS_TOKENS and parts_for(hidden, block, warps, 64):
+        block //= 2  # the row in two parts (`row_parts`): BLOCK_H below hidden
     return block, warps, rows, block
 
 
@@ -382,13 +366,13 @@ def check_quant_config(config: tuple, hidden: int, quant) -> tuple[int, int, int
         raise ValueError(f"{op}: config {config!r} needs BLOCK_H a power of two, num_warps a power of two up to "
                          "32 and rows >= 1; omit config for the default")
     least = least_columns(quant.kind, quant.group)
-    if block < hidden:  # a whole row in parts
+    if block < hidden:  # a whole row in two parts
         try:
-            parts = row_parts(hidden, block)
+            rest = row_parts(hidden, block)
         except ValueError as exc:
             raise ValueError(f"{op}: config {config!r}: {exc}; omit config for the default") from None
-        if len(config) == 4 and config[3] != block or min(p for p in (block, *parts) if p) < least:
-            raise ValueError(f"{op}: config {config!r} holds rows of {hidden} in parts {(block, *parts)}: they "
+        if len(config) == 4 and config[3] != block or rest < least:
+            raise ValueError(f"{op}: config {config!r} holds rows of {hidden} in parts of {block} and {rest}: they "
                              f"quantize whole rows (no slice) and each must be at least {least} columns for "
                              f"{quant.kind}; omit config for the default")
         return block, warps, rows, block
@@ -479,9 +463,9 @@ def _launch_quant(s, residual, weight, eps, quant, config):
     block, warps, rows, cut = config or quant_launch_config(h, s.element_size(), m, quant.kind,
                                                                     group=quant.group)
     grid = (m * triton.cdiv(h, cut) if cut < block else triton.cdiv(m, rows)) + (pad_programs(m) if buf.swizzled else 0)
-    p1, p2 = row_parts(h, block) if block < h else (0, 0)
     meta = dict(BLOCK_H=block, ROWS=rows, SLICE=cut, HAS_RES=residual is not None, SOFT_BF16=interpreting(),
-                WITH_NORMED=normed is not None, num_warps=warps, P1=p1, P2=p2, **_quant_constexprs(buf, block))
+                WITH_NORMED=normed is not None, num_warps=warps, P1=row_parts(h, block) if block < h else 0,
+                **_quant_constexprs(buf, block))
     _remember(key, bind(residual_rmsnorm_quant_kernel, (grid,), args, meta, launch=True))
     return QuantOutput(buf.out, buf.scale, new_res, normed)
 
