@@ -168,7 +168,12 @@ def providers(kind: str, spec: Q.QuantSpec, eps: float, configs=()):
 
     def fused_with(warps, rows, *cut):
         def factory(x, r, w):
-            box, config = {}, (triton.next_power_of_2(x.shape[1]), warps, rows, *cut)
+            block = triton.next_power_of_2(x.shape[1])
+            if cut == ("p",):  # the row whole in two parts: BLOCK_H half the masked block
+                block, cut_ = block // 2, ()
+            else:
+                cut_ = cut
+            box, config = {}, (block, warps, rows, *cut_)
             def call():
                 box["out"] = residual_rmsnorm(x, r, w, eps, quant=spec, config=config)
             return call, lambda: (box["out"].out, box["out"].scale)
@@ -187,7 +192,7 @@ def providers(kind: str, spec: Q.QuantSpec, eps: float, configs=()):
 
 def config_name(config: tuple) -> str:
     """The provider name of a `--configs` launch configuration."""
-    return "fused[" + ",".join(f"{k}={v}" for k, v in zip("wrs", config)) + "]"
+    return "fused[" + ",".join("parts" if v == "p" else f"{k}={v}" for k, v in zip("wrs", config)) + "]"
 
 
 def _flashinfer(kind: str, spec: Q.QuantSpec, eps: float):
@@ -272,17 +277,18 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--trials", type=int, default=7)
     p.add_argument("--eps", type=float, default=1e-6)
-    p.add_argument("--configs", nargs="*", default=[], metavar="WARPS:ROWS[:SLICE]",
+    p.add_argument("--configs", nargs="*", default=[], metavar="WARPS:ROWS[:SLICE|:p]",
                    help="also time the fused kernel with these launch configurations (warps, rows per program, "
-                        "optionally the columns one program quantizes: a power of two, rows 1)")
+                        "optionally the columns one program quantizes: a power of two, rows 1; or p: each row "
+                        "whole in two power-of-two parts, where its columns are a power of two and a smaller one)")
     args = p.parse_args(argv)
     try:
-        configs = [tuple(int(v) for v in c.split(":")) for c in args.configs]
+        configs = [tuple(v if v == "p" else int(v) for v in c.split(":")) for c in args.configs]
         assert all(len(c) in (2, 3) and c[0] in (1, 2, 4, 8, 16, 32) and c[1] >= 1 for c in configs)
-        assert all(c[2] > 0 and c[2] & (c[2] - 1) == 0 and c[1] == 1 for c in configs if len(c) == 3)
+        assert all(c[2] == "p" or (c[2] > 0 and c[2] & (c[2] - 1) == 0 and c[1] == 1) for c in configs if len(c) == 3)
     except (ValueError, AssertionError):
-        p.error(f"--configs takes WARPS:ROWS or WARPS:1:SLICE (warps a power of two up to 32, rows >= 1, slice a "
-                f"power of two), got {args.configs}")
+        p.error(f"--configs takes WARPS:ROWS, WARPS:1:SLICE or WARPS:ROWS:p (warps a power of two up to 32, rows >= "
+                f"1, slice a power of two; p: each row whole in two power-of-two parts), got {args.configs}")
     if not torch.cuda.is_available():
         print("bench_quant: needs a CUDA GPU; torch sees none", file=sys.stderr)
         return 2

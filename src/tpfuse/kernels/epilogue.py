@@ -221,12 +221,15 @@ def residual_rmsnorm_quant_kernel(
                 row = pid * ROWS + i
                 s0, m0, h0 = part_residual(s_ptr, res_ptr, newres_ptr, row, cols0, M, H, HAS_RES, SOFT_BF16)
                 s1, m1, h1 = part_residual(s_ptr, res_ptr, newres_ptr, row, cols1, M, H, HAS_RES, SOFT_BF16)
-                inv = inverse_rms_of(tl.sum(h0 * h0, axis=0) + tl.sum(h1 * h1, axis=0), H, eps)
+                # one block reduction for the row: the first part folded onto the second's columns first
+                inv = inverse_rms_of(tl.sum(tl.sum(tl.reshape(h0 * h0, [BLOCK_H // P1, P1]), axis=0) + h1 * h1,
+                                            axis=0), H, eps)
                 y0 = h0 * inv * w0
                 y1 = h1 * inv * w1
                 amax = 0
-                if KIND == 2:  # the row's absmax over its parts
-                    amax = tl.maximum(tl.max(abs_bits(y0, m0), axis=0), tl.max(abs_bits(y1, m1), axis=0))
+                if KIND == 2:  # the row's absmax over its parts, in one block reduction as the sum
+                    amax = tl.max(tl.maximum(tl.max(tl.reshape(abs_bits(y0, m0), [BLOCK_H // P1, P1]), axis=0),
+                                             abs_bits(y1, m1)), axis=0)
                 if WITH_NORMED:
                     tl.store(out_ptr + row.to(tl.int64) * H + cols0, round_like(y0, s0, SOFT_BF16), mask=m0)
                     tl.store(out_ptr + row.to(tl.int64) * H + cols1, round_like(y1, s1, SOFT_BF16), mask=m1)
