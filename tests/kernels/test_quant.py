@@ -665,10 +665,13 @@ def test_rows_held_in_two_parts_are_a_power_of_two_and_a_smaller_one():
     for hidden, block in ((7168, 4096), (4096, 4096), (8192, 2048), (6144, 3072)):  # 3 parts, none, ...
         with pytest.raises(ValueError, match="BLOCK_H of"):
             row_parts(hidden, block)
-    # the launcher holds NVFP4 rows at prefill in two parts where the smaller is at least one code
-    # run a thread (4 warps: 1024 columns); the FP8 formats and three-part rows keep one masked block
+    # the launcher holds prefill rows in two parts where the smaller is at least one code run a
+    # thread (4 warps: 1024 columns): NVFP4 rows filling up to 3/4 of their masked block, per-group
+    # FP8 rows up to 5/8 (measured); static and per-token FP8 and three-part rows keep one masked block
     assert quant_launch_config(6144, 2, 4096, "nvfp4", group=16) == (4096, 4, 1, 4096)
     assert quant_launch_config(7168, 2, 4096, "nvfp4", group=16) == (8192, 4, 1, 8192)
+    assert quant_launch_config(5120, 2, 4096, "fp8_per_group", group=128) == (4096, 4, 1, 4096)
     assert quant_launch_config(6144, 2, 4096, "fp8_per_group", group=128) == (8192, 4, 1, 8192)
+    assert quant_launch_config(5120, 2, 4096, "fp8_per_token") == (8192, 4, 1, 8192)
     assert quant_launch_config(2560, 2, 4096, "nvfp4", group=16) == (4096, 4, 1, 4096)  # 512 < 1024: masked
     assert quant_launch_config(6144, 2, 255, "nvfp4", group=16)[0] == 8192

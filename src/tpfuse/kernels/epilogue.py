@@ -290,12 +290,16 @@ SLICE_WARPS = {"fp8_per_group": (8, 16), "nvfp4": (4, 8)}
 NVFP4_MAX_SLICES = 3
 PER_TOKEN_DECODE_TOKENS = 16
 PER_TOKEN_DECODE_WARPS = 4
-# From this many tokens an NVFP4 row whose columns are a power of two and a smaller one is held in
-# those two parts (`parts_for`), none masked. At 4096 / 16384 tokens (`quant.jsonl`, rows of tree
-# 0f621a1 against `fused[w=4,r=1]`, one masked block): NVFP4 x 5120 62.35 -> 49.64 / 227.91 ->
-# 166.80 us, x 6144 61.67 -> 58.95 / 224.53 -> 207.52; the FP8 formats within 1-2% either way;
-# three parts (7168) slower for every format (NVFP4 61.31 -> 73.02).
+# From this many tokens a row whose columns are a power of two and a smaller one may be held in
+# those two parts (`parts_for`), none masked, with one block reduction: NVFP4 where the row fills at
+# most 3/4 of its masked block, per-group FP8 at most 5/8. At 4096 / 16384 tokens (`quant.jsonl`,
+# rows of tree 63739f0, `fused[w=4,r=1,parts]` against `fused[w=4,r=1]`, the masked block), us:
+# NVFP4 x 5120 62.71 -> 46.38 / 229.37 -> 150.08, x 6144 62.11 -> 58.04 / 224.65 -> 204.40;
+# per-group x 5120 52.24 -> 41.06 / 185.96 -> 145.21, x 6144 53.27 -> 53.97 / 191.66 -> 195.70
+# (slower, also in an earlier run); static and per-token FP8 within 2% either way; three parts
+# (7168 = 4096 + 2048 + 1024, tree 0f621a1) slower for every format.
 ROW_PARTS_TOKENS = 256
+PARTS_MAX_FILL = {"nvfp4": 0.75, "fp8_per_group": 0.625}
 
 
 def slice_for(hidden: int, num_tokens: int, block: int, kind: str) -> int:
@@ -319,15 +323,18 @@ def row_parts(hidden: int, block: int) -> int:
     return rest
 
 
-def parts_for(hidden: int, block: int, warps: int, least: int) -> bool:
-    """Whether an NVFP4 row at prefill is held in two parts (`row_parts`) rather than one masked
-    block of `block` columns: where hidden is block / 2 plus a smaller power of two of at least
-    `least` columns and one code run (8 elements) a thread."""
+def parts_for(hidden: int, block: int, warps: int, kind: str) -> bool:
+    """Whether a row at prefill is held in two parts (`row_parts`) rather than one masked block of
+    `block` columns: for the formats of PARTS_MAX_FILL, where hidden fills at most that share of
+    the block and is block / 2 plus a smaller power of two of at least one code run (8 elements) a
+    thread."""
+    if hidden > PARTS_MAX_FILL.get(kind, 0.0) * block:
+        return False
     try:
         rest = row_parts(hidden, block // 2)
     except ValueError:
         return False
-    return rest >= max(least, 8 * 32 * warps)
+    return rest >= max(64, 8 * 32 * warps)
 
 
 def quant_launch_config(hidden: int, itemsize: int, num_tokens: int, kind: str, *, group: int = 0
@@ -336,7 +343,7 @@ def quant_launch_config(hidden: int, itemsize: int, num_tokens: int, kind: str, 
     the shape and the format: `launch_config`'s with whole rows (SLICE == BLOCK_H), except per-group
     FP8 (`group`: its columns a scale) and NVFP4 at decode sizes, whose conversion work per row is
     spread over programs of SLICE columns each (`slice_for`), per-token FP8 at decode sizes, and
-    NVFP4 rows at prefill held in two parts (`parts_for`; BLOCK_H below hidden)."""
+    NVFP4 and per-group FP8 rows at prefill held in two parts (`parts_for`; BLOCK_H below hidden)."""
     block, warps, rows = launch_config(hidden, itemsize, num_tokens, quantized=True)
     block = max(block, block_for(hidden, kind))
     if kind in SLICE_WARPS and block > SLICE_COLUMNS and SLICE_COLUMNS % max(group, 1) == 0:
@@ -345,7 +352,7 @@ def quant_launch_config(hidden: int, itemsize: int, num_tokens: int, kind: str, 
             return block, SLICE_WARPS[kind][cut > SLICE_COLUMNS], 1, cut
     if kind == "fp8_per_token" and num_tokens <= PER_TOKEN_DECODE_TOKENS:
         warps = min(warps, PER_TOKEN_DECODE_WARPS)
-    if kind == "nvfp4" and num_tokens >= ROW_PARTS_TOKENS and parts_for(hidden, block, warps, 64):
+    if num_tokens >= ROW_PARTS_TOKENS and parts_for(hidden, block, warps, kind):
         block //= 2  # the row in two parts (`row_parts`): BLOCK_H below hidden
     return block, warps, rows, block
 
