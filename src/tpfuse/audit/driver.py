@@ -415,12 +415,15 @@ def _module_names(target: Target) -> tuple[list, list]:
     # directory -> (package prefix, import root): one walk up per directory, not per file; the keys are
     # strings (hashing and taking apart thousands of paths with pathlib was a visible part of an audit)
     by_dir: dict = {}
+    packages: dict = {}  # directory -> whether it holds __init__.py, for module_name_for's walks up
     for path in target.python_files:
         directory, base = os.path.split(str(path))
         if directory not in by_dir:
             parent = path.parent
-            name, root = module_name_for(parent / "__init__.py", lambda d=parent: _import_heads(d))
+            name, root = module_name_for(parent / "__init__.py", lambda d=parent: _import_heads(d), packages=packages)
             by_dir[directory] = ("" if root == parent.resolve() else name, root)
+            if root not in roots:  # a file's root is its directory's: listed in the order files first reach it
+                roots.append(root)
         pkg, root = by_dir[directory]
         stem = base[:-3] if base.endswith(".py") and len(base) > 3 else path.stem
         name = ".".join(p for p in (pkg, "" if base == "__init__.py" else stem) if p) or stem
@@ -428,8 +431,6 @@ def _module_names(target: Target) -> tuple[list, list]:
             # Two plain script directories with the same file name: the path from the target root tells them apart.
             name = ".".join(path.relative_to(target.root).with_suffix("").parts)
         modules.append((path, name))
-        if root not in roots:
-            roots.append(root)
     return modules, roots
 
 

@@ -51,20 +51,30 @@ class ModuleInfo:
         return any(name in line for a, b in self.hidden for line in self._lines[a:b] for name in names)
 
 
-def module_name_for(path: Path, heads=None) -> tuple[str, Path]:
+def module_name_for(path: Path, heads=None, *, packages: dict | None = None) -> tuple[str, Path]:
     """(dotted module name, import root) of a .py file, walking up while `__init__.py` exists.
 
     Above the first directory without `__init__.py`, an ancestor package that the module text
     `heads()` imports absolutely (`from sglang.srt...`) is the top package, and the directories between are
     namespace packages (PEP 420; sglang 0.5.10 ships `srt/` and `srt/models/` so): without this,
-    two `server_args.py` of one tree would both be called `server_args`."""
+    two `server_args.py` of one tree would both be called `server_args`. `packages` (directory ->
+    whether it holds `__init__.py`) is shared by the calls for one tree, so each directory above
+    its files is probed once, not once for each directory below it."""
+    packages = {} if packages is None else packages
+
+    def is_package(directory: Path) -> bool:
+        key = str(directory)
+        if key not in packages:
+            packages[key] = (directory / "__init__.py").exists()
+        return packages[key]
+
     path = path.resolve()
     parts = [] if path.name == "__init__.py" else [path.stem]
     parent = path.parent
-    while (parent / "__init__.py").exists():
+    while is_package(parent):
         parts.insert(0, parent.name)
         parent = parent.parent
-    ups = [up for up in parent.parents[:_NAMESPACE_DEPTH] if (up / "__init__.py").exists()]
+    ups = [up for up in parent.parents[:_NAMESPACE_DEPTH] if is_package(up)]
     text = heads() if heads is not None and ups else ""
     for up in ups if text else ():
         if re.search(rf"^\s*(?:from|import)\s+{re.escape(up.name)}\b", text, re.MULTILINE):
