@@ -623,11 +623,11 @@ class ModuleScanner:
 
     def _expressions(self, stmt, scope, local, attrs):
         """Ternaries anywhere in the statement's own expressions (not in nested statements)."""
-        if not isinstance(stmt, (ast.If, ast.While, ast.For, ast.AsyncFor, ast.With, ast.AsyncWith, ast.Try,
-                                 ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Match)):
-            i = bisect.bisect_left(self._expr_sorted, stmt.lineno)
-            if i == len(self._expr_sorted) or self._expr_sorted[i] > (stmt.end_lineno or stmt.lineno):
-                return
+        # Its expressions lie within its lines (a decorator above a def is not read here): without a
+        # line that may hold a ternary or a skip in them, there is nothing to look at.
+        i = bisect.bisect_left(self._expr_sorted, stmt.lineno)
+        if i == len(self._expr_sorted) or self._expr_sorted[i] > (stmt.end_lineno or stmt.lineno):
+            return
         name = ""
         if isinstance(stmt, (ast.Assign, ast.AnnAssign)):
             targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
