@@ -10,10 +10,12 @@ sum is exact (small-integer inputs). 1/sqrt is computed correctly rounded (sqrt_
 with the approximate rsqrt, for the same reason.
 
 Shapes: s, residual, normed, new_residual (M, H) contiguous; weight (H,). Any H up to 16384 (one
-program holds a whole row in registers: BLOCK_H = next power of two >= H, masked); bf16, fp16 and
-fp32. `residual_rmsnorm` is the validated launcher, `launch_residual_rmsnorm` the same launch for
-callers that validated (strategies): one Triton launch pre-bound per shape
-(`tpfuse.kernels.launcher`), so a steady-state call costs the outputs' allocation and the launch.
+program holds a whole row in registers: BLOCK_H = next power of two >= H, masked; with quantized
+output a row may instead be cut into slices, one program each, or held in two power-of-two parts:
+`quant_launch_config`); bf16, fp16 and fp32. `residual_rmsnorm` is the validated launcher,
+`launch_residual_rmsnorm` the same launch for callers that validated (strategies): one Triton
+launch pre-bound per shape (`tpfuse.kernels.launcher`), so a steady-state call costs the outputs'
+allocation and the launch.
 `epilogue_row` is the per-row helper the fused collectives call. CUDA-graph safe: no host sync,
 no allocation except the outputs.
 """
@@ -283,7 +285,7 @@ def launch_config(hidden: int, itemsize: int, num_tokens: int, quantized: bool =
 # NVFP4_MAX_SLICES (4 slices of 2048 at 32 x 7168 measured +1.47 us against whole rows' +0.84,
 # 3 of 2048 at 32 x 6144 +0.36 against +0.85). Static FP8 keeps whole rows (slices gained it
 # nothing); per-token FP8 keeps whole rows, with PER_TOKEN_DECODE_WARPS warps up to
-# PER_TOKEN_DECODE_TOKENS tokens.
+# PER_TOKEN_DECODE_TOKENS tokens (rows of up to 8192 columns).
 SLICE_COLUMNS = 1024
 SLICE_PROGRAMS = 128
 SLICE_WARPS = {"fp8_per_group": (8, 16), "nvfp4": (4, 8)}
@@ -350,8 +352,8 @@ def quant_launch_config(hidden: int, itemsize: int, num_tokens: int, kind: str, 
         cut = slice_for(hidden, num_tokens, block, kind)
         if cut < block:
             return block, SLICE_WARPS[kind][cut > SLICE_COLUMNS], 1, cut
-    if kind == "fp8_per_token" and num_tokens <= PER_TOKEN_DECODE_TOKENS:
-        warps = min(warps, PER_TOKEN_DECODE_WARPS)
+    if kind == "fp8_per_token" and num_tokens <= PER_TOKEN_DECODE_TOKENS and block <= 8192:
+        warps = min(warps, PER_TOKEN_DECODE_WARPS)  # (measured up to 64 elements a thread)
     if num_tokens >= ROW_PARTS_TOKENS and parts_for(hidden, block, warps, kind):
         block //= 2  # the row in two parts (`row_parts`): BLOCK_H below hidden
     return block, warps, rows, block
@@ -414,7 +416,8 @@ def residual_rmsnorm(
 
     With `quant` (a `tpfuse.quant.QuantSpec`) the normed rows are quantized in the same pass and
     a `tpfuse.quant.QuantOutput` (out, scale, residual, normed) is returned instead; `config` may
-    then add SLICE, the columns one program quantizes (`check_quant_config`)."""
+    then add SLICE, the columns one program quantizes, or give a BLOCK_H below H for rows held in
+    two parts of BLOCK_H and H - BLOCK_H columns (`check_quant_config`)."""
     _check(s, residual, weight)
     if quant is not None:
         check_quant("residual_rmsnorm", quant, s.shape[1], device=s.device)
