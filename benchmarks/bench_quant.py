@@ -134,12 +134,13 @@ def reference_fused(kind: str, spec: Q.QuantSpec, eps: float):
 
 def providers(kind: str, spec: Q.QuantSpec, eps: float, configs=()):
     """(name -> factory(x, res, w) -> (zero-argument call, outputs() -> (codes, scales)), notes on
-    what could not run, extra bytes a provider moves beyond `fused`'s). `configs`: (warps, rows per
-    program[, slice]) tuples, each a `fused[w=..,r=..]` (`fused[w=..,r=..,s=..]`: the columns one
-    program quantizes) provider launched with that configuration instead of `quant_launch_config`'s."""
+    what could not run, extra bytes a provider moves beyond `fused`'s). `configs`: `parse_config`
+    tuples, each a `fused[w=..,r=..]` (`fused[w=..,r=..,s=..]`: the columns one program quantizes;
+    `parts`: rows in two parts; `regs=..`: the registers a thread may use) provider launched with
+    that configuration instead of `quant_launch_config`'s."""
     from tpfuse.kernels.device import hardware_fp4, hardware_fp8
     from tpfuse.kernels.epilogue import residual_rmsnorm
-    from tpfuse.kernels.quant import quantize
+    from tpfuse.kernels.quant import block_for, quantize
 
     hw = dict(hw_fp8=hardware_fp8("cuda"), hw_fp4=hardware_fp4("cuda"))  # the fused kernel's conversions
     compiled = torch.compile(reference_fused(kind, spec, eps), dynamic=True)
@@ -166,14 +167,15 @@ def providers(kind: str, spec: Q.QuantSpec, eps: float, configs=()):
             box["out"] = compiled(x, r, w)
         return call, lambda: box["out"][:2]
 
-    def fused_with(warps, rows, *cut):
+    def fused_with(warps, rows, *rest):
+        *cut, regs = rest
         def factory(x, r, w):
-            block = triton.next_power_of_2(x.shape[1])
-            if cut == ("p",):  # the row whole in two parts: BLOCK_H half the masked block
-                block, cut_ = block // 2, ()
+            block = max(triton.next_power_of_2(x.shape[1]), block_for(x.shape[1], kind))
+            if cut == ["p"]:  # the row whole in two parts: BLOCK_H half the masked block
+                block, slice_ = block // 2, block // 2
             else:
-                cut_ = cut
-            box, config = {}, (block, warps, rows, *cut_)
+                slice_ = cut[0] if cut else block
+            box, config = {}, (block, warps, rows, slice_, regs)
             def call():
                 box["out"] = residual_rmsnorm(x, r, w, eps, quant=spec, config=config)
             return call, lambda: (box["out"].out, box["out"].scale)
@@ -190,9 +192,26 @@ def providers(kind: str, spec: Q.QuantSpec, eps: float, configs=()):
     return table, notes, extra_bytes
 
 
+def parse_config(text: str) -> tuple:
+    """(warps, rows[, slice | "p"], regs) of one `--configs` value; ValueError or AssertionError
+    for one that is not WARPS:ROWS[:SLICE|:p][:rREGS]."""
+    fields = text.split(":")
+    regs = 0
+    if len(fields) > 2 and fields[-1].startswith("r"):
+        regs = int(fields.pop()[1:])
+        assert 24 <= regs <= 255
+    config = tuple(v if v == "p" else int(v) for v in fields)
+    assert len(config) in (2, 3) and config[0] in (1, 2, 4, 8, 16, 32) and config[1] >= 1
+    if len(config) == 3:
+        assert config[2] == "p" or (config[2] > 0 and config[2] & (config[2] - 1) == 0 and config[1] == 1)
+    return (*config, regs)
+
+
 def config_name(config: tuple) -> str:
-    """The provider name of a `--configs` launch configuration."""
-    return "fused[" + ",".join("parts" if v == "p" else f"{k}={v}" for k, v in zip("wrs", config)) + "]"
+    """The provider name of a `--configs` launch configuration (`parse_config`'s tuple)."""
+    *shape, regs = config
+    return "fused[" + ",".join(["parts" if v == "p" else f"{k}={v}" for k, v in zip("wrs", shape)]
+                               + ([f"regs={regs}"] if regs else [])) + "]"
 
 
 def _flashinfer(kind: str, spec: Q.QuantSpec, eps: float):
@@ -277,18 +296,18 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--trials", type=int, default=7)
     p.add_argument("--eps", type=float, default=1e-6)
-    p.add_argument("--configs", nargs="*", default=[], metavar="WARPS:ROWS[:SLICE|:p]",
+    p.add_argument("--configs", nargs="*", default=[], metavar="WARPS:ROWS[:SLICE|:p][:rREGS]",
                    help="also time the fused kernel with these launch configurations (warps, rows per program, "
                         "optionally the columns one program quantizes: a power of two, rows 1; or p: each row "
-                        "whole in two power-of-two parts, where its columns are a power of two and a smaller one)")
+                        "whole in two power-of-two parts, where its columns are a power of two and a smaller one; "
+                        "then optionally rREGS, the registers a thread may use, e.g. 4:1:p:r128)")
     args = p.parse_args(argv)
     try:
-        configs = [tuple(v if v == "p" else int(v) for v in c.split(":")) for c in args.configs]
-        assert all(len(c) in (2, 3) and c[0] in (1, 2, 4, 8, 16, 32) and c[1] >= 1 for c in configs)
-        assert all(c[2] == "p" or (c[2] > 0 and c[2] & (c[2] - 1) == 0 and c[1] == 1) for c in configs if len(c) == 3)
+        configs = [parse_config(c) for c in args.configs]
     except (ValueError, AssertionError):
-        p.error(f"--configs takes WARPS:ROWS, WARPS:1:SLICE or WARPS:ROWS:p (warps a power of two up to 32, rows >= "
-                f"1, slice a power of two; p: each row whole in two power-of-two parts), got {args.configs}")
+        p.error(f"--configs takes WARPS:ROWS, WARPS:1:SLICE or WARPS:ROWS:p, each optionally followed by :rREGS "
+                f"(warps a power of two up to 32, rows >= 1, slice a power of two; p: each row whole in two "
+                f"power-of-two parts; REGS 24-255), got {args.configs}")
     if not torch.cuda.is_available():
         print("bench_quant: needs a CUDA GPU; torch sees none", file=sys.stderr)
         return 2
@@ -366,6 +385,33 @@ def _print_summary(summary, copy_gbps, notes) -> None:
         print(f"{kind:>13} {tokens:>6} {hidden:>6} | {name[5:]:>20} {us:>8.2f} {frac:>6.1%} {us - epi:>+6.2f}")
     for name, why in notes.items():
         print(f"{name} not run: {why}")
+    variants = compiled_registers()
+    if variants:
+        print(f"\ncompiled quantized epilogues: {'KIND':>4} {'BLOCK_H':>7} {'P1':>5} {'SLICE':>5} {'warps':>5} "
+              f"{'maxnreg':>7} {'regs':>4} {'spills':>6}")
+    for v in variants:
+        print(f"{'':29}{v['KIND']:>4} {v['BLOCK_H']:>7} {v['P1']:>5} {v['SLICE']:>5} {v['num_warps']:>5} "
+              f"{v['maxnreg']:>7} {v['regs']:>4} {v['spills']:>6}")
+
+
+def compiled_registers() -> list:
+    """Registers and spilled bytes a thread of every compiled variant of the quantized epilogue
+    kernel, from Triton's caches ([] where this Triton keeps its compiled kernels elsewhere)."""
+    from tpfuse.kernels.epilogue import residual_rmsnorm_quant_kernel as kernel
+
+    found = []
+    try:
+        for caches in kernel.device_caches.values():
+            for compiled in caches[0].values():
+                compiled._init_handles()
+                names = compiled.src.fn.arg_names
+                consts = {names[k[0]]: v for k, v in compiled.src.constants.items() if len(k) == 1}
+                found.append({**{k: consts.get(k, 0) for k in ("KIND", "BLOCK_H", "P1", "SLICE")},
+                              "num_warps": compiled.metadata.num_warps, "maxnreg": compiled.metadata.maxnreg or 0,
+                              "regs": compiled.n_regs, "spills": compiled.n_spills})
+    except (AttributeError, IndexError, KeyError, TypeError):
+        return []
+    return sorted(found, key=lambda v: tuple(v.values()))
 
 
 if __name__ == "__main__":

@@ -280,10 +280,12 @@ def test_reference_e4m3_equals_torch_cuda_conversion():
 @pytest.mark.gpu
 @pytest.mark.parametrize("hidden, config", [(6144, None), (7168, None), (6144, (8192, 16, 1, 2048)),
                                             (7168, (8192, 4, 1, 1024)), (6144, (8192, 8, 1, 512)),
-                                            (6144, (4096, 4, 1)), (5120, (4096, 8, 2))])
+                                            (6144, (4096, 4, 1)), (5120, (4096, 8, 2)),
+                                            (6144, (4096, 4, 1, 4096, 128)), (7168, (8192, 4, 1, 8192, 96))])
 def test_epilogue_at_model_shapes(hidden, config):
     """Whole rows, rows cut into slices, one program each, and whole rows held in two parts
-    (BLOCK_H 4096: 6144 = 4096 + 2048, 5120 = 4096 + 1024); config None: the launcher's own
+    (BLOCK_H 4096: 6144 = 4096 + 2048, 5120 = 4096 + 1024), with the registers a thread may use
+    capped (96 at 7168: ptxas spills); config None: the launcher's own
     (per-group FP8 cuts rows at 5, 37 and 64 tokens, into slices of 1024, 2048 and 4096 columns
     at hidden 6144; at 256 tokens NVFP4 holds rows of 6144 in two parts)."""
     from tpfuse.kernels.epilogue import residual_rmsnorm
@@ -625,7 +627,7 @@ def test_rows_are_cut_only_where_every_slice_holds_whole_scale_blocks():
                 (6144, 64, "fp8_per_token"): (16, 8192)}
     for (hidden, tokens, kind), (warps, cut) in measured.items():
         assert quant_launch_config(hidden, 2, tokens, kind, group=16 if kind == "nvfp4" else 128) == \
-            (8192, warps, 1, cut), (hidden, tokens, kind)
+            (8192, warps, 1, cut, 0), (hidden, tokens, kind)
     specs = {"fp8_static": Q.fp8_static(1.0), "fp8_per_token": Q.fp8_per_token(), "fp8_per_group": Q.fp8_per_group(128),
              "nvfp4": Q.nvfp4(1.0)}
     for hidden in (96, 2048, 6144, 7168, 16384):
@@ -633,7 +635,7 @@ def test_rows_are_cut_only_where_every_slice_holds_whole_scale_blocks():
             for tokens in (1, 16, 17, 32, 64, 128, 4096):
                 config = quant_launch_config(hidden, 2, tokens, kind, group=spec.group)
                 assert check_quant_config(config, hidden, spec) == config  # a launch the kernel can run
-                block, _, rows, cut = config
+                block, _, rows, cut, _ = config
                 if cut < block:
                     assert kind in ("fp8_per_group", "nvfp4") and rows == 1, (hidden, kind, tokens, config)
                     assert tokens * -(-hidden // cut) <= SLICE_PROGRAMS, (hidden, kind, tokens, config)
@@ -644,14 +646,17 @@ def test_rows_are_cut_only_where_every_slice_holds_whole_scale_blocks():
 @pytest.mark.parametrize("config, says", [((8192, 8, 1, 96), "power of two"), ((8192, 8, 1, 64), "from 128"),
                                           ((8192, 8, 2, 1024), "rows 1"), ((6000, 8, 1), "BLOCK_H a power of two"),
                                           ((2048, 8, 1), "smaller power of two"), ((4096, 8, 1, 1024), "no slice"),
-                                          ((8192, 3, 1), "num_warps"), ((8192, 8), "config must be")])
+                                          ((8192, 3, 1), "num_warps"), ((8192, 8), "config must be"),
+                                          ((8192, 8, 1, 8192, 8), "registers a thread"),
+                                          ((8192, 8, 1, 8192, 128, 1), "config must be")])
 def test_a_launch_config_the_kernel_cannot_run_is_refused_with_the_fix(config, says):
     from tpfuse.kernels.epilogue import check_quant_config
 
     with pytest.raises(ValueError, match=says) as info:
         check_quant_config(config, 6144, Q.fp8_per_group(128))
     assert "omit" in str(info.value)
-    assert check_quant_config((8192, 8, 1), 6144, Q.fp8_per_group(128)) == (8192, 8, 1, 8192)
+    assert check_quant_config((8192, 8, 1), 6144, Q.fp8_per_group(128)) == (8192, 8, 1, 8192, 0)
+    assert check_quant_config((8192, 8, 1, 8192, 128), 6144, Q.fp8_per_group(128)) == (8192, 8, 1, 8192, 128)
     with pytest.raises(ValueError, match="from 64"):  # every format: slices of at least 64 columns
         check_quant_config((8192, 8, 1, 32), 6144, Q.fp8_static(1.0))
     with pytest.raises(ValueError, match="at least 128"):  # a part narrower than a scale block
@@ -668,10 +673,10 @@ def test_rows_held_in_two_parts_are_a_power_of_two_and_a_smaller_one():
     # the launcher holds prefill rows in two parts where the smaller is at least one code run a
     # thread (4 warps: 1024 columns): NVFP4 rows filling up to 3/4 of their masked block, per-group
     # FP8 rows up to 5/8 (measured); static and per-token FP8 and three-part rows keep one masked block
-    assert quant_launch_config(6144, 2, 4096, "nvfp4", group=16) == (4096, 4, 1, 4096)
-    assert quant_launch_config(7168, 2, 4096, "nvfp4", group=16) == (8192, 4, 1, 8192)
-    assert quant_launch_config(5120, 2, 4096, "fp8_per_group", group=128) == (4096, 4, 1, 4096)
-    assert quant_launch_config(6144, 2, 4096, "fp8_per_group", group=128) == (8192, 4, 1, 8192)
-    assert quant_launch_config(5120, 2, 4096, "fp8_per_token") == (8192, 4, 1, 8192)
-    assert quant_launch_config(2560, 2, 4096, "nvfp4", group=16) == (4096, 4, 1, 4096)  # 512 < 1024: masked
+    assert quant_launch_config(6144, 2, 4096, "nvfp4", group=16) == (4096, 4, 1, 4096, 0)
+    assert quant_launch_config(7168, 2, 4096, "nvfp4", group=16) == (8192, 4, 1, 8192, 0)
+    assert quant_launch_config(5120, 2, 4096, "fp8_per_group", group=128) == (4096, 4, 1, 4096, 0)
+    assert quant_launch_config(6144, 2, 4096, "fp8_per_group", group=128) == (8192, 4, 1, 8192, 0)
+    assert quant_launch_config(5120, 2, 4096, "fp8_per_token") == (8192, 4, 1, 8192, 0)
+    assert quant_launch_config(2560, 2, 4096, "nvfp4", group=16) == (4096, 4, 1, 4096, 0)  # 512 < 1024: masked
     assert quant_launch_config(6144, 2, 255, "nvfp4", group=16)[0] == 8192

@@ -302,6 +302,7 @@ PER_TOKEN_DECODE_WARPS = 4
 # (7168 = 4096 + 2048 + 1024, tree 0f621a1) slower for every format.
 ROW_PARTS_TOKENS = 256
 PARTS_MAX_FILL = {"nvfp4": 0.75, "fp8_per_group": 0.625}
+MIN_REGS, MAX_REGS = 24, 255  # what PTX .maxnreg takes and ptxas honours
 
 
 def slice_for(hidden: int, num_tokens: int, block: int, kind: str) -> int:
@@ -340,23 +341,24 @@ def parts_for(hidden: int, block: int, warps: int, kind: str) -> bool:
 
 
 def quant_launch_config(hidden: int, itemsize: int, num_tokens: int, kind: str, *, group: int = 0
-                        ) -> tuple[int, int, int, int]:
-    """(BLOCK_H, num_warps, rows per program, SLICE) of the quantized epilogue, a pure function of
-    the shape and the format: `launch_config`'s with whole rows (SLICE == BLOCK_H), except per-group
-    FP8 (`group`: its columns a scale) and NVFP4 at decode sizes, whose conversion work per row is
-    spread over programs of SLICE columns each (`slice_for`), per-token FP8 at decode sizes, and
-    NVFP4 and per-group FP8 rows at prefill held in two parts (`parts_for`; BLOCK_H below hidden)."""
+                        ) -> tuple[int, int, int, int, int]:
+    """(BLOCK_H, num_warps, rows per program, SLICE, REGS) of the quantized epilogue, a pure
+    function of the shape and the format: `launch_config`'s with whole rows (SLICE == BLOCK_H),
+    except per-group FP8 (`group`: its columns a scale) and NVFP4 at decode sizes, whose conversion
+    work per row is spread over programs of SLICE columns each (`slice_for`), per-token FP8 at
+    decode sizes, and NVFP4 and per-group FP8 rows at prefill held in two parts (`parts_for`;
+    BLOCK_H below hidden). REGS: the registers a thread may use (0: the compiler's choice)."""
     block, warps, rows = launch_config(hidden, itemsize, num_tokens, quantized=True)
     block = max(block, block_for(hidden, kind))
     if kind in SLICE_WARPS and block > SLICE_COLUMNS and SLICE_COLUMNS % max(group, 1) == 0:
         cut = slice_for(hidden, num_tokens, block, kind)
         if cut < block:
-            return block, SLICE_WARPS[kind][cut > SLICE_COLUMNS], 1, cut
+            return block, SLICE_WARPS[kind][cut > SLICE_COLUMNS], 1, cut, 0
     if kind == "fp8_per_token" and num_tokens <= PER_TOKEN_DECODE_TOKENS and block <= 8192:
         warps = min(warps, PER_TOKEN_DECODE_WARPS)  # (measured up to 64 elements a thread)
     if num_tokens >= ROW_PARTS_TOKENS and parts_for(hidden, block, warps, kind):
         block //= 2  # the row in two parts (`row_parts`): BLOCK_H below hidden
-    return block, warps, rows, block
+    return block, warps, rows, block, 0
 
 
 def least_columns(kind: str, group: int) -> int:
@@ -366,35 +368,40 @@ def least_columns(kind: str, group: int) -> int:
     return max(64, group) if kind == "fp8_per_group" else 64
 
 
-def check_quant_config(config: tuple, hidden: int, quant) -> tuple[int, int, int, int]:
-    """`config` of a quantized call as (BLOCK_H, num_warps, rows, SLICE); a 3-tuple quantizes whole
-    rows. Raises ValueError, naming the fix, for a launch the kernel cannot run."""
+def check_quant_config(config: tuple, hidden: int, quant) -> tuple[int, int, int, int, int]:
+    """`config` of a quantized call as (BLOCK_H, num_warps, rows, SLICE, REGS); a 3-tuple quantizes
+    whole rows, a 4-tuple leaves REGS (the registers a thread may use, PTX .maxnreg) 0, the
+    compiler's choice. Raises ValueError, naming the fix, for a launch the kernel cannot run."""
     op = "residual_rmsnorm"
-    if len(config) not in (3, 4):
-        raise ValueError(f"{op}: config must be (BLOCK_H, num_warps, rows[, slice]), got {config!r}; omit config "
-                         "for the default")
+    if len(config) not in (3, 4, 5):
+        raise ValueError(f"{op}: config must be (BLOCK_H, num_warps, rows[, slice[, regs]]), got {config!r}; omit "
+                         "config for the default")
     block, warps, rows = config[:3]
     if not (_power_of_two(block) and _power_of_two(warps) and warps <= 32 and isinstance(rows, int) and rows >= 1):
         raise ValueError(f"{op}: config {config!r} needs BLOCK_H a power of two, num_warps a power of two up to "
                          "32 and rows >= 1; omit config for the default")
+    regs = config[4] if len(config) == 5 else 0
+    if not (isinstance(regs, int) and (regs == 0 or MIN_REGS <= regs <= MAX_REGS)):
+        raise ValueError(f"{op}: regs {regs!r} of config {config!r} must be 0 (the compiler's choice) or from "
+                         f"{MIN_REGS} to {MAX_REGS} registers a thread; omit it for the compiler's choice")
     least = least_columns(quant.kind, quant.group)
     if block < hidden:  # a whole row in two parts
         try:
             rest = row_parts(hidden, block)
         except ValueError as exc:
             raise ValueError(f"{op}: config {config!r}: {exc}; omit config for the default") from None
-        if len(config) == 4 and config[3] != block or rest < least:
+        if len(config) >= 4 and config[3] != block or rest < least:
             raise ValueError(f"{op}: config {config!r} holds rows of {hidden} in parts of {block} and {rest}: they "
                              f"quantize whole rows (no slice) and each must be at least {least} columns for "
                              f"{quant.kind}; omit config for the default")
-        return block, warps, rows, block
+        return block, warps, rows, block, regs
     block = max(block, block_for(hidden, quant.kind))
-    cut = config[3] if len(config) == 4 else block
+    cut = config[3] if len(config) >= 4 else block
     if not (_power_of_two(cut) and least <= cut <= block) or (cut < block and rows != 1):
         raise ValueError(f"{op}: slice {cut} of config {config!r} must be a power of two from {least} "
                          f"({quant.kind}) to BLOCK_H {block}, with rows 1 when it cuts rows; omit it to quantize "
                          "whole rows")
-    return block, warps, rows, cut
+    return block, warps, rows, cut, regs
 
 
 def _power_of_two(value) -> bool:
@@ -416,8 +423,9 @@ def residual_rmsnorm(
 
     With `quant` (a `tpfuse.quant.QuantSpec`) the normed rows are quantized in the same pass and
     a `tpfuse.quant.QuantOutput` (out, scale, residual, normed) is returned instead; `config` may
-    then add SLICE, the columns one program quantizes, or give a BLOCK_H below H for rows held in
-    two parts of BLOCK_H and H - BLOCK_H columns (`check_quant_config`)."""
+    then add SLICE, the columns one program quantizes, and REGS, the registers a thread may use,
+    or give a BLOCK_H below H for rows held in two parts of BLOCK_H and H - BLOCK_H columns
+    (`check_quant_config`)."""
     _check(s, residual, weight)
     if quant is not None:
         check_quant("residual_rmsnorm", quant, s.shape[1], device=s.device)
@@ -437,7 +445,7 @@ _LAUNCHES: dict[tuple, PreboundLaunch] = {}
 def launch_residual_rmsnorm(s, residual, weight, eps: float, *, out=None, config=None, quant=None):
     """`residual_rmsnorm` for callers that have validated its arguments (as `residual_rmsnorm`
     does: contiguous (M, H) `s` of a supported dtype, H <= MAX_HIDDEN, residual and weight to
-    match, `quant` a fitting QuantSpec and `config` then a 4-tuple from `check_quant_config`):
+    match, `quant` a fitting QuantSpec and `config` then a 5-tuple from `check_quant_config`):
     the outputs, then one launch pre-bound per shape."""
     if quant is not None:
         return _launch_quant(s, residual, weight, eps, quant, config)
@@ -473,12 +481,14 @@ def _launch_quant(s, residual, weight, eps, quant, config):
     if launch is not None:
         launch(*args)
         return QuantOutput(buf.out, buf.scale, new_res, normed)
-    block, warps, rows, cut = config or quant_launch_config(h, s.element_size(), m, quant.kind,
-                                                                    group=quant.group)
+    block, warps, rows, cut, regs = config or quant_launch_config(h, s.element_size(), m, quant.kind,
+                                                                  group=quant.group)
     grid = (m * triton.cdiv(h, cut) if cut < block else triton.cdiv(m, rows)) + (pad_programs(m) if buf.swizzled else 0)
     meta = dict(BLOCK_H=block, ROWS=rows, SLICE=cut, HAS_RES=residual is not None, SOFT_BF16=interpreting(),
                 WITH_NORMED=normed is not None, num_warps=warps, P1=row_parts(h, block) if block < h else 0,
                 **_quant_constexprs(buf, block))
+    if regs:
+        meta["maxnreg"] = regs  # a Triton launch option (the interpreter drops it)
     _remember(key, bind(residual_rmsnorm_quant_kernel, (grid,), args, meta, launch=True))
     return QuantOutput(buf.out, buf.scale, new_res, normed)
 
