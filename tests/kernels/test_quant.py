@@ -287,7 +287,8 @@ def test_epilogue_at_model_shapes(hidden, config):
     (BLOCK_H 4096: 6144 = 4096 + 2048, 5120 = 4096 + 1024), with the registers a thread may use
     capped (96 at 7168: ptxas spills); config None: the launcher's own
     (per-group FP8 cuts rows at 5, 37 and 64 tokens, into slices of 1024, 2048 and 4096 columns
-    at hidden 6144; at 256 tokens NVFP4 holds rows of 6144 in two parts)."""
+    at hidden 6144; at 256 tokens NVFP4 holds rows of 6144 in two parts with 128 registers a
+    thread, per-group FP8 in two parts with 8 warps)."""
     from tpfuse.kernels.epilogue import residual_rmsnorm
 
     for spec in MODEL_SPECS:
@@ -671,12 +672,16 @@ def test_rows_held_in_two_parts_are_a_power_of_two_and_a_smaller_one():
         with pytest.raises(ValueError, match="BLOCK_H of"):
             row_parts(hidden, block)
     # the launcher holds prefill rows in two parts where the smaller is at least one code run a
-    # thread (4 warps: 1024 columns): NVFP4 rows filling up to 3/4 of their masked block, per-group
-    # FP8 rows up to 5/8 (measured); static and per-token FP8 and three-part rows keep one masked block
-    assert quant_launch_config(6144, 2, 4096, "nvfp4", group=16) == (4096, 4, 1, 4096, 0)
+    # thread (4 warps: 1024 columns): NVFP4 and per-group FP8 rows filling up to 3/4 of their masked
+    # block; where a thread of 4 warps would hold more than 40 columns (6144: 48) per-group FP8
+    # takes 8 warps and NVFP4 caps a thread at 128 registers (measured); static and per-token FP8
+    # and three-part rows keep one masked block
+    assert quant_launch_config(6144, 2, 4096, "nvfp4", group=16) == (4096, 4, 1, 4096, 128)
     assert quant_launch_config(7168, 2, 4096, "nvfp4", group=16) == (8192, 4, 1, 8192, 0)
+    assert quant_launch_config(5120, 2, 4096, "nvfp4", group=16) == (4096, 4, 1, 4096, 0)
     assert quant_launch_config(5120, 2, 4096, "fp8_per_group", group=128) == (4096, 4, 1, 4096, 0)
-    assert quant_launch_config(6144, 2, 4096, "fp8_per_group", group=128) == (8192, 4, 1, 8192, 0)
+    assert quant_launch_config(6144, 2, 4096, "fp8_per_group", group=128) == (4096, 8, 1, 4096, 0)
+    assert quant_launch_config(7168, 2, 4096, "fp8_per_group", group=128) == (8192, 4, 1, 8192, 0)
     assert quant_launch_config(5120, 2, 4096, "fp8_per_token") == (8192, 4, 1, 8192, 0)
     assert quant_launch_config(2560, 2, 4096, "nvfp4", group=16) == (4096, 4, 1, 4096, 0)  # 512 < 1024: masked
     assert quant_launch_config(6144, 2, 255, "nvfp4", group=16)[0] == 8192

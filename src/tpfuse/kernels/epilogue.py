@@ -293,15 +293,29 @@ NVFP4_MAX_SLICES = 3
 PER_TOKEN_DECODE_TOKENS = 16
 PER_TOKEN_DECODE_WARPS = 4
 # From this many tokens a row whose columns are a power of two and a smaller one may be held in
-# those two parts (`parts_for`), none masked, with one block reduction: NVFP4 where the row fills at
-# most 3/4 of its masked block, per-group FP8 at most 5/8. At 4096 / 16384 tokens (`quant.jsonl`,
+# those two parts (`parts_for`), none masked, with one block reduction: NVFP4 and per-group FP8
+# where the row fills at most 3/4 of its masked block (per-group x 6144 with WIDE_PARTS' launch,
+# below; at 4 warps and no cap slower than the masked block). At 4096 / 16384 tokens (`quant.jsonl`,
 # rows of tree 63739f0, `fused[w=4,r=1,parts]` against `fused[w=4,r=1]`, the masked block), us:
 # NVFP4 x 5120 62.71 -> 46.38 / 229.37 -> 150.08, x 6144 62.11 -> 58.04 / 224.65 -> 204.40;
 # per-group x 5120 52.24 -> 41.06 / 185.96 -> 145.21, x 6144 53.27 -> 53.97 / 191.66 -> 195.70
 # (slower, also in an earlier run); static and per-token FP8 within 2% either way; three parts
 # (7168 = 4096 + 2048 + 1024, tree 0f621a1) slower for every format.
 ROW_PARTS_TOKENS = 256
-PARTS_MAX_FILL = {"nvfp4": 0.75, "fp8_per_group": 0.625}
+PARTS_MAX_FILL = {"nvfp4": 0.75, "fp8_per_group": 0.75}
+# Where a thread of the default warps would hold more than WIDE_PARTS_ELEMENTS columns of a
+# two-part row (6144 at 4 warps: 48), its registers bound the programs an SM holds (sm_90 code
+# from Triton 3.6: per-group FP8 149 registers a thread, NVFP4 136, so 3 programs of 128 threads
+# an SM): WIDE_PARTS gives such rows (num_warps, REGS), REGS the registers a thread may use (PTX
+# .maxnreg; 0: the compiler's choice). Per-group FP8 takes 8 warps (60 registers), NVFP4 4 warps
+# capped at 128 (no spill; 4 programs an SM). At 4096 / 16384 tokens x 6144 (`quant.jsonl`, tree
+# d3e8148, one H200), us: per-group two parts at 4 warps 53.43 / 195.11, capped at 128 (4 bytes
+# spilled) 49.46 / 177.20, at 8 warps 47.99 / 173.31; NVFP4 two parts 56.48 / 200.71, capped
+# 50.67 / 179.44, at 8 warps 51.88 / 179.16. Rows of 5120 (40 a thread) gained nothing from
+# either (per-group capped 41.13 -> 42.11 at 4096 tokens, at 8 warps 69.10: its part of 1024
+# columns holds 4 a thread).
+WIDE_PARTS_ELEMENTS = 40
+WIDE_PARTS = {"fp8_per_group": (8, 0), "nvfp4": (4, 128)}
 MIN_REGS, MAX_REGS = 24, 255  # what PTX .maxnreg takes and ptxas honours
 
 
@@ -347,7 +361,8 @@ def quant_launch_config(hidden: int, itemsize: int, num_tokens: int, kind: str, 
     except per-group FP8 (`group`: its columns a scale) and NVFP4 at decode sizes, whose conversion
     work per row is spread over programs of SLICE columns each (`slice_for`), per-token FP8 at
     decode sizes, and NVFP4 and per-group FP8 rows at prefill held in two parts (`parts_for`;
-    BLOCK_H below hidden). REGS: the registers a thread may use (0: the compiler's choice)."""
+    BLOCK_H below hidden). REGS: the registers a thread may use (`parts_launch`; 0: the compiler's
+    choice)."""
     block, warps, rows = launch_config(hidden, itemsize, num_tokens, quantized=True)
     block = max(block, block_for(hidden, kind))
     if kind in SLICE_WARPS and block > SLICE_COLUMNS and SLICE_COLUMNS % max(group, 1) == 0:
@@ -358,7 +373,20 @@ def quant_launch_config(hidden: int, itemsize: int, num_tokens: int, kind: str, 
         warps = min(warps, PER_TOKEN_DECODE_WARPS)  # (measured up to 64 elements a thread)
     if num_tokens >= ROW_PARTS_TOKENS and parts_for(hidden, block, warps, kind):
         block //= 2  # the row in two parts (`row_parts`): BLOCK_H below hidden
+        warps, regs = parts_launch(hidden, block, warps, kind)
+        return block, warps, rows, block, regs
     return block, warps, rows, block, 0
+
+
+def parts_launch(hidden: int, block: int, warps: int, kind: str) -> tuple[int, int]:
+    """(num_warps, REGS) of a row held in parts of `block` and `row_parts(hidden, block)` columns:
+    WIDE_PARTS[kind] where a thread of `warps` would hold more than WIDE_PARTS_ELEMENTS of its
+    columns and the smaller part still holds one code run (8 elements) a thread of those warps,
+    else (`warps`, 0)."""
+    wide_warps, regs = WIDE_PARTS.get(kind, (warps, 0))
+    if hidden <= WIDE_PARTS_ELEMENTS * 32 * warps or row_parts(hidden, block) < 8 * 32 * wide_warps:
+        return warps, 0
+    return wide_warps, regs
 
 
 def least_columns(kind: str, group: int) -> int:
