@@ -113,6 +113,10 @@ def seed_for(name: str):
     return fallback(name)
 
 
+# node type -> the Evaluator method that reads it (False: none)
+_HANDLERS: dict = {}
+
+
 class Evaluator:
     """Evaluates expressions of module `module` with local bindings `local` and `self.` attributes `attrs`."""
 
@@ -129,8 +133,11 @@ class Evaluator:
     def eval(self, node):
         if self.overrides and id(node) in self.overrides:
             return self.overrides[id(node)]
-        method = getattr(self, "_" + type(node).__name__, None)
-        return method(node) if method else UNKNOWN
+        kind = type(node)
+        method = _HANDLERS.get(kind)
+        if method is None:  # the method named after the node type, looked up once per type
+            method = _HANDLERS[kind] = getattr(Evaluator, "_" + kind.__name__, False)
+        return method(self, node) if method else UNKNOWN
 
     # -- leaves -------------------------------------------------------------------------
     def _Constant(self, node):

@@ -312,7 +312,7 @@ def parse_selected(source: str, filename: str, tokens: list, name_re: re.Pattern
                     arch_lines = {textmap.line_of(pos) - chunks[k][0] for pos in
                                   tokens[bisect.bisect_left(tokens, offsets[k]):
                                          bisect.bisect_left(tokens, offsets[k + 1])]}
-                    trims[k] = [None, _ClassTrim(texts[k], arch_lines)]
+                    trims[k] = [None, _ClassTrim(texts[k], arch_lines, lines[chunks[k][0]:chunks[k][1]])]
                 if trims[k][0] != len(hot):
                     exports = trims[k][1].grow(hot)
                     if not exports <= hot:
@@ -415,9 +415,10 @@ class _ClassTrim:
     `trim` may be called again with more hot names (the module's grow as classes export theirs): it
     goes on from where it stopped."""
 
-    def __init__(self, text: str, arch_lines: set):
+    def __init__(self, text: str, arch_lines: set, lines: list | None = None):
+        """`lines`: `split_lines(text)` where the caller has them (a module's lines of the chunk)."""
         self.text, self.arch_lines = text, arch_lines
-        self.lines = lines = split_lines(text)
+        self.lines = lines = split_lines(text) if lines is None else lines
         header = next((i for i, line in enumerate(lines) if line.startswith("class")), None)
         body = lines[header + 1:] if header is not None else []
         first = next((line for line in body if line.strip() and not line.lstrip().startswith("#")), "")
@@ -557,15 +558,18 @@ def _statements(lines: list, first: int, last: int, arch_lines: set) -> list:
             depth += _depth(c)
         continued = "\\" in c and c.rstrip().endswith("\\")
     out = []
-    for s_i, start in enumerate(starts):
-        end = starts[s_i + 1] if s_i + 1 < len(starts) else n
+    ends = starts[1:] + [n]
+    for start, end in zip(starts, ends):
         line = code_lines[start]
         stripped = line.lstrip()
         span = line if end - start == 1 else "\n".join(code_lines[start:end])
         word = _FIRST_WORD_RE.match(line)
         head = word.group(1) if word else ""
         attrs = names = _NO_NAMES  # most statements bind nothing: one shared empty set, never mutated
-        if head in ("def", "class") or head == "async" and stripped.startswith("async def"):
+        kind = _PLAIN_KINDS.get(head)
+        if kind is not None:
+            pass
+        elif head in ("def", "class") or head == "async" and stripped.startswith("async def"):
             kind = "def"
             bound = _DEF_NAME_RE.match(stripped)
             names = {bound.group(1)} if bound else names
@@ -574,30 +578,22 @@ def _statements(lines: list, first: int, last: int, arch_lines: set) -> list:
             bound = (_FOR_RE.match(stripped) if head in ("for", "async")
                      else _WITH_AS_RE.search(span) if head == "with" else None)
             names = set(_WORD_RE.findall(bound.group(1))) if bound else names
-        elif head in _CHAINED:
-            kind = "chained"
-        elif head in ("return", "yield"):
-            kind = "return"
-        elif head in ("raise", "continue", "break"):
-            kind = "exit"
-        elif head == "@":
-            kind = "decorator"
         elif head in ("from", "import"):
             kind = "import"
             imported = span.split(" import ", 1)[-1] if head == "from" else span[6:]
             names = {m.group(2) or m.group(1).split(".")[0] for m in _IMPORTED_RE.finditer(imported)}
         else:
             kind = "other"
-        target = _TARGETS_RE.match(line) if kind == "other" else None
-        if target:
-            kind = "assign"
-            attrs, names = set(), set()
-            for name in target.group(1).split(","):
-                name = name.strip()
-                if name.startswith(("self.", "cls.")):
-                    attrs.add(name.split(".", 1)[1])
-                else:
-                    names.add(name)
+            target = _TARGETS_RE.match(line)
+            if target:
+                kind = "assign"
+                attrs, names = set(), set()
+                for name in target.group(1).split(","):
+                    name = name.strip()
+                    if name.startswith(("self.", "cls.")):
+                        attrs.add(name.split(".", 1)[1])
+                    else:
+                        names.add(name)
         if arch:
             j = bisect.bisect_left(arch, first + start)
             has_arch = j < len(arch) and arch[j] < first + end
@@ -608,6 +604,9 @@ def _statements(lines: list, first: int, last: int, arch_lines: set) -> list:
     return out
 
 
+# `_statements`' kinds decided by the first word alone.
+_PLAIN_KINDS = {**dict.fromkeys(_CHAINED, "chained"), "return": "return", "yield": "return", "raise": "exit",
+                "continue": "exit", "break": "exit", "@": "decorator"}
 _NO_NAMES = frozenset()
 
 
