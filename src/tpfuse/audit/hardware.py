@@ -36,11 +36,31 @@ MAX_SMEM = {"sm80": 166912, "sm86": 101376, "sm89": 101376, "sm90": 232448, "sm1
             "sm110": 232448, "sm120": 101376, "sm121": 101376}
 
 
+# Lower-cased text that every match of a pattern above holds: in an ASCII text (where IGNORECASE is
+# ASCII case folding) a pattern is tried only where one of its words is (a regex alternation is tried
+# at every position of the guarded code and the bodies it calls).
+_FEATURE_WORDS = {
+    "tcgen05/TMEM/UMMA instructions": ("tcgen05", "tmem", "umma", "utccp", "kind::"),
+    "wgmma (sm_90a)": ("wgmma",),
+    "TMA multicast": ("multicast",),
+    "cvt.rs (stochastic rounding)": ("cvt",),
+}
+_ARCH_SPECIFIC_WORDS = ("sm", "compute")
+_SMEM_WORDS = ("smem", "shared")
+assert set(_FEATURE_WORDS) == set(FEATURES)
+
+
 def needed(text: str) -> list:
     """Hardware features the code `text` uses: feature names, `sm_100a`-style targets, `smem>=N`."""
-    out = [name for name, (rx, _) in FEATURES.items() if rx.search(text)]
-    out += sorted({f"sm_{m.group(1)}a" for m in _ARCH_SPECIFIC_RE.finditer(text)})
-    sizes = [int(m.group(1)) * (1024 if m.group(2) else 1) for m in _SMEM_RE.finditer(text)]
+    lower = text.lower() if text.isascii() else None
+
+    def may(words: tuple) -> bool:
+        return lower is None or any(w in lower for w in words)
+
+    out = [name for name, (rx, _) in FEATURES.items() if may(_FEATURE_WORDS[name]) and rx.search(text)]
+    if may(_ARCH_SPECIFIC_WORDS):
+        out += sorted({f"sm_{m.group(1)}a" for m in _ARCH_SPECIFIC_RE.finditer(text)})
+    sizes = [int(m.group(1)) * (1024 if m.group(2) else 1) for m in _SMEM_RE.finditer(text)] if may(_SMEM_WORDS) else []
     if sizes and max(sizes) > min(MAX_SMEM.values()):
         out.append(f"smem>={max(sizes)}")
     return out
