@@ -31,7 +31,7 @@ def _needed_by_regex(text: str) -> list:
     """`needed` as its patterns alone read `text` (no word prefilter): the reference."""
     from tpfuse.audit import hardware
 
-    out = [name for name, (rx, _) in hardware.FEATURES.items() if rx.search(text)]
+    out = [name for name, (rx, *_) in hardware.FEATURES.items() if rx.search(text)]
     out += sorted({f"sm_{m.group(1)}a" for m in hardware._ARCH_SPECIFIC_RE.finditer(text)})
     sizes = [int(m.group(1)) * (1024 if m.group(2) else 1) for m in hardware._SMEM_RE.finditer(text)]
     if sizes and max(sizes) > min(hardware.MAX_SMEM.values()):

@@ -18,15 +18,17 @@ import re
 
 from tpfuse.audit.arch import ARCHS, Arch
 
-# feature -> (regex over the guarded code, predicate: does `arch` have it)
+# feature -> (regex over the guarded code, predicate: does `arch` have it, lower-cased words of which
+# every match holds one: in ASCII text, where IGNORECASE is ASCII case folding, the regex is tried
+# only where one of them is, since an alternation is tried at every position of the guarded code)
 FEATURES: dict = {
     "tcgen05/TMEM/UMMA instructions": (
         re.compile(r"tcgen05|\btmem\b|tmem_|_tmem|\bumma\b|utccp|kind::f8f6f4|kind::mxf8f6f4", re.IGNORECASE),
-        lambda a: a.major in (10, 11),
+        lambda a: a.major in (10, 11), ("tcgen05", "tmem", "umma", "utccp", "kind::"),
     ),
-    "wgmma (sm_90a)": (re.compile(r"\bwgmma\b", re.IGNORECASE), lambda a: a.major == 9),
-    "TMA multicast": (re.compile(r"multicast", re.IGNORECASE), lambda a: a.major in (9, 10, 11)),
-    "cvt.rs (stochastic rounding)": (re.compile(r"cvt\.rs\b|cvt_rs\b"), lambda a: a.major in (10, 11)),
+    "wgmma (sm_90a)": (re.compile(r"\bwgmma\b", re.IGNORECASE), lambda a: a.major == 9, ("wgmma",)),
+    "TMA multicast": (re.compile(r"multicast", re.IGNORECASE), lambda a: a.major in (9, 10, 11), ("multicast",)),
+    "cvt.rs (stochastic rounding)": (re.compile(r"cvt\.rs\b|cvt_rs\b"), lambda a: a.major in (10, 11), ("cvt",)),
 }
 # `sm_100a`, `compute_90a`, "100a": code built for one exact capability (the `a` target).
 _ARCH_SPECIFIC_RE = re.compile(r"(?:sm|compute)_?(\d{2,3})a\b", re.IGNORECASE)
@@ -36,18 +38,9 @@ MAX_SMEM = {"sm80": 166912, "sm86": 101376, "sm89": 101376, "sm90": 232448, "sm1
             "sm110": 232448, "sm120": 101376, "sm121": 101376}
 
 
-# Lower-cased text that every match of a pattern above holds: in an ASCII text (where IGNORECASE is
-# ASCII case folding) a pattern is tried only where one of its words is (a regex alternation is tried
-# at every position of the guarded code and the bodies it calls).
-_FEATURE_WORDS = {
-    "tcgen05/TMEM/UMMA instructions": ("tcgen05", "tmem", "umma", "utccp", "kind::"),
-    "wgmma (sm_90a)": ("wgmma",),
-    "TMA multicast": ("multicast",),
-    "cvt.rs (stochastic rounding)": ("cvt",),
-}
+# the words of the two patterns above, as in FEATURES
 _ARCH_SPECIFIC_WORDS = ("sm", "compute")
 _SMEM_WORDS = ("smem", "shared")
-assert set(_FEATURE_WORDS) == set(FEATURES)
 
 
 def needed(text: str) -> list:
@@ -57,7 +50,7 @@ def needed(text: str) -> list:
     def may(words: tuple) -> bool:
         return lower is None or any(w in lower for w in words)
 
-    out = [name for name, (rx, _) in FEATURES.items() if may(_FEATURE_WORDS[name]) and rx.search(text)]
+    out = [name for name, (rx, _, words) in FEATURES.items() if may(words) and rx.search(text)]
     if may(_ARCH_SPECIFIC_WORDS):
         out += sorted({f"sm_{m.group(1)}a" for m in _ARCH_SPECIFIC_RE.finditer(text)})
     sizes = [int(m.group(1)) * (1024 if m.group(2) else 1) for m in _SMEM_RE.finditer(text)] if may(_SMEM_WORDS) else []

@@ -566,10 +566,7 @@ def _statements(lines: list, first: int, last: int, arch_lines: set) -> list:
         word = _FIRST_WORD_RE.match(line)
         head = word.group(1) if word else ""
         attrs = names = _NO_NAMES  # most statements bind nothing: one shared empty set, never mutated
-        kind = _PLAIN_KINDS.get(head)
-        if kind is not None:
-            pass
-        elif head in ("def", "class") or head == "async" and stripped.startswith("async def"):
+        if head in ("def", "class") or head == "async" and stripped.startswith("async def"):
             kind = "def"
             bound = _DEF_NAME_RE.match(stripped)
             names = {bound.group(1)} if bound else names
@@ -583,8 +580,8 @@ def _statements(lines: list, first: int, last: int, arch_lines: set) -> list:
             imported = span.split(" import ", 1)[-1] if head == "from" else span[6:]
             names = {m.group(2) or m.group(1).split(".")[0] for m in _IMPORTED_RE.finditer(imported)}
         else:
-            kind = "other"
-            target = _TARGETS_RE.match(line)
+            kind = _PLAIN_KINDS.get(head, "other")
+            target = _TARGETS_RE.match(line) if kind == "other" else None
             if target:
                 kind = "assign"
                 attrs, names = set(), set()
@@ -604,7 +601,7 @@ def _statements(lines: list, first: int, last: int, arch_lines: set) -> list:
     return out
 
 
-# `_statements`' kinds decided by the first word alone.
+# `_statements`' kinds that the first word alone decides (binding nothing).
 _PLAIN_KINDS = {**dict.fromkeys(_CHAINED, "chained"), "return": "return", "yield": "return", "raise": "exit",
                 "continue": "exit", "break": "exit", "@": "decorator"}
 _NO_NAMES = frozenset()
