@@ -111,7 +111,7 @@ class Case:
     """One (strategy, W, tokens sequence, hidden, dtype, launch options) setup with its inputs and outputs."""
 
     def __init__(self, strategy: str, world: int, tokens_seq: tuple, hidden: int, dtype, *, chunk=None, quant=None,
-                 path="in_kernel", options=None, owns_rows=None, per_push=None, per_poll=None):
+                 path="in_kernel", options=None, owns_rows=None, per_push=None):
         from tpfuse.kernels.oneshot import oneshot_kernel
         from tpfuse.kernels.peer_launch import PeerLaunch
         from tpfuse.kernels.protocol import Plan, make_plan, region_elems_for, tag_words_for
@@ -142,8 +142,7 @@ class Case:
                                         has_norm=path == "in_kernel" or quant is None,
                                         quant=quant if path == "in_kernel" else None, plan=self.plans[m],
                                         max_programs=self.max_programs, timeout_s=5.0, twoshot=twoshot,
-                                        options=options, owns_rows=owns_rows, per_push=per_push,
-                                        per_poll=per_poll)
+                                        options=options, owns_rows=owns_rows, per_push=per_push)
                           for m in set(tokens_seq)} for ws in self.ws]
         mmax = max(tokens_seq)
         self.xs = [random_inputs(r, mmax, hidden, dtype, seed=hidden, device="cuda") for r in range(world)]
@@ -478,13 +477,8 @@ def suites(args) -> dict[str, list[tuple]]:
     for world, tokens in ((8, 16), (8, 64), (8, 256), (4, 64), (4, 256), (2, 256)):
         for per_push in (1, 4, 8):
             scatter.append((f"push{per_push}", spec("twoshot", world, (tokens,), per_push=per_push), "steady"))
-    gather_poll = []  # two-shot chunk owners: items a program receives (and norms) per poll, 1 against 2 and 4
-    for world, tokens in ((8, 16), (8, 32), (8, 64), (4, 16), (4, 64), (2, 64)):
-        for per_poll in (1, 2, 4):
-            gather_poll.append((f"poll{per_poll}", spec("twoshot", world, (tokens,), owns_rows=False,
-                                                        per_poll=per_poll), "steady"))
     return {"variants": variants, "final": final, "report": report, "chunks": chunks, "spin": spins,
-            "twoshot_poll": twoshot_poll, "scatter": scatter, "gather_poll": gather_poll}
+            "twoshot_poll": twoshot_poll, "scatter": scatter}
 
 
 def main(argv=None) -> int:
@@ -492,14 +486,13 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="JSON-lines file for the result rows")
     parser.add_argument("--suite", choices=("variants", "final", "report", "chunks", "spin", "twoshot_poll", "scatter",
-                                            "gather_poll", "all"),
+                                            "all"),
                         default="report",
                         help="variants: launch options and two-shot cuts compared; final: the whole grid; report: "
                              "what benchmarks/results/README.md reports, in one run; chunks: the plan's chunk size "
                              "forced at decode sizes beside make_plan's choice; spin: the decode poll's levels "
                              "(spin 2, 3, 4) at 1 token; twoshot_poll: two-shot chunk owners at spin 2 and 4; "
-                             "scatter: two-shot's items scattered per step (1, 4, 8) at 16-256 tokens; gather_poll: "
-                             "two-shot chunk owners receiving 1, 2 or 4 items a poll at 16-64 tokens")
+                             "scatter: two-shot's items scattered per step (1, 4, 8) at 16-256 tokens")
     parser.add_argument("--plot", help="PNG of per-call latency against tokens (steady, bf16, hidden 6144)")
     parser.add_argument("--budget-s", type=float, default=420.0, help="stop starting new cases after this long")
     parser.add_argument("--reps", type=int, default=15)

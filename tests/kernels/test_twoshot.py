@@ -41,12 +41,11 @@ def test_split_rows_quantized_in_the_kernel_equal_the_reference():
     check_split_quant("twoshot")
 
 
-@pytest.mark.parametrize("world, spin, per_poll", [(8, 2, 1), (8, 4, 1), (2, 4, 1), (8, 4, 4)])
-def test_chunk_owner_kernel_lowers_and_assembles_for_sm90(world, spin, per_poll):
+@pytest.mark.parametrize("world, spin", [(8, 2), (8, 4), (2, 4)])
+def test_chunk_owner_kernel_lowers_and_assembles_for_sm90(world, spin):
     """The plain tier of two-shot's GPU build (chunk owners) for sm_90: with spin 4 an owner's
     reduce reloads every other source's 16-byte vector and tag together (one predicated load per
-    source, 8 consecutive elements a thread); ptxas takes the whole kernel, also where a program
-    receives several items a poll."""
+    source, 8 consecutive elements a thread); ptxas takes the whole kernel."""
     import re
 
     from support.ptx import PEER_ALIGNED, assemble, assert_poll_vectorised, lower_to_ptx, peer_kernel_signature
@@ -55,7 +54,7 @@ def test_chunk_owner_kernel_lowers_and_assembles_for_sm90(world, spin, per_poll)
 
     C = PeerConfig.of(world=world, world_p2=world, chunk=1024, num_chunks=6, num_chunks_p2=8, sentinel=-(1 << 15),
                       elem_bits=16, has_res=True, has_norm=True, split=True, use_asm=True, soft_bf16=False, pdl=1,
-                      spin=spin, single=False, rows_owned=False, per_poll=per_poll, per_push=1)
+                      spin=spin, single=False, rows_owned=False, per_poll=1, per_push=1)
     sig, constexprs = peer_kernel_signature(world), {"C": C, "Q": QuantOpts.of()}
     ptx = lower_to_ptx(twoshot_kernel, sig, constexprs, PEER_ALIGNED, cc=90)
     vector_polls = re.findall(r"@n(\d+) ld\.volatile\.global\.v4\.b32", ptx)

@@ -122,23 +122,14 @@ def quant_opts(device, quant, hidden: int) -> QuantOpts:
 
 
 def peer_config(m: int, ws, plan: Plan, grid: int, *, itemsize: int, has_res: bool, has_norm: bool, twoshot: bool,
-                rows: bool, options: LaunchOptions, quantized: bool, per_push: int | None = None,
-                per_poll: int | None = None) -> PeerConfig:
+                rows: bool, options: LaunchOptions, quantized: bool, per_push: int | None = None) -> PeerConfig:
     world = len(ws.peers.views)
     several = -(-plan.items // grid) > 1  # a program holds more than one item
     if per_push is None:
         per_push = TWOSHOT_PER_PUSH if rows and several else 1  # chunk owners ignore it
-    if per_poll is None:
-        per_poll = TWOSHOT_PER_POLL if rows and not quantized and several else 1
-    for name, n in (("per_push", per_push), ("per_poll", per_poll)):
-        if n < 1 or n & (n - 1):
-            raise ValueError(f"{name}={n!r}: the items a two-shot program handles per step must be a power of two "
-                             "(1, 2, 4, ...); pass None for the default")
-    if quantized and per_poll > 1:
-        raise ValueError(f"per_poll={per_poll}: two-shot receives several items a poll only without quantized output; "
-                         "pass None")
-    if not twoshot:
-        per_poll = 1  # one-shot holds no receive phase of its own
+    if per_push < 1 or per_push & (per_push - 1):
+        raise ValueError(f"per_push={per_push!r}: the items a two-shot program scatters per step must be a power of "
+                         "two (1, 2, 4, ...); pass None for the default")
     gpu = not interpreting()
     return PeerConfig.of(
         world=world, world_p2=triton.next_power_of_2(world), chunk=plan.chunk, num_chunks=plan.num_chunks,
@@ -146,7 +137,7 @@ def peer_config(m: int, ws, plan: Plan, grid: int, *, itemsize: int, has_res: bo
         has_res=has_res, has_norm=has_norm, split=has_norm and plan.split and not rows, use_asm=gpu,
         soft_bf16=not gpu, pdl=options.pdl if gpu else 0, spin=int(options.spin) if gpu else 0,
         single=not twoshot and plan.items <= grid, rows_owned=rows,
-        per_poll=per_poll, per_push=per_push)
+        per_poll=TWOSHOT_PER_POLL if rows and not quantized and several else 1, per_push=per_push)
 
 
 def grid_for(plan: Plan, max_programs: int) -> int:
@@ -165,9 +156,7 @@ class PeerLaunch:
     `owns_rows` forces two-shot's cut (None: `twoshot_owns_rows`; benchmarks force one to compare),
     `per_push` the items a program of two-shot's whole-row owners scatters per step (None:
     TWOSHOT_PER_PUSH where a program holds several items; a power of two; chunk owners scatter one
-    item a step whatever it is; the bits do not depend on it), `per_poll` the items a two-shot
-    program receives per poll (None: TWOSHOT_PER_POLL for whole-row owners where a program holds
-    several items, else 1; a power of two, 1 with quantized output).
+    item a step whatever it is; the bits do not depend on it).
     `out=(out, new_residual)` writes into given buffers (with `quant`: out is the unquantized
     normed output the spec asks for). `compile()` compiles the variant without launching.
     """
@@ -175,7 +164,7 @@ class PeerLaunch:
     def __init__(self, kernel, where: str, ws, num_tokens: int, hidden: int, dtype: torch.dtype, *, has_res: bool,
                  has_norm: bool, quant, plan: Plan, max_programs: int, timeout_s: float, twoshot: bool,
                  options: LaunchOptions = LaunchOptions(), owns_rows: bool | None = None,
-                 per_push: int | None = None, per_poll: int | None = None) -> None:
+                 per_push: int | None = None) -> None:
         rows = twoshot and (twoshot_owns_rows(num_tokens, len(ws.peers.views), plan.programs) if owns_rows is None
                             else owns_rows)
         check_fits(where, num_tokens, hidden, ws, plan, twoshot=twoshot, quant=quant, rows=rows)
@@ -188,7 +177,7 @@ class PeerLaunch:
         self.options = options
         self.C = peer_config(num_tokens, ws, plan, self.grid[0], itemsize=dtype.itemsize, has_res=has_res,
                              has_norm=has_norm, twoshot=twoshot, rows=rows, options=options,
-                             quantized=quant is not None, per_push=per_push, per_poll=per_poll)
+                             quantized=quant is not None, per_push=per_push)
         timeout_ns, max_spins = spin_bounds(timeout_s)
         self._workspace_args = (tuple(ws.peers.views), ws.peers.local, ws.partials, ws.state, ws.err, ws.errmap)
         self._shape_args = (ws.rank, num_tokens, hidden, ws.region_elems, ws.header_elems, ws.tag_words)

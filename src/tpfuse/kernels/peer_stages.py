@@ -49,7 +49,6 @@ from tpfuse.kernels.sync import (
     poll_sources,
     publish_partial,
     row_partials,
-    rows_partials,
     sentinel_like,
     source_status,
     sources_failed,
@@ -80,8 +79,7 @@ class PeerConfig(NamedTuple):
     # 3 also one wait on every tag before a one-shot decode poll, 4 instead a poll of every source at once
     single: bool  # one-shot: every program holds at most one item (one pass)
     rows_owned: bool  # two-shot: owners hold whole rows and push each row's sum of squares
-    per_poll: int  # two-shot: items a program receives per poll (and, chunk owners, finishes per norm step; a power
-    # of two; > 1 only without quantized output)
+    per_poll: int  # two-shot whole rows: items a program receives per poll (a power of two)
     per_push: int  # two-shot whole rows: items a program scatters per step (a power of two)
 
     @classmethod
@@ -205,36 +203,6 @@ def norm_partials_pass(newres_ptr, w_ptr, out_ptr, part_ptr, pid, nprog, items, 
 
 
 @triton.jit
-def norm_partials_block_pass(newres_ptr, w_ptr, out_ptr, part_ptr, pid, nprog, items, M, H, eps, calls, tm, dead, fx,
-                             C: tl.constexpr):
-    """`norm_partials_pass` of C.per_poll items a step (two-shot's chunk owners, unquantized
-    output): the rows' partials of items i, i + G, ... (G the grid) awaited together, as
-    `twoshot.receive_items` published them. Returns `dead`."""
-    ks = tl.arange(0, C.per_poll)[:, None]
-    cols = tl.arange(0, C.chunk)[None, :]
-    i = pid
-    while i < items:
-        ii = i + ks * nprog  # [per_poll, 1]
-        live = ii < items
-        rows = ii // C.num_chunks
-        col = (ii % C.num_chunks) * C.chunk + cols
-        cmask = (col < H) & live
-        offs = rows.to(tl.int64) * H + col
-        w = tl.load(w_ptr + col, mask=cmask, other=0.0).to(tl.float32)
-        nr = tl.load(newres_ptr + offs, mask=cmask, other=0.0)
-        ss, ok = rows_partials(part_ptr + rows * C.num_chunks, live, calls, tm[2], tm[3], dead, C)
-        stalled = tl.min(ok.to(tl.int32)) == 0
-        if stalled & (dead == 0):
-            stall(fx[0], fx[1], fx[2], fx[4], fx[3], tl.min(tl.where(ok, M, rows)), calls, C)
-        dead = dead | stalled
-        ss = tl.where(dead, float("nan"), ss)
-        y = normed_fp32(nr.to(tl.float32), w, ss, H, eps)
-        tl.store(out_ptr + offs, round_like(y, nr, C.soft_bf16), mask=cmask)
-        i += nprog * C.per_poll
-    return dead
-
-
-@triton.jit
 def token_quant_pass(newres_ptr, w_ptr, part_ptr, pid, nprog, items, M, H, eps, calls, tm, dead, fx, qargs,
                      C: tl.constexpr, Q: tl.constexpr):
     """Per-token FP8 of split rows, after `norm_partials_pass`: recompute each chunk's normed values
@@ -293,11 +261,7 @@ def kernel_tail(newres_ptr, w_ptr, out_ptr, part_ptr, state_ptr, pid, nprog, ite
     """The end both peer kernels share: with SPLIT_PASS, the split-row norm pass (and per-token
     FP8's quantizing pass) once every partial of this program is published; then this program's
     epoch words, then the end-of-kernel launch trigger (C.pdl == 1)."""
-    if SPLIT_PASS and (C.per_poll > 1):  # two-shot's chunk owners receiving several items a poll
-        tl.static_assert(Q.kind == 0, "several items a step only without quantized output")
-        dead = norm_partials_block_pass(newres_ptr, w_ptr, out_ptr, part_ptr, pid, nprog, items, M, H, eps, calls,
-                                        tm, dead, fx, C)
-    elif SPLIT_PASS:
+    if SPLIT_PASS:
         dead = norm_partials_pass(newres_ptr, w_ptr, out_ptr, part_ptr, pid, nprog, items, M, H, eps, calls, tm, dead,
                                   fx, qargs, C, Q)
         if Q.kind == KIND_FP8_TOKEN_C:

@@ -402,8 +402,7 @@ def poll_sources(x, ptr0, region, tag0_ptr, tag_words, rank, want, active, deadl
 
 
 @triton.jit
-def bit_or(a, b):
-    """The combiner of `tl.reduce` for a bitwise OR."""
+def _or(a, b):
     return a | b
 
 
@@ -411,7 +410,7 @@ def bit_or(a, b):
 def sources_failed(status):
     """(bitmask of the sources with an element not arrived, bitmask of those whose data was all
     present under a foreign tag) from `poll_sources`' status words: `source_status`'s record."""
-    words = tl.reduce(tl.reduce(status, 1, bit_or), 0, bit_or)
+    words = tl.reduce(tl.reduce(status, 1, _or), 0, _or)
     missing = words & 0xFF
     bad = (words >> 8) & 0xFF
     return missing | bad, bad & ~missing
@@ -642,25 +641,6 @@ def row_partials(ptr, calls, deadline_ns, max_spins, dead, C: tl.constexpr, KIND
         else:
             value = tl.max(p.to(tl.int32, bitcast=True), axis=0)
     return value, ok
-
-
-@triton.jit
-def rows_partials(ptrs, live, calls, deadline_ns, max_spins, dead, C: tl.constexpr):
-    """`row_partials` (KIND 0) of several rows at once: `ptrs` ([rows, 1]) points at each row's
-    first partial, `live` ([rows, 1]) says which rows to wait for. Returns (each row's fp32 sum,
-    ok per row: True where a live row's partials all arrived, and for rows not live), [rows, 1]
-    each. The same paths and orders of addition as `row_partials`."""
-    z = live.to(tl.int32) * 0
-    if C.use_asm and (C.spin >= 2) and (C.num_chunks <= MAX_ASM_PARTIALS):
-        skip = ((live == 0) | (dead != 0)).to(tl.int32)
-        bits, ok = tl.inline_asm_elementwise(partials_asm(C.num_chunks, 0), "=r,=r,l,r,l,r",
-                                             [ptrs.to(tl.int64), (calls + z).to(tl.int32),
-                                              (deadline_ns + z.to(tl.int64)).to(tl.int64), skip],
-                                             dtype=(tl.int32, tl.int32), is_pure=False, pack=1)
-        return bits.to(tl.float32, bitcast=True), (ok != 0) | (live == 0)
-    parts = tl.arange(0, C.num_chunks_p2)[None, :]
-    p, ok = wait_tagged(ptrs + parts, live & (parts < C.num_chunks), calls, deadline_ns, max_spins, dead, C.use_asm)
-    return tl.sum(p, axis=1, keep_dims=True), ((z + ok.to(tl.int32)) != 0) | (live == 0)
 
 
 @triton.jit

@@ -58,7 +58,6 @@ from tpfuse.kernels.protocol import NUM_SLOTS
 from tpfuse.kernels.sync import (
     and_scalar,
     as_bits,
-    bit_or,
     canonicalize,
     deadline_passed,
     entry_state,
@@ -100,58 +99,6 @@ def row_words_of(buf_ptr, header, region, tag_words, slot, C: tl.constexpr):
     tags = (header + _SLOTS * (C.world + 1) * region) * (C.elem_bits // 8) // 4
     start = (tags + _SLOTS * (C.world + 1) * tag_words) // 2
     return int64_ptr(buf_ptr) + start + slot * tag_words
-
-
-@triton.jit
-def receive_items(gather_ptr, gather_tags, res_ptr, w_ptr, newres_ptr, out_ptr, part_ptr, pid, nprog, items,
-                  per_owner, M, H, eps, calls, deadline, max_spins, dead, fx, C: tl.constexpr):
-    """Chunk owners' phase 3 with C.per_poll items a poll (unquantized output): the owners' sums of
-    items i, i + G, ... (G the grid) and their tags polled as one [per_poll, chunk] block, so that
-    their round trips overlap; re-armed; then new_residual and, per item, normed (a row of one
-    chunk) or its norm partial. Item k's sum lies at `gather_ptr` + its element offset, its tag at
-    `gather_tags` + k. Returns `dead`."""
-    err_ptr, errmap_ptr, abort_ptr, rank, bufs = fx
-    ks = tl.arange(0, C.per_poll)[:, None]
-    cols = tl.arange(0, C.chunk)[None, :]
-    i = pid
-    while i < items:
-        ii = i + ks * nprog  # [per_poll, 1]
-        live = ii < items
-        rows = ii // C.num_chunks
-        col = (ii % C.num_chunks) * C.chunk + cols
-        cmask = (col < H) & live
-        offs = rows.to(tl.int64) * H + col
-        r = tl.load(res_ptr + offs, mask=cmask & C.has_res, other=0.0)
-        w = tl.load(w_ptr + col, mask=cmask & C.has_norm & (C.num_chunks == 1), other=0.0).to(tl.float32)
-        ptrs = gather_ptr + offs
-        v = tl.load(ptrs, mask=and_scalar(cmask, dead == 0), other=0.0, volatile=True)
-        t = tl.load(gather_tags + ii, mask=and_scalar(live, dead == 0), other=0, volatile=True)
-        v, status = poll_block(v, t, ptrs, cmask, gather_tags + ii, calls, deadline, max_spins, dead, fx[2], C)
-        worst = tl.max(status, axis=1, keep_dims=True)  # [per_poll, 1]
-        busy = tl.max(worst) > 0
-        if busy & (dead == 0):
-            owners = tl.reduce(tl.reduce(tl.where(worst > 0, 1 << (ii // per_owner), 0), 1, bit_or), 0, bit_or)
-            only_foreign = tl.max((status == 1).to(tl.int32)) == 0
-            fail(err_ptr, errmap_ptr, abort_ptr, bufs, rank, owners, tl.where(only_foreign, owners, 0),
-                 tl.min(tl.where(worst > 0, rows, M)), calls, C)
-        dead = dead | busy
-        tl.store(ptrs, sentinel_like(v, C.sentinel, C.elem_bits), mask=cmask)  # re-arm what was read
-        s = tl.where(dead, float("nan"), v.to(tl.float32)).to(gather_ptr.dtype.element_ty)
-        if C.has_norm:
-            nr = s
-            if C.has_res:
-                nr = round_like(s.to(tl.float32) + r.to(tl.float32), s, C.soft_bf16)
-            tl.store(newres_ptr + offs, nr, mask=cmask)
-            h = nr.to(tl.float32)
-            ss = tl.sum(tl.where(cmask, h * h, 0.0), axis=1, keep_dims=True)  # [per_poll, 1]
-            if C.split:
-                tl.store(part_ptr + ii, tagged(ss, calls), mask=live)  # each item's partial (`publish_partial`)
-            else:  # each item is a whole row
-                tl.store(out_ptr + offs, round_like(normed_fp32(h, w, ss, H, eps), s, C.soft_bf16), mask=cmask)
-        else:
-            tl.store(out_ptr + offs, s, mask=cmask)
-        i += nprog * C.per_poll
-    return dead
 
 
 @triton.jit(do_not_specialize=["rank", "M", "timeout_ns", "max_spins"])
@@ -310,8 +257,7 @@ def twoshot_kernel(
                 status = tl.where(pending, 1, tl.where(foreign & cmask, 2, 0))
             busy = tl.max(tl.max(status, axis=1), axis=0) > 0
             if busy & (dead == 0):
-                worst = tl.max(status, axis=1, keep_dims=True)
-                owners = tl.reduce(tl.reduce(tl.where(worst > 0, 1 << (rows_k // per_owner), 0), 1, bit_or), 0, bit_or)
+                owners = tl.max(tl.where(tl.max(status, axis=1, keep_dims=True) > 0, 1 << (rows_k // per_owner), 0))
                 only_foreign = tl.max((status == 1).to(tl.int32)) == 0
                 fail(err_ptr, errmap_ptr, abort_ptr, bufs, rank, owners, tl.where(only_foreign, owners, 0),
                      tl.min(tl.where(live, rows_k, M)), calls, C)
@@ -381,48 +327,43 @@ def twoshot_kernel(
                     push_word(tag_words_of(bufs[o], header, region, tag_words, slot, C.world, C) + i, calls, C)
             i += nprog
 
-        # 3. wait for each item's sum from its owner, then residual + norm (or its partial): C.per_poll
-        # items a poll, or one at a time with the next item's sum and tag loaded before this one is finished
+        # 3. wait for each item's sum from its owner, then residual + norm (or its partial); the next
+        # item's sum and tag are loaded before this one is finished
         gather_tags = my_tags + C.world * tag_words
-        if C.per_poll > 1:
-            dead = receive_items(local_ptr + gather_base, gather_tags, res_ptr, w_ptr, newres_ptr, out_ptr, part_ptr,
-                                 pid, nprog, items, per_owner, M, H, eps, calls, deadline, max_spins, dead, fx, C)
-        else:
-            z11 = tl.zeros([1, 1], dtype=tl.int32)  # the one source's tag, shaped like a [sources, 1] tag column
-            i = pid
-            m1 = and_scalar((i % C.num_chunks) * C.chunk + cols < H, i < items)
-            v_next = tl.load(local_ptr + gather_base + (i // C.num_chunks).to(tl.int64) * H
-                             + (i % C.num_chunks) * C.chunk + cols, mask=and_scalar(m1, dead == 0), other=0.0,
+        z11 = tl.zeros([1, 1], dtype=tl.int32)  # the one source's tag, shaped like a [sources, 1] tag column
+        i = pid
+        m1 = and_scalar((i % C.num_chunks) * C.chunk + cols < H, i < items)
+        v_next = tl.load(local_ptr + gather_base + (i // C.num_chunks).to(tl.int64) * H + (i % C.num_chunks) * C.chunk
+                         + cols, mask=and_scalar(m1, dead == 0), other=0.0, volatile=True)
+        t_next = tl.load(gather_tags + i + z11, mask=and_scalar(z11 == 0, (dead == 0) & (i < items)), other=0,
+                         volatile=True)
+        while i < items:
+            row = i // C.num_chunks
+            owner = i // per_owner
+            col = (i % C.num_chunks) * C.chunk + cols
+            cmask = col < H
+            offs = row.to(tl.int64) * H + col
+            r = tl.load(res_ptr + offs, mask=cmask & C.has_res, other=0.0)
+            w = tl.load(w_ptr + col, mask=cmask & C.has_norm & (C.num_chunks == 1), other=0.0).to(tl.float32)
+            ptrs = local_ptr + gather_base + offs  # a [1, chunk] block: one source
+            v, status = poll_block(v_next, t_next, ptrs, cmask, gather_tags + i + z11, calls, deadline, max_spins,
+                                   dead, abort_ptr, C)
+            arrived = tl.max(tl.max(status, axis=0), axis=0) == 0
+            if (arrived == 0) & (dead == 0):
+                only_foreign = tl.max((status == 1).to(tl.int32)) == 0
+                fail(err_ptr, errmap_ptr, abort_ptr, bufs, rank, 1 << owner, tl.where(only_foreign, 1 << owner, 0),
+                     row, calls, C)
+            dead = dead | (arrived == 0)
+            j = i + nprog
+            m1 = and_scalar((j % C.num_chunks) * C.chunk + cols < H, (j < items) & (dead == 0))
+            v_next = tl.load(local_ptr + gather_base + (j // C.num_chunks).to(tl.int64) * H
+                             + (j % C.num_chunks) * C.chunk + cols, mask=m1, other=0.0, volatile=True)
+            t_next = tl.load(gather_tags + j + z11, mask=and_scalar(z11 == 0, (dead == 0) & (j < items)), other=0,
                              volatile=True)
-            t_next = tl.load(gather_tags + i + z11, mask=and_scalar(z11 == 0, (dead == 0) & (i < items)), other=0,
-                             volatile=True)
-            while i < items:
-                row = i // C.num_chunks
-                owner = i // per_owner
-                col = (i % C.num_chunks) * C.chunk + cols
-                cmask = col < H
-                offs = row.to(tl.int64) * H + col
-                r = tl.load(res_ptr + offs, mask=cmask & C.has_res, other=0.0)
-                w = tl.load(w_ptr + col, mask=cmask & C.has_norm & (C.num_chunks == 1), other=0.0).to(tl.float32)
-                ptrs = local_ptr + gather_base + offs  # a [1, chunk] block: one source
-                v, status = poll_block(v_next, t_next, ptrs, cmask, gather_tags + i + z11, calls, deadline, max_spins,
-                                       dead, abort_ptr, C)
-                arrived = tl.max(tl.max(status, axis=0), axis=0) == 0
-                if (arrived == 0) & (dead == 0):
-                    only_foreign = tl.max((status == 1).to(tl.int32)) == 0
-                    fail(err_ptr, errmap_ptr, abort_ptr, bufs, rank, 1 << owner, tl.where(only_foreign, 1 << owner, 0),
-                         row, calls, C)
-                dead = dead | (arrived == 0)
-                j = i + nprog
-                m1 = and_scalar((j % C.num_chunks) * C.chunk + cols < H, (j < items) & (dead == 0))
-                v_next = tl.load(local_ptr + gather_base + (j // C.num_chunks).to(tl.int64) * H
-                                 + (j % C.num_chunks) * C.chunk + cols, mask=m1, other=0.0, volatile=True)
-                t_next = tl.load(gather_tags + j + z11, mask=and_scalar(z11 == 0, (dead == 0) & (j < items)), other=0,
-                                 volatile=True)
-                tl.store(ptrs, sentinel_like(v, C.sentinel, C.elem_bits), mask=cmask)  # re-arm what was read
-                s = tl.where(dead, float("nan"), v.to(tl.float32)).to(local_ptr.dtype.element_ty)
-                residual_step(s, row, col, cmask, offs, r, w, newres_ptr, out_ptr, part_ptr, i, M, H, eps, calls,
-                              qargs, C, Q)
-                i = j
+            tl.store(ptrs, sentinel_like(v, C.sentinel, C.elem_bits), mask=cmask)  # re-arm what was read
+            s = tl.where(dead, float("nan"), v.to(tl.float32)).to(local_ptr.dtype.element_ty)
+            residual_step(s, row, col, cmask, offs, r, w, newres_ptr, out_ptr, part_ptr, i, M, H, eps, calls, qargs,
+                          C, Q)
+            i = j
         kernel_tail(newres_ptr, w_ptr, out_ptr, part_ptr, state_ptr, pid, nprog, items, M, H, eps, calls, tm, dead,
                     fx, qargs, C, Q, C.split)
