@@ -254,6 +254,35 @@ DERIVED_IDIOMS = [
 ]
 
 
+def test_a_table_lookup_with_a_fallback_value_is_not_a_missing_key_gate(tmp_path):
+    # sglang 0.5.23 convrot_int8_jit.py words a message with `REASONS.get(capability, "...")`, a 0.5.10
+    # benchmark picks a peak bandwidth with `{...}.get(cap, 320)`: an architecture the table does not
+    # list gets a value of the same kind, nothing is turned off. A falsy default is the gate.
+    found = conditions(tmp_path, """
+        import torch
+
+        REASONS = {(10, 3): "INT8 tensor-core throughput is a fraction of BF16 there"}
+        MAX_OVERLAP_TOKENS = {9: 32, 10: 16}
+
+
+        def refusal_reason():
+            cap = torch.cuda.get_device_capability()
+            return REASONS.get(cap, "the ops carry no code for it")
+
+
+        def peak_bandwidth():
+            cap = torch.cuda.get_device_capability()
+            return {(9, 0): 3350, (8, 0): 2000}.get(cap, 320)
+
+
+        def max_overlap_tokens():
+            major = torch.cuda.get_device_capability()[0]
+            return MAX_OVERLAP_TOKENS.get(major, 0)
+    """)
+    overlap = ("max_overlap_tokens", names(lambda a: a.major in (9, 10)), [])
+    assert found == {"MAX_OVERLAP_TOKENS.get(major, 0)": overlap}
+
+
 @pytest.mark.parametrize("part,kind,expected", DERIVED_IDIOMS, ids=[c[0][:30] for c in DERIVED_IDIOMS])
 def test_derived_idiom(result, part, kind, expected):
     f = find(result, "v2/idioms.py", part)

@@ -69,8 +69,20 @@ def _device_value(value) -> bool:
     return isinstance(value, (ArchNum, Obj))
 
 
-def ite(test: ArchBool, a, b):
-    """`a if test else b` for abstract values."""
+def _given(value) -> bool:
+    """A value nothing is known of: an unread argument or an unresolved name."""
+    return value is UNKNOWN or isinstance(value, External)
+
+
+def asks_given(test: ast.expr) -> bool:
+    """`x is None` / `x is not None`: does the test ask whether a value was given?"""
+    return (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], (ast.Is, ast.IsNot))
+            and any(isinstance(n, ast.Constant) and n.value is None for n in (test.left, test.comparators[0])))
+
+
+def ite(test: ArchBool, a, b, *, override: bool = False):
+    """`a if test else b` for abstract values; `override`: the test asks whether a value was given
+    (`asks_given`), so a branch nothing is known of is that value, given in place of the device's."""
     if all(v is True for v in test.values):
         return a
     if all(v is False for v in test.values):
@@ -83,6 +95,14 @@ def ite(test: ArchBool, a, b):
         if _device_value(a) and isinstance(b, Const) and b.value is None:
             return a
         if _device_value(b) and isinstance(a, Const) and a.value is None:
+            return b
+        # `arch = _get_device_arch() if _arch is None else _arch`, or `if override is not None: return
+        # _parse_arch_str(override)` before `return major * 10 + minor`: the other branch is a value
+        # given from outside (a caller's argument, an environment variable) in place of the
+        # device's; the default path is the one audited, as for `sm = sm or get_device_sm()`.
+        if override and _device_value(a) and _given(b):
+            return a
+        if override and _device_value(b) and _given(a):
             return b
     if (isinstance(a, Const) and isinstance(b, Const) and None not in test.values and not isinstance(a.value, bool)
         and not isinstance(b.value, bool)):
@@ -260,7 +280,7 @@ class Evaluator:
     def _BoolOp(self, node):
         items = [self.eval(v) for v in node.values]
         if (isinstance(node.op, ast.Or) and isinstance(items[-1], ArchNum)
-            and all(i is UNKNOWN or isinstance(i, External) for i in items[:-1])):
+            and all(_given(i) for i in items[:-1])):
             # `sm = sm or get_device_sm()`: a caller's value when given, otherwise the device's.
             return items[-1]
         result = to_bool(items[0])
@@ -295,7 +315,8 @@ class Evaluator:
         return ArchBool.const(None)
 
     def _IfExp(self, node):
-        return ite(to_bool(self.eval(node.test)), self.eval(node.body), self.eval(node.orelse))
+        return ite(to_bool(self.eval(node.test)), self.eval(node.body), self.eval(node.orelse),
+                   override=asks_given(node.test))
 
     # -- calls --------------------------------------------------------------------------
     def _Call(self, node):

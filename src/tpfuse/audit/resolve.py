@@ -23,7 +23,7 @@ import re
 from pathlib import Path
 
 from tpfuse.audit.arch import ArchBool, ArchNum
-from tpfuse.audit.evaluate import Evaluator, ite, seed_for, to_bool
+from tpfuse.audit.evaluate import Evaluator, asks_given, ite, seed_for, to_bool
 from tpfuse.audit.modules import ModuleInfo, collect_bindings
 from tpfuse.audit.parse import TextMap, parse_selected, prefixed_matches
 from tpfuse.audit.predicates import ALWAYS, sglang_fact
@@ -551,7 +551,7 @@ class Resolver:
                 raises = isinstance(stmt.body[-1], ast.Raise)
                 then = Const(False) if raises else self._block(stmt.body, dict(local), module, depth, attrs)
                 rest = self._block(stmt.orelse + body[i + 1:], dict(local), module, depth, attrs)
-                return ite(test, then, rest)
+                return ite(test, then, rest, override=asks_given(stmt.test))
             if isinstance(stmt, (ast.Import, ast.ImportFrom, ast.Pass)):
                 if isinstance(stmt, ast.ImportFrom):
                     for alias in stmt.names:

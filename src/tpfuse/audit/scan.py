@@ -165,6 +165,16 @@ def _join(test, body, other):
     return ArchNum(values, weak)
 
 
+def _falls_back(ev, call: ast.Call, table) -> bool:
+    """`TABLE.get(cap, 320)`, `REASONS.get(cap, "no code for it")`: the default and every value are
+    truthy, so an architecture the table does not list gets a value of the same kind (a tuned size,
+    a message) and nothing is turned off; `.get(cap, {})`, `.get(cap, 0)` or `.get(cap)` stay gates."""
+    if len(call.args) < 2 or not isinstance(table, dict):
+        return False
+    default = ev.eval(call.args[1])
+    return isinstance(default, Const) and bool(default.value) and all(bool(v) for v in table.values())
+
+
 def _absent(value) -> bool:
     """Unknown, or None: the `self.x = None` of a value computed on first use (`if self.x is None:`)."""
     return value is UNKNOWN or isinstance(value, Const) and value.value is None
@@ -574,7 +584,8 @@ class ModuleScanner:
     def _table_site(self, expr, kind, scope, local, attrs, stmt, *, guards=None) -> dict | None:
         """A lookup of the device's capability in a constant table: `TABLE.get(cap, {})` anywhere in
         `expr` (no conditional at all: the gate is a missing key) becomes a `table` site, and the
-        table's location and keys, also for `cap in TABLE`, are returned for the condition's record."""
+        table's location and keys, also for `cap in TABLE`, are returned for the condition's record.
+        A lookup with a fallback value (`_falls_back`) is neither."""
         words = self._words(expr.lineno, expr.end_lineno or expr.lineno)
         if ("get" not in words and "in" not in words) or not self._mentions_arch(expr, local, attrs):
             return None  # the words test first: most statements hold neither a `.get(` nor an `in`
@@ -595,6 +606,8 @@ class ModuleScanner:
                     and isinstance(cap, ArchNum)):
                 continue
             keys = table.value
+            if isinstance(node, ast.Call) and _falls_back(ev, node, keys):
+                continue
             present = compare("In", cap, keys)
             if present is None:
                 continue
