@@ -477,8 +477,25 @@ def suites(args) -> dict[str, list[tuple]]:
     for world, tokens in ((8, 16), (8, 64), (8, 256), (4, 64), (4, 256), (2, 256)):
         for per_push in (1, 4, 8):
             scatter.append((f"push{per_push}", spec("twoshot", world, (tokens,), per_push=per_push), "steady"))
+    whole_rows = []  # items of a whole row (chunks of 4096 or 8192 elements, 16 or 32 warps) against the plan's
+    for world in (8, 4, 2):
+        for t in (16, 64):
+            for chunk in (None, 4096, 8192):
+                whole_rows.append((f"chunk{chunk or 'plan'}",
+                                   spec("twoshot", world, (t,), chunk=chunk, owns_rows=False), "steady"))
+        for chunk in (None, 4096, 8192):
+            whole_rows.append((f"chunk{chunk or 'plan'}", spec("oneshot", world, (16,), chunk=chunk), "steady"))
+    wide_chunks = []  # two-shot chunk owners from 32 tokens, and one-shot at W = 4: chunks of 2048 against 4096
+    for world in (8, 4, 2):
+        for t in (32, 48, 64, 96, 128):
+            for chunk in (2048, 4096):
+                wide_chunks.append((f"chunk{chunk}", spec("twoshot", world, (t,), chunk=chunk, owns_rows=False),
+                                    "steady"))
+    for t in (8, 16, 32):
+        for chunk in (2048, 4096):
+            wide_chunks.append((f"chunk{chunk}", spec("oneshot", 4, (t,), chunk=chunk), "steady"))
     return {"variants": variants, "final": final, "report": report, "chunks": chunks, "spin": spins,
-            "twoshot_poll": twoshot_poll, "scatter": scatter}
+            "twoshot_poll": twoshot_poll, "scatter": scatter, "whole_rows": whole_rows, "wide_chunks": wide_chunks}
 
 
 def main(argv=None) -> int:
@@ -486,13 +503,16 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="JSON-lines file for the result rows")
     parser.add_argument("--suite", choices=("variants", "final", "report", "chunks", "spin", "twoshot_poll", "scatter",
-                                            "all"),
+                                            "whole_rows", "wide_chunks", "all"),
                         default="report",
                         help="variants: launch options and two-shot cuts compared; final: the whole grid; report: "
                              "what benchmarks/results/README.md reports, in one run; chunks: the plan's chunk size "
                              "forced at decode sizes beside make_plan's choice; spin: the decode poll's levels "
                              "(spin 2, 3, 4) at 1 token; twoshot_poll: two-shot chunk owners at spin 2 and 4; "
-                             "scatter: two-shot's items scattered per step (1, 4, 8) at 16-256 tokens")
+                             "scatter: two-shot's items scattered per step (1, 4, 8) at 16-256 tokens; whole_rows: "
+                             "chunks of 4096 and 8192 elements (a whole row of 6144 an item) against the plan's, at "
+                             "16-64 tokens; wide_chunks: chunks of 2048 against 4096 for two-shot's chunk owners "
+                             "at 32-128 tokens and one-shot at W = 4")
     parser.add_argument("--plot", help="PNG of per-call latency against tokens (steady, bf16, hidden 6144)")
     parser.add_argument("--budget-s", type=float, default=420.0, help="stop starting new cases after this long")
     parser.add_argument("--reps", type=int, default=15)
