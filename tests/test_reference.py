@@ -16,6 +16,7 @@ from tpfuse.reference import (
     _e4m3_codes,
     all_reduce_ref,
     all_reduce_residual_rmsnorm_ref,
+    normed_unrounded_ref,
     quantize_ref,
     random_inputs,
     relative_error,
@@ -65,7 +66,7 @@ def test_fp32_norm_steps_are_correctly_rounded():
     hn, wn = h.numpy(), weight.numpy()
     mean_sq = (hn * hn).sum(axis=-1, keepdims=True, dtype=np.float32) / np.float32(96)
     inv = np.float32(1) / np.sqrt(mean_sq + np.float32(1e-6))
-    assert torch.equal(normed, torch.from_numpy(hn * inv * wn))
+    assert torch.equal(normed, torch.from_numpy((hn * wn) * inv))  # the weight first (module docstring)
 
 
 @pytest.mark.gpu
@@ -191,6 +192,24 @@ def test_per_token_and_group_scales_by_definition():
     assert ub.tolist() == [[0.0], [0.5]]
     _, col = quantize_ref(torch.randn(5, 64), Q.fp8_per_group(16, layout="col"))
     assert col.shape == (5, 4) and col.stride() == (1, 8)  # M padded to a multiple of 4
+
+
+def test_per_token_absmax_comes_from_the_norm_factors():
+    """The fused op's per-token absmax is inv_rms * max |h * w| (the contract in tpfuse.reference):
+    the same bits as max |y| of its own normed rows, save a degenerate row (inv_rms inf)."""
+    s, r = random_inputs(0, 6, 256, torch.bfloat16), random_inputs(1, 6, 256, torch.bfloat16)
+    w = (1 + 0.1 * random_inputs(2, 1, 256, torch.float32)[0]).to(torch.bfloat16)
+    y, _ = normed_unrounded_ref(s, r, w, 1e-6)
+    fused = residual_rmsnorm_quant_ref(s, r, w, 1e-6, Q.fp8_per_token())
+    codes, scale = quantize_ref(y.float(), Q.fp8_per_token())
+    assert torch.equal(fused.scale, scale) and torch.equal(fused.out.view(torch.uint8), codes.view(torch.uint8))
+    # eps = 0 and rows whose squares underflow: inv_rms is inf, y is +-inf or NaN (0 * inf)
+    tiny = torch.tensor([[2.0**-80, 0.0, -2.0**-80, 2.0**-81] * 4, [0.0] * 16], dtype=torch.bfloat16)
+    out = residual_rmsnorm_quant_ref(tiny, None, torch.ones(16, dtype=torch.bfloat16), 0.0, Q.fp8_per_token())
+    assert out.scale[0].item() == float("inf")  # inf * max |h * w|, where max |y| would be NaN
+    assert out.scale[1].isnan().all()  # 0 * inf: the all-zero row has no scale
+    with pytest.raises(ValueError, match="row_amax is per-token FP8's"):
+        quantize_ref(y.float(), Q.fp8_static(1.0), row_amax=torch.ones(6, 1))
 
 
 def test_nvfp4_block_scale_recipe():

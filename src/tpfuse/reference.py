@@ -10,17 +10,21 @@ dtype:
     s          = round_dt( sum_{r=0..W-1} acc(x_r) )        # the allreduce output, as unfused code has it
     new_res    = round_dt( acc(s) + acc(residual) )         # or s itself when residual is None
     h          = acc(new_res)                               # normalise from the rounded residual
-    normed     = round_dt( h * (1 / sqrt(sum(h^2) / H + eps)) * acc(weight) )
+    inv        = 1 / sqrt(sum(h^2) / H + eps)                # per row
+    normed     = round_dt( (h * acc(weight)) * inv )
 
-Exactly three roundings to `dt`. Inside the norm each step (the division by H, the square root,
-the reciprocal) is one correctly rounded IEEE operation in `acc`, which is what the Triton epilogue
-computes (div_rn, sqrt_rn), so CPU, CUDA and the kernels agree bit for bit. Plain torch does not
-give that: on CUDA `torch.rsqrt` is approximate and `tensor / python_float` multiplies by the
-reciprocal; on CPU, float32 `torch.sqrt` is not correctly rounded for about a fifth of inputs
-(torch 2.13, AVX512). So the division by H is by a tensor, the root is `sqrt` then `reciprocal`
-(both IEEE in fp32 on CUDA, where torch is built without fast math), and on CPU these steps run in
-float64 and are rounded once, which is exact: float64 has more than 2 x 24 + 2 bits, so sqrt and
-division rounded twice still give the correctly rounded fp32 result.
+Exactly three roundings to `dt`. The weight is applied before the row's scalar `inv`, so that
+|normed| is a monotone function of |h * weight| alone: a split row's absmax (per-token FP8) is
+then `inv` times the largest of its chunks' maxima of |h * weight|, known as soon as the sum of
+squares is (one exchange of partials, not two). Inside the norm each step (the division by H, the
+square root, the reciprocal) is one correctly rounded IEEE operation in `acc`, which is what the
+Triton epilogue computes (div_rn, sqrt_rn), so CPU, CUDA and the kernels agree bit for bit. Plain
+torch does not give that: on CUDA `torch.rsqrt` is approximate and `tensor / python_float`
+multiplies by the reciprocal; on CPU, float32 `torch.sqrt` is not correctly rounded for about a
+fifth of inputs (torch 2.13, AVX512). So the division by H is by a tensor, the root is `sqrt` then
+`reciprocal` (both IEEE in fp32 on CUDA, where torch is built without fast math), and on CPU these
+steps run in float64 and are rounded once, which is exact: float64 has more than 2 x 24 + 2 bits,
+so sqrt and division rounded twice still give the correctly rounded fp32 result.
 
 Summation order over ranks is 0..W-1; strategies may reduce in another order only where that
 cannot change the result (fp32 sums of small integers are exact).
@@ -83,12 +87,17 @@ def normed_unrounded_ref(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, new_residual): the normed output before its rounding to the data dtype (in `acc`,
     fp32 by default), which is what quantized output is computed from."""
+    hw, inv, new_residual = _normed_factors(s, residual, weight, eps, acc_dtype)
+    return hw * inv, new_residual
+
+
+def _normed_factors(s, residual, weight, eps, acc_dtype):
+    """(h * weight, inv per row (M, 1), new_residual): normed before its rounding is their product."""
     dtype = s.dtype
     acc = acc_dtype or accumulation_dtype(dtype)
     new_residual = s if residual is None else (s.to(acc) + residual.to(acc)).to(dtype)
     h = new_residual.to(acc)
-    inv_rms = _inverse_rms(h, eps)
-    return h * inv_rms * weight.to(acc), new_residual
+    return h * weight.to(acc), _inverse_rms(h, eps), new_residual
 
 
 def _inverse_rms(h: torch.Tensor, eps: float) -> torch.Tensor:
@@ -162,6 +171,10 @@ def random_inputs(
 #   fp8_static   : q = e4m3(f32(y * inv(scale)))
 #   fp8_per_token: amax = max |y| over the row; scale = f32(amax / 448), then min(scale, scale_ub);
 #                  q = e4m3(f32(y * inv(scale)))            (an all-zero row: scale 0, q = 0)
+#                  In the fused op y = f32(hw * inv_rms) (module docstring) and amax is taken as
+#                  f32(inv_rms * max |hw|): the same value, as rounding is monotone, save where
+#                  inv_rms is inf (eps = 0 and a sum of squares of 0), which gives inf, not NaN,
+#                  when only some hw are 0. A split row needs no second exchange for it.
 #   fp8_per_group: the same over each `group` consecutive columns
 #   nvfp4        : amax over 16 columns; sf = e4m3(f32(gs * f32(amax * f32(1/6))));
 #                  out_scale = 0 if sf == 0 else f32(gs / sf); q = e2m1(f32(y * out_scale))
@@ -223,10 +236,13 @@ def _scalar(value, device) -> torch.Tensor:
     return torch.full((1,), float(value), dtype=torch.float32, device=device).to(torch.float64)
 
 
-def quantize_ref(y: torch.Tensor, quant) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_ref(y: torch.Tensor, quant, *, row_amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes, scales) of fp32 rows `y` (M, H) in the format and layout of `quant`
-    (a `tpfuse.quant.QuantSpec`; shapes and layouts in `tpfuse.quant`), by the contract above."""
+    (a `tpfuse.quant.QuantSpec`; shapes and layouts in `tpfuse.quant`), by the contract above.
+    `row_amax` (M, 1), per-token FP8 only: each row's absmax given (the fused op's), not max |y|."""
     m, h = y.shape
+    if row_amax is not None and quant.kind != "fp8_per_token":
+        raise ValueError(f"quantize_ref: row_amax is per-token FP8's; {quant.kind} computes its own absmax")
     y64 = y.to(torch.float32).to(torch.float64)
     if quant.kind == "fp8_static":
         scale = _scalar(quant.scale, y.device)
@@ -234,7 +250,8 @@ def quantize_ref(y: torch.Tensor, quant) -> tuple[torch.Tensor, torch.Tensor]:
     if quant.kind in ("fp8_per_token", "fp8_per_group"):
         group = h if quant.kind == "fp8_per_token" else quant.group
         blocks = y64.reshape(m, h // group, group)
-        scale = _f32(_amax(blocks) / 448.0)
+        amax = _amax(blocks) if row_amax is None else row_amax.to(torch.float32).reshape(m, 1, 1).to(torch.float64)
+        scale = _f32(amax / 448.0)
         if quant.scale_ub is not None:
             ub = float(torch.tensor(quant.scale_ub, dtype=torch.float32))  # the bound as fp32, as the kernel takes it
             scale = torch.where(scale > ub, torch.full_like(scale, ub), scale)
@@ -281,8 +298,11 @@ def swizzle_128x4(sf: torch.Tensor) -> torch.Tensor:
 def residual_rmsnorm_quant_ref(s, residual, weight, eps: float, quant, *, acc_dtype=None):
     """The epilogue with quantized output: a `tpfuse.quant.QuantOutput` (out, scale, residual, normed)."""
 
-    y, new_residual = normed_unrounded_ref(s, residual, weight, eps, acc_dtype=acc_dtype)
-    codes, scales = quantize_ref(y.to(torch.float32), quant)
+    hw, inv, new_residual = _normed_factors(s, residual, weight, eps, acc_dtype)
+    y = hw * inv
+    # (contract above); abs: 0 * inf is a NaN whose sign differs by machine, an absmax has none
+    row_amax = (inv * _amax(hw)).abs() if quant.kind == "fp8_per_token" else None
+    codes, scales = quantize_ref(y.to(torch.float32), quant, row_amax=row_amax)
     return QuantOutput(codes, scales, new_residual, y.to(s.dtype) if quant.with_normed else None)
 
 

@@ -232,6 +232,34 @@ def test_quantized_epilogue_matches_reference():
             assert (_ordinal(got.out, nib) - _ordinal(ref.out, nib)).abs().max() <= 1, label
 
 
+def _degenerate_rows():
+    """eps = 0 rows whose inverse RMS is inf: squares that underflow fp32 (row 0, with zeros among
+    them, so y holds +-inf and NaN) and an all-zero row (y all NaN)."""
+    tiny = torch.tensor([2.0**-80, 0.0, -2.0**-80, 2.0**-81], dtype=torch.bfloat16).repeat(2, H // 4)
+    tiny[1] = 0
+    return tiny
+
+
+def _degenerate_rank(rank, world_size):
+    from tpfuse.kernels.epilogue import residual_rmsnorm
+
+    w = small_integer_inputs(2, 1, H, torch.bfloat16)[0]
+    return [tuple(_pack(t) for t in residual_rmsnorm(_degenerate_rows(), None, w, 0.0, quant=Q.fp8_per_token(),
+                                                     config=config)) for config in (None, SPLIT)]
+
+
+@pytest.mark.interpreter
+def test_degenerate_rows_quantize_as_the_reference():
+    """Per-token FP8 of a row with an infinite inverse RMS: its absmax is inv * max |h * w| (inf,
+    or NaN for the all-zero row) in the whole-row and the sliced kernel, as the reference says."""
+    (results,) = run_ranks(_degenerate_rank, 1, env=INTERP, timeout_s=300)
+    w = small_integer_inputs(2, 1, H, torch.bfloat16)[0]
+    ref = residual_rmsnorm_quant_ref(_degenerate_rows(), None, w, 0.0, Q.fp8_per_token())
+    assert ref.scale[0].item() == float("inf") and ref.scale[1].isnan().all()
+    for config, got in zip((None, SPLIT), results):
+        assert all(_same(a, b) for a, b in zip(Q.QuantOutput(*got), ref)), f"config={config}"
+
+
 # ---- GPU tier ------------------------------------------------------------------------------------
 
 MODEL_SPECS = [Q.fp8_static(0.02), Q.fp8_per_token(scale_ub=1.0), Q.fp8_per_group(128, layout="col"),

@@ -1,7 +1,7 @@
 """Fused residual-add + RMSNorm: one pass over x, residual and weight; writes normed and new_residual.
 
     new_residual = round_dt(f32(s) + f32(residual))          # s itself when residual is None
-    normed       = round_dt(h * (1 / sqrt(sum(h^2) / H + eps)) * f32(weight)),  h = f32(new_residual)
+    normed       = round_dt((h * f32(weight)) * (1 / sqrt(sum(h^2) / H + eps))),  h = f32(new_residual)
 
 the rounding points of `tpfuse.reference.residual_rmsnorm_ref`. new_residual matches the
 reference bit for bit. normed differs from it only through the order of the H-term sum of squares
@@ -39,6 +39,7 @@ from tpfuse.kernels.quant import (
     load_param,
     pad_programs,
     quantize_chunk,
+    token_amax,
     zero_scale_padding,
 )
 from tpfuse.quant import QuantOutput
@@ -84,21 +85,24 @@ def epilogue_row(
     """
     offs = row.to(tl.int64) * H + cols
     if HAS_NORM:
-        y = normed_row(s, row, cols, mask, res_ptr, w, newres_ptr, H, eps, HAS_RES, SOFT_BF16)
-        tl.store(out_ptr + offs, round_like(y, s, SOFT_BF16), mask=mask)
+        hw, inv = normed_factors(s, row, cols, mask, res_ptr, w, newres_ptr, H, eps, HAS_RES, SOFT_BF16)
+        tl.store(out_ptr + offs, round_like(hw * inv, s, SOFT_BF16), mask=mask)
     else:
         tl.store(out_ptr + offs, s, mask=mask)
 
 
 @triton.jit
-def normed_row(s, row, cols, mask, res_ptr, w, newres_ptr, H, eps, HAS_RES: tl.constexpr, SOFT_BF16: tl.constexpr):
-    """Store the row's new residual and return its normed values in fp32, before any rounding:
-    what `epilogue_row` rounds to the data dtype and `tpfuse.kernels.quant.quantize_row` quantizes."""
+def normed_factors(s, row, cols, mask, res_ptr, w, newres_ptr, H, eps, HAS_RES: tl.constexpr,
+                   SOFT_BF16: tl.constexpr):
+    """Store the row's new residual and return (h * w, the row's inverse RMS) in fp32: their
+    product is the normed row before any rounding, what `epilogue_row` rounds to the data dtype and
+    `tpfuse.kernels.quant.quantize_row` quantizes (per-token FP8's absmax comes from the factors:
+    `tpfuse.kernels.quant.token_amax`)."""
     offs = row.to(tl.int64) * H + cols
     nr = new_residual(s, offs, mask, res_ptr, HAS_RES, SOFT_BF16)
     tl.store(newres_ptr + offs, nr, mask=mask)
     h = nr.to(tl.float32)
-    return h * inverse_rms(h, H, eps) * w
+    return h * w, inverse_rms(h, H, eps)
 
 
 @triton.jit
@@ -202,13 +206,13 @@ def residual_rmsnorm_quant_kernel(
             h_all = new_residual(s_all, row.to(tl.int64) * H + full, m_all, res_ptr, HAS_RES, SOFT_BF16).to(tl.float32)
             inv = inverse_rms(h_all, H, eps)
             amax = 0
-            if KIND == 2:  # the row's absmax, of the normed values every program of the row computes alike
-                amax = tl.max(abs_bits(h_all * inv * load_weight(w_ptr, full, fmask, True), m_all), axis=0)
+            if KIND == 2:  # the row's absmax, from the whole row every program of the row reads alike
+                amax = token_amax(tl.max(abs_bits(h_all * load_weight(w_ptr, full, fmask, True), m_all), axis=0), inv)
             s, mask = load_row(s_ptr, row, cols, cmask, M, H)
             offs = row.to(tl.int64) * H + cols
             nr = new_residual(s, offs, mask, res_ptr, HAS_RES, SOFT_BF16)
             tl.store(newres_ptr + offs, nr, mask=mask)
-            y = nr.to(tl.float32) * inv * w
+            y = (nr.to(tl.float32) * w) * inv
             if WITH_NORMED:
                 tl.store(out_ptr + offs, round_like(y, s, SOFT_BF16), mask=mask)
             quantize_chunk(y, row, start, M, H, q_ptr, q_row_stride, sc_ptr, s_row_stride, s_col_stride, param,
@@ -226,12 +230,14 @@ def residual_rmsnorm_quant_kernel(
                 # one block reduction for the row: the first part folded onto the second's columns first
                 inv = inverse_rms_of(tl.sum(tl.sum(tl.reshape(h0 * h0, [BLOCK_H // P1, P1]), axis=0) + h1 * h1,
                                             axis=0), H, eps)
-                y0 = h0 * inv * w0
-                y1 = h1 * inv * w1
+                hw0 = h0 * w0
+                hw1 = h1 * w1
+                y0 = hw0 * inv
+                y1 = hw1 * inv
                 amax = 0
                 if KIND == 2:  # the row's absmax over its parts, in one block reduction as the sum
-                    amax = tl.max(tl.maximum(tl.max(tl.reshape(abs_bits(y0, m0), [BLOCK_H // P1, P1]), axis=0),
-                                             abs_bits(y1, m1)), axis=0)
+                    amax = token_amax(tl.max(tl.maximum(tl.max(tl.reshape(abs_bits(hw0, m0), [BLOCK_H // P1, P1]),
+                                                               axis=0), abs_bits(hw1, m1)), axis=0), inv)
                 if WITH_NORMED:
                     tl.store(out_ptr + row.to(tl.int64) * H + cols0, round_like(y0, s0, SOFT_BF16), mask=m0)
                     tl.store(out_ptr + row.to(tl.int64) * H + cols1, round_like(y1, s1, SOFT_BF16), mask=m1)
@@ -247,11 +253,15 @@ def residual_rmsnorm_quant_kernel(
             for i in tl.static_range(ROWS):
                 row = pid * ROWS + i
                 s, mask = load_row(s_ptr, row, cols, cmask, M, H)
-                y = normed_row(s, row, cols, mask, res_ptr, w, newres_ptr, H, eps, HAS_RES, SOFT_BF16)
+                hw, inv = normed_factors(s, row, cols, mask, res_ptr, w, newres_ptr, H, eps, HAS_RES, SOFT_BF16)
+                y = hw * inv
+                amax = 0
+                if KIND == 2:
+                    amax = token_amax(tl.max(abs_bits(hw, mask), axis=0), inv)
                 if WITH_NORMED:
                     tl.store(out_ptr + row.to(tl.int64) * H + cols, round_like(y, s, SOFT_BF16), mask=mask)
                 quantize_chunk(y, row, 0, M, H, q_ptr, q_row_stride, sc_ptr, s_row_stride, s_col_stride, param,
-                               scale_ub, 0, KIND, GROUP, BLOCK_H, SWIZZLED, HAS_UB, HW_CVT, False)
+                               scale_ub, amax, KIND, GROUP, BLOCK_H, SWIZZLED, HAS_UB, HW_CVT, KIND == 2)
     elif SWIZZLED:  # (a row in parts spans 2 * BLOCK_H: a power of two >= H)
         zero_scale_padding(sc_ptr, M, H, pid - row_programs, (BLOCK_H * 2 if P1 > 0 else BLOCK_H) // 16, PAD_CHUNK)
 

@@ -34,16 +34,14 @@ import triton.language as tl
 from tpfuse.kernels.epilogue import round_like
 from tpfuse.kernels.peer_stages import (
     KIND_FP8_TOKEN_C,
+    finish_split_chunk,
     item_at,
     kernel_tail,
-    normed_fp32,
-    publish_amax,
+    publish_row_partials,
     reduce_block,
     reduce_sources,
     residual_step,
-    row_amax_of,
     start_quantized,
-    store_normed,
     sum_in_rank_order,
 )
 from tpfuse.kernels.protocol import NUM_SLOTS
@@ -56,13 +54,10 @@ from tpfuse.kernels.sync import (
     partials_deadline,
     pdl_wait,
     poll_block,
-    publish_partial,
     push,
     push_word,
-    row_partials,
     sentinel_like,
     source_status,
-    stall,
     start_deadline,
     wait_tags,
 )
@@ -142,20 +137,9 @@ def oneshot_kernel(
                     nr = round_like(s.to(tl.float32) + r.to(tl.float32), s, C.soft_bf16)
                 tl.store(newres_ptr + offs, nr, mask=cmask)
                 h = nr.to(tl.float32)
-                publish_partial(part_ptr, pid, tl.sum(tl.where(cmask, h * h, 0.0)), calls)
-                ss, ok = row_partials(part_ptr + row * C.num_chunks, calls, pdeadline, pspins, dead, C, 0)
-                if (ok == 0) & (dead == 0):
-                    stall(err_ptr, errmap_ptr, abort_ptr, bufs, rank, row, calls, C)
-                dead = dead | (ok == 0)
-                ss = tl.where(dead, float("nan"), ss)
-                y = normed_fp32(h, w, ss, H, eps)
-                start = (pid % C.num_chunks) * C.chunk
-                if Q.kind == KIND_FP8_TOKEN_C:  # the row's absmax, from its chunks' programs
-                    publish_amax(part_ptr, items, pid, y, cmask, calls)
-                    amax, dead = row_amax_of(part_ptr, items, row, calls, tm, dead, fx, C)
-                    store_normed(y, row, start, M, H, out_ptr, offs, cmask, s, qargs, amax, C, Q, True)
-                else:
-                    store_normed(y, row, start, M, H, out_ptr, offs, cmask, s, qargs, 0, C, Q, False)
+                publish_row_partials(part_ptr, items, pid, h, w, cmask, calls, Q)
+                dead = finish_split_chunk(h, w, row, (pid % C.num_chunks) * C.chunk, M, H, eps, out_ptr, offs, cmask,
+                                          s, part_ptr, items, calls, tm, dead, fx, qargs, C, Q)
             else:
                 residual_step(s, row, col, cmask, offs, r, w, newres_ptr, out_ptr, part_ptr, pid, M, H, eps, calls,
                               qargs, C, Q)
@@ -201,7 +185,9 @@ def oneshot_kernel(
             row, col, cmask, offs = item_at(i, H, cols, C)
             x = canonicalize(tl.load(x_ptr + offs, mask=cmask, other=0.0), C.sentinel, C.elem_bits)
             r = tl.load(res_ptr + offs, mask=cmask & C.has_res, other=0.0)
-            w = tl.load(w_ptr + col, mask=cmask & C.has_norm & (C.num_chunks == 1), other=0.0).to(tl.float32)
+            # a split row's chunk needs the weight now only for per-token FP8's max |h * w|
+            w = tl.load(w_ptr + col, mask=cmask & C.has_norm & ((C.num_chunks == 1) | (Q.kind == KIND_FP8_TOKEN_C)),
+                        other=0.0).to(tl.float32)
             ptrs = local_ptr + slot_base + srcs[:, None] * region + offs
             tag_ptrs = my_tags + srcs[:, None] * tag_words + i
             m2 = peer_rows & cmask

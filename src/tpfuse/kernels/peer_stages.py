@@ -15,10 +15,11 @@ Both reduce an item of every other source the same way: polled all at once per t
 block (`reduce_block`: the interpreter and lower spin levels). After a chunk of a row has been
 reduced (sum of all ranks, rounded to the data dtype), both kernels finish it the same way:
 new_residual, then the norm (a row of one chunk at once; a split row through epoch-tagged
-sum-of-squares partials in `norm_partials_pass`), then the normed values stored in the data dtype
-or quantized (`tpfuse.kernels.quant.quantize_chunk`; per-token FP8 of a split row exchanges its
-absmax as a second partial and quantizes in `token_quant_pass`). Both end in `kernel_tail`: the
-split-row passes, the epoch words, the end-of-kernel launch trigger.
+sum-of-squares partials, `finish_split_chunk`), then the normed values stored in the data dtype
+or quantized (`tpfuse.kernels.quant.quantize_chunk`; per-token FP8 of a split row publishes each
+chunk's max |h * w| beside its sum of squares, so the row's absmax, `token_amax`, arrives in the
+same exchange). Both end in `kernel_tail`: the split-row pass, the epoch words, the end-of-kernel
+launch trigger.
 
 Deadlock freedom of the partials: every program publishes all of its partials of a kind before it
 waits for any of that kind, and all programs of a launch are resident together (the launcher
@@ -38,9 +39,17 @@ from typing import NamedTuple
 import triton
 import triton.language as tl
 
-from tpfuse.kernels.epilogue import round_like
+from tpfuse.kernels.epilogue import inverse_rms_of, round_like
 from tpfuse.kernels.protocol import MAX_GRID
-from tpfuse.kernels.quant import KIND_FP8_TOKEN, PAD_CHUNK, abs_bits, load_param, quantize_chunk, zero_scale_padding
+from tpfuse.kernels.quant import (
+    KIND_FP8_TOKEN,
+    PAD_CHUNK,
+    abs_bits,
+    load_param,
+    quantize_chunk,
+    token_amax,
+    zero_scale_padding,
+)
 from tpfuse.kernels.sync import (
     and_scalar,
     fail,
@@ -105,10 +114,8 @@ class QuantOpts(NamedTuple):
 
 @triton.jit
 def normed_fp32(h, w, ss, H, eps):
-    """h * (1 / sqrt(ss / H + eps)) * w in fp32, correctly rounded steps (as the epilogue's)."""
-    ms = tl.math.div_rn(ss, H.to(tl.float32))
-    inv = tl.math.div_rn(1.0, tl.math.sqrt_rn(ms + eps))
-    return h * inv * w
+    """(h * w) * (1 / sqrt(ss / H + eps)) in fp32, correctly rounded steps (as the epilogue's)."""
+    return (h * w) * inverse_rms_of(ss, H, eps)
 
 
 @triton.jit
@@ -126,20 +133,35 @@ def store_normed(y, row, start, M, H, out_ptr, offs, cmask, like, qargs, row_ama
 
 
 @triton.jit
-def row_amax_of(part_ptr, items, row, calls, tm, dead, fx, C: tl.constexpr):
-    """(absmax bits of `row` from its chunks' published partials, dead): per-token FP8 of a split
-    row. The absmax partials sit after the norm partials (`part_ptr + items + item`)."""
-    amax, ok = row_partials(part_ptr + items + row * C.num_chunks, calls, tm[2], tm[3], dead, C, 1)
-    if (ok == 0) & (dead == 0):
-        stall(fx[0], fx[1], fx[2], fx[4], fx[3], row, calls, C)
-    dead = dead | (ok == 0)
-    return tl.where(dead, 0x7FC00000, amax), dead  # a failed row's scale is NaN
+def publish_row_partials(part_ptr, items, i, h, w, cmask, calls, Q: tl.constexpr):
+    """Publish item i's partials of its split row: the sum of squares of `h` (fp32 new residual),
+    and for per-token FP8 the max |h * w| (as `abs_bits`) after all `items` sums, in the same
+    exchange: the row's absmax is then known with its norm (`token_amax`)."""
+    publish_partial(part_ptr, i, tl.sum(tl.where(cmask, h * h, 0.0)), calls)
+    if Q.kind == KIND_FP8_TOKEN_C:
+        publish_partial(part_ptr + items, i, tl.max(abs_bits(h * w, cmask)).to(tl.float32, bitcast=True), calls)
 
 
 @triton.jit
-def publish_amax(part_ptr, items, i, y, cmask, calls):
-    """Publish the absmax (as |y| bits) of item i's chunk, for `row_amax_of`."""
-    publish_partial(part_ptr + items, i, tl.max(abs_bits(y, cmask)).to(tl.float32, bitcast=True), calls)
+def finish_split_chunk(h, w, row, start, M, H, eps, out_ptr, offs, cmask, like, part_ptr, items, calls, tm, dead, fx,
+                       qargs, C: tl.constexpr, Q: tl.constexpr):
+    """A chunk of a split row, once this program has published all its partials: wait for the
+    row's partials (`publish_row_partials`; a stall is recorded and poisons the row with NaN),
+    then store the chunk's normed values or quantize them (`store_normed`). Returns `dead`."""
+    ss, ok = row_partials(part_ptr + row * C.num_chunks, calls, tm[2], tm[3], dead, C, 0)
+    if Q.kind == KIND_FP8_TOKEN_C:  # published with the sums: this wait is normally already over
+        hw_amax, ok_amax = row_partials(part_ptr + items + row * C.num_chunks, calls, tm[2], tm[3], dead, C, 1)
+        ok = ok & ok_amax
+    if (ok == 0) & (dead == 0):
+        stall(fx[0], fx[1], fx[2], fx[4], fx[3], row, calls, C)
+    dead = dead | (ok == 0)
+    inv = tl.where(dead, float("nan"), inverse_rms_of(ss, H, eps))
+    amax = 0
+    if Q.kind == KIND_FP8_TOKEN_C:
+        amax = token_amax(hw_amax, inv)  # NaN where the row failed: its scale is NaN
+    store_normed((h * w) * inv, row, start, M, H, out_ptr, offs, cmask, like, qargs, amax, C, Q,
+                 Q.kind == KIND_FP8_TOKEN_C)
+    return dead
 
 
 @triton.jit
@@ -160,13 +182,9 @@ def start_quantized(qargs, pid, nprog, M, H, Q: tl.constexpr):
 @triton.jit
 def norm_partials_pass(newres_ptr, w_ptr, out_ptr, part_ptr, pid, nprog, items, M, H, eps, calls, tm, dead, fx,
                        qargs, C: tl.constexpr, Q: tl.constexpr):
-    """Phase 3 of split rows: wait for each row's partials, sum them in chunk order, write normed
-    (or quantize it). Per-token FP8 publishes each chunk's absmax here and quantizes in a second
-    pass (`token_quant_pass`), once every program has published: the same no-waiter-waits order.
-
-    The next item's loads are issued before this item is finished, so their latency overlaps.
-    Returns `dead`.
-    """
+    """Phase 3 of split rows: for each of this program's items, `finish_split_chunk` (wait for its
+    row's partials, then normed or quantized). The next item's loads are issued before this item
+    is finished, so their latency overlaps. Returns `dead`."""
     cols = tl.arange(0, C.chunk)
     i = pid
     row = i // C.num_chunks
@@ -186,44 +204,10 @@ def norm_partials_pass(newres_ptr, w_ptr, out_ptr, part_ptr, pid, nprog, items, 
         cmask_j = and_scalar(col_j < H, j < items)
         w_next = tl.load(w_ptr + col_j, mask=cmask_j, other=0.0)
         nr_next = tl.load(newres_ptr + (j // C.num_chunks).to(tl.int64) * H + col_j, mask=cmask_j, other=0.0)
-        ss, ok = row_partials(part_ptr + row * C.num_chunks, calls, tm[2], tm[3], dead, C, 0)
-        if (ok == 0) & (dead == 0):
-            stall(fx[0], fx[1], fx[2], fx[4], fx[3], row, calls, C)
-        dead = dead | (ok == 0)
-        ss = tl.where(dead, float("nan"), ss)
-        y = normed_fp32(nr.to(tl.float32), w, ss, H, eps)
-        if Q.kind == KIND_FP8_TOKEN_C:
-            publish_amax(part_ptr, items, i, y, cmask, calls)
-            if Q.with_normed:  # the codes come in token_quant_pass
-                tl.store(out_ptr + offs, round_like(y, nr, C.soft_bf16), mask=cmask)
-        else:
-            store_normed(y, row, start, M, H, out_ptr, offs, cmask, nr, qargs, 0, C, Q, False)
+        dead = finish_split_chunk(nr.to(tl.float32), w, row, start, M, H, eps, out_ptr, offs, cmask, nr, part_ptr,
+                                  items, calls, tm, dead, fx, qargs, C, Q)
         i = j
     return dead
-
-
-@triton.jit
-def token_quant_pass(newres_ptr, w_ptr, part_ptr, pid, nprog, items, M, H, eps, calls, tm, dead, fx, qargs,
-                     C: tl.constexpr, Q: tl.constexpr):
-    """Per-token FP8 of split rows, after `norm_partials_pass`: recompute each chunk's normed values
-    (the same loads and arithmetic, so the same bits), then quantize them with the row's absmax."""
-    cols = tl.arange(0, C.chunk)
-    i = pid
-    while i < items:
-        row = i // C.num_chunks
-        start = (i % C.num_chunks) * C.chunk
-        col = start + cols
-        cmask = col < H
-        w = tl.load(w_ptr + col, mask=cmask, other=0.0).to(tl.float32)
-        nr = tl.load(newres_ptr + row.to(tl.int64) * H + col, mask=cmask, other=0.0)
-        ss, ok = row_partials(part_ptr + row * C.num_chunks, calls, tm[2], tm[3], dead, C, 0)  # published: at once
-        dead = dead | (ok == 0)
-        amax, dead = row_amax_of(part_ptr, items, row, calls, tm, dead, fx, C)
-        ss = tl.where(dead, float("nan"), ss)
-        y = normed_fp32(nr.to(tl.float32), w, ss, H, eps)
-        quantize_chunk(y, row, start, M, H, qargs[0], qargs[1], qargs[2], qargs[3], qargs[4], qargs[5], qargs[6], amax,
-                       KIND_FP8_TOKEN_C, 0, C.chunk, False, Q.has_ub, Q.hw, True)
-        i += nprog
 
 
 @triton.jit
@@ -238,10 +222,10 @@ def residual_step(s, row, col, cmask, offs, r, w, newres_ptr, out_ptr, part_ptr,
             nr = s
         tl.store(newres_ptr + offs, nr, mask=cmask)
         h = nr.to(tl.float32)
-        ss = tl.sum(tl.where(cmask, h * h, 0.0))
         if C.split:
-            publish_partial(part_ptr, i, ss, calls)
+            publish_row_partials(part_ptr, M * C.num_chunks, i, h, w, cmask, calls, Q)
         else:  # the chunk is the whole row
+            ss = tl.sum(tl.where(cmask, h * h, 0.0))
             store_normed(normed_fp32(h, w, ss, H, eps), row, 0, M, H, out_ptr, offs, cmask, s, qargs, 0, C, Q, False)
     else:
         tl.store(out_ptr + offs, s, mask=cmask)
@@ -258,15 +242,12 @@ def advance_epoch(state_ptr, pid, nprog, calls):
 @triton.jit
 def kernel_tail(newres_ptr, w_ptr, out_ptr, part_ptr, state_ptr, pid, nprog, items, M, H, eps, calls, tm, dead, fx,
                 qargs, C: tl.constexpr, Q: tl.constexpr, SPLIT_PASS: tl.constexpr):
-    """The end both peer kernels share: with SPLIT_PASS, the split-row norm pass (and per-token
-    FP8's quantizing pass) once every partial of this program is published; then this program's
-    epoch words, then the end-of-kernel launch trigger (C.pdl == 1)."""
+    """The end both peer kernels share: with SPLIT_PASS, the split-row norm pass once every
+    partial of this program is published; then this program's epoch words, then the
+    end-of-kernel launch trigger (C.pdl == 1)."""
     if SPLIT_PASS:
-        dead = norm_partials_pass(newres_ptr, w_ptr, out_ptr, part_ptr, pid, nprog, items, M, H, eps, calls, tm, dead,
-                                  fx, qargs, C, Q)
-        if Q.kind == KIND_FP8_TOKEN_C:
-            token_quant_pass(newres_ptr, w_ptr, part_ptr, pid, nprog, items, M, H, eps, calls, tm, dead, fx, qargs,
-                             C, Q)
+        norm_partials_pass(newres_ptr, w_ptr, out_ptr, part_ptr, pid, nprog, items, M, H, eps, calls, tm, dead, fx,
+                           qargs, C, Q)
     advance_epoch(state_ptr, pid, nprog, calls)
     pdl_trigger_at_end(C)
 

@@ -9,10 +9,10 @@ with the arithmetic of `tpfuse.reference.quantize_ref`, bit for bit. Formats (KI
     KIND_FP8_GROUP  = 3   one scale per GROUP columns
     KIND_NVFP4      = 4   e2m1 pairs, one e4m3 scale per 16 columns, global scale from param_ptr
 
-A peer kernel (one-shot, two-shot) calls it where it would store the normed row, e.g.
+A fused kernel calls it where it would store the normed row, e.g.
 
-    y = normed_row(s, row, cols, mask, res_ptr, w, newres_ptr, H, eps, HAS_RES, SOFT_BF16)
-    quantize_row(y, row, cols, cols < H, M, H, q_ptr, q_row_stride, s_ptr, s_row_stride,
+    hw, inv = normed_factors(s, row, cols, mask, res_ptr, w, newres_ptr, H, eps, HAS_RES, SOFT_BF16)
+    quantize_row(hw * inv, row, cols, cols < H, M, H, q_ptr, q_row_stride, s_ptr, s_row_stride,
                  s_col_stride, param_ptr, scale_ub, KIND, GROUP, BLOCK_H, SWIZZLED, HAS_UB, HW_CVT)
     # with SWIZZLED, pad_programs(M) extra programs (pid >= the row programs) each call
     zero_scale_padding(s_ptr, M, H, pid - row_programs, BLOCK_H // 16, PAD_CHUNK)
@@ -22,6 +22,11 @@ A peer kernel (one-shot, two-shot) calls it where it would store the normed row,
 with the buffers, strides and constexprs of a `QuantBuffers` (`constexprs(BLOCK_H)`), as
 `tpfuse.kernels.epilogue.residual_rmsnorm_quant_kernel` does. Every rank quantizes the same
 fp32 rows with the same code, so the outputs are identical on every rank.
+
+`quantize_row` takes per-token FP8's absmax from y itself (max |y|, `quantize_ref`); the fused
+op defines it from the norm's factors instead (`token_amax`, the contract in `tpfuse.reference`),
+which a kernel passes to `quantize_chunk` with ROW_AMAX. They agree except in a degenerate
+row (inverse RMS inf: `tpfuse.reference`).
 
 Conversions are built from integer operations on the fp32 bit patterns (`e4m3_code`; `e2m1_code`
 also rounds with one fp32 addition), so they run wherever Triton runs: the CPU interpreter, SM80, SM90. HW_CVT (bit
@@ -204,6 +209,15 @@ def load_param(param_ptr, KIND: tl.constexpr):
 def abs_bits(y, mask):
     """|y| as uint32 bit patterns (NaN above inf), 0 in masked lanes: maxima of these are absmax."""
     return tl.where(mask, y.to(tl.uint32, bitcast=True) & 0x7FFFFFFF, 0)
+
+
+@triton.jit
+def token_amax(hw_amax, inv):
+    """Per-token FP8's row absmax in the fused op, as bits for `quantize_chunk`'s ROW_AMAX: the
+    row's inverse RMS `inv` times its max |h * w| (`hw_amax`, bits as `abs_bits` maxima give),
+    which is max |(h * w) * inv| as fp32 rounding is monotone (`tpfuse.reference`). A split row
+    knows it once it knows its sum of squares: its chunks exchange both maxima together."""
+    return (hw_amax.to(tl.uint32).to(tl.float32, bitcast=True) * inv).to(tl.uint32, bitcast=True) & 0x7FFFFFFF
 
 
 @triton.jit

@@ -46,6 +46,7 @@ import triton.language as tl
 
 from tpfuse.kernels.epilogue import round_like
 from tpfuse.kernels.peer_stages import (
+    KIND_FP8_TOKEN_C,
     kernel_tail,
     normed_fp32,
     reduce_block,
@@ -344,7 +345,9 @@ def twoshot_kernel(
             cmask = col < H
             offs = row.to(tl.int64) * H + col
             r = tl.load(res_ptr + offs, mask=cmask & C.has_res, other=0.0)
-            w = tl.load(w_ptr + col, mask=cmask & C.has_norm & (C.num_chunks == 1), other=0.0).to(tl.float32)
+            # a split row's chunk needs the weight now only for per-token FP8's max |h * w|
+            w = tl.load(w_ptr + col, mask=cmask & C.has_norm & ((C.num_chunks == 1) | (Q.kind == KIND_FP8_TOKEN_C)),
+                        other=0.0).to(tl.float32)
             ptrs = local_ptr + gather_base + offs  # a [1, chunk] block: one source
             v, status = poll_block(v_next, t_next, ptrs, cmask, gather_tags + i + z11, calls, deadline, max_spins,
                                    dead, abort_ptr, C)
