@@ -494,8 +494,16 @@ def suites(args) -> dict[str, list[tuple]]:
     for t in (8, 16, 32):
         for chunk in (2048, 4096):
             wide_chunks.append((f"chunk{chunk}", spec("oneshot", 4, (t,), chunk=chunk), "steady"))
+    quant = []  # quantized output in the kernel against the unquantized call of the same run
+    for world, strategy, tokens in ((8, "oneshot", (1, 16)), (4, "oneshot", (1,)), (8, "twoshot", (16, 64))):
+        for t in tokens:
+            quant.append(("grid", spec(strategy, world, (t,)), "steady"))
+            for q in (Q.fp8_per_token(), Q.fp8_static(scale), Q.nvfp4(global_scale)):
+                if strategy == "oneshot" or q.kind == "fp8_per_token":
+                    quant.append(("quant", spec(strategy, world, (t,), quant=q, path="in_kernel"), "steady"))
     return {"variants": variants, "final": final, "report": report, "chunks": chunks, "spin": spins,
-            "twoshot_poll": twoshot_poll, "scatter": scatter, "whole_rows": whole_rows, "wide_chunks": wide_chunks}
+            "twoshot_poll": twoshot_poll, "scatter": scatter, "whole_rows": whole_rows, "wide_chunks": wide_chunks,
+            "quant": quant}
 
 
 def main(argv=None) -> int:
@@ -503,7 +511,7 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="JSON-lines file for the result rows")
     parser.add_argument("--suite", choices=("variants", "final", "report", "chunks", "spin", "twoshot_poll", "scatter",
-                                            "whole_rows", "wide_chunks", "all"),
+                                            "whole_rows", "wide_chunks", "quant", "all"),
                         default="report",
                         help="variants: launch options and two-shot cuts compared; final: the whole grid; report: "
                              "what benchmarks/results/README.md reports, in one run; chunks: the plan's chunk size "
@@ -512,7 +520,9 @@ def main(argv=None) -> int:
                              "scatter: two-shot's items scattered per step (1, 4, 8) at 16-256 tokens; whole_rows: "
                              "chunks of 4096 and 8192 elements (a whole row of 6144 an item) against the plan's, at "
                              "16-64 tokens; wide_chunks: chunks of 2048 against 4096 for two-shot's chunk owners "
-                             "at 32-128 tokens and one-shot at W = 4")
+                             "at 32-128 tokens and one-shot at W = 4; quant: each quantized format in the kernel "
+                             "beside the unquantized call (one-shot W = 8 at 1 and 16 tokens, W = 4 at 1; "
+                             "two-shot per-token FP8 at 16 and 64)")
     parser.add_argument("--plot", help="PNG of per-call latency against tokens (steady, bf16, hidden 6144)")
     parser.add_argument("--budget-s", type=float, default=420.0, help="stop starting new cases after this long")
     parser.add_argument("--reps", type=int, default=15)
