@@ -114,7 +114,7 @@ class Case:
                  path="in_kernel", options=None, owns_rows=None, per_push=None):
         from tpfuse.kernels.oneshot import oneshot_kernel
         from tpfuse.kernels.peer_launch import PeerLaunch
-        from tpfuse.kernels.protocol import Plan, make_plan, region_elems_for, tag_words_for
+        from tpfuse.kernels.protocol import Plan, make_plan, region_elems_for, tag_words_for, twoshot_plan
         from tpfuse.kernels.twoshot import twoshot_kernel
         from tpfuse.reference import random_inputs
         from tpfuse.strategies.workspace import emulated_workspaces
@@ -127,6 +127,8 @@ class Case:
 
         def plan_for(m):
             if chunk is None:
+                if twoshot:  # the strategy's plan (twoshot_plan: wide chunks where owners hold several items)
+                    return twoshot_plan(m, hidden, dtype.itemsize, self.plan_programs, world)
                 return make_plan(m, hidden, dtype.itemsize, self.plan_programs)
             nc = -(-hidden // chunk)
             return Plan(chunk, nc, m * nc, max(1, chunk * dtype.itemsize // 512), self.plan_programs)
@@ -501,9 +503,13 @@ def suites(args) -> dict[str, list[tuple]]:
             for q in (Q.fp8_per_token(), Q.fp8_static(scale), Q.nvfp4(global_scale)):
                 if strategy == "oneshot" or q.kind == "fp8_per_token":
                     quant.append(("quant", spec(strategy, world, (t,), quant=q, path="in_kernel"), "steady"))
+    twoshot_plans = []  # two-shot with the strategy's plan (twoshot_plan) where its chunks are wide or just not
+    for world in (8, 4, 2):
+        for t in (32, 48, 64, 96):
+            twoshot_plans.append(("grid", spec("twoshot", world, (t,)), "steady"))
     return {"variants": variants, "final": final, "report": report, "chunks": chunks, "spin": spins,
             "twoshot_poll": twoshot_poll, "scatter": scatter, "whole_rows": whole_rows, "wide_chunks": wide_chunks,
-            "quant": quant}
+            "quant": quant, "twoshot_plan": twoshot_plans}
 
 
 def main(argv=None) -> int:
@@ -511,7 +517,7 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="JSON-lines file for the result rows")
     parser.add_argument("--suite", choices=("variants", "final", "report", "chunks", "spin", "twoshot_poll", "scatter",
-                                            "whole_rows", "wide_chunks", "quant", "all"),
+                                            "whole_rows", "wide_chunks", "quant", "twoshot_plan", "all"),
                         default="report",
                         help="variants: launch options and two-shot cuts compared; final: the whole grid; report: "
                              "what benchmarks/results/README.md reports, in one run; chunks: the plan's chunk size "
@@ -522,7 +528,8 @@ def main(argv=None) -> int:
                              "16-64 tokens; wide_chunks: chunks of 2048 against 4096 for two-shot's chunk owners "
                              "at 32-128 tokens and one-shot at W = 4; quant: each quantized format in the kernel "
                              "beside the unquantized call (one-shot W = 8 at 1 and 16 tokens, W = 4 at 1; "
-                             "two-shot per-token FP8 at 16 and 64)")
+                             "two-shot per-token FP8 at 16 and 64); twoshot_plan: two-shot with the strategy's plan "
+                             "at 32-96 tokens, W = 2, 4, 8")
     parser.add_argument("--plot", help="PNG of per-call latency against tokens (steady, bf16, hidden 6144)")
     parser.add_argument("--budget-s", type=float, default=420.0, help="stop starting new cases after this long")
     parser.add_argument("--reps", type=int, default=15)

@@ -77,3 +77,25 @@ def test_twoshot_owns_rows_from_as_many_rows_a_rank_as_its_plan_has_programs():
     assert make_plan(64, 6144, 2, shared).programs == shared  # the plan carries what it was made for
     plan = make_plan(3, 6144, 2, 16)
     assert tag_words_for(plan, 3) == plan.items >= 3
+
+
+def test_twoshot_plan_widens_chunks_only_where_owners_hold_several_items():
+    from tpfuse.kernels.protocol import TWOSHOT_WIDE_CHUNK_BYTES, plan_programs, twoshot_owns_rows, twoshot_plan
+
+    wide = TWOSHOT_WIDE_CHUNK_BYTES // 2
+    shared = plan_programs(8, True)  # 16 programs a rank, as in the emulation that measured it
+    for tokens in (1, 16, 32, 48, 64, 96, 128, 256, 2048):
+        for world, programs in ((8, shared), (4, 33), (2, 66), (8, plan_programs(8, False))):
+            for hidden in (2048, 4096, 6144, 7168):
+                base = make_plan(tokens, hidden, 2, programs)
+                plan = twoshot_plan(tokens, hidden, 2, programs, world)
+                several = -(-base.items // world) > programs  # an owner's program would hold several items
+                widened = several and hidden > wide and not twoshot_owns_rows(tokens, world, programs)
+                if widened:
+                    assert (plan.chunk, plan.num_chunks, plan.num_warps) == (wide, -(-hidden // wide), 16)
+                    assert plan.items == tokens * plan.num_chunks and plan.programs == programs and plan.split
+                else:
+                    assert plan == base, (tokens, world, hidden)
+    # the measured cases: 8 ranks sharing a GPU, x 6144, wide from 48 tokens (two items a program)
+    assert twoshot_plan(32, 6144, 2, shared, 8).chunk == 2048 and twoshot_plan(48, 6144, 2, shared, 8).chunk == wide
+    assert twoshot_plan(64, 6144, 2, plan_programs(8, False), 8).chunk == 2048  # one rank a GPU: one item a program

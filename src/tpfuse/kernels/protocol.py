@@ -128,6 +128,31 @@ def make_plan(num_tokens: int, hidden: int, itemsize: int, programs: int) -> Pla
     return Plan(chunk, num_chunks, num_tokens * num_chunks, max(1, chunk * itemsize // MIN_CHUNK_BYTES), programs)
 
 
+# Two-shot's chunk owners whose programs would each hold several of make_plan's items take chunks
+# of this many bytes (sixteen warps) instead, where that still cuts a row in two or more: measured
+# with bench_peer_kernels --suite wide_chunks (bf16 x 6144, W = 2, 4 and 8 ranks emulated on one
+# H100, 16-66 programs a rank): 6-22% faster than make_plan's 2048-element chunks where a program
+# held two or more items (48-128 tokens), within 0.1 us to 5% where it held one (32 tokens).
+TWOSHOT_WIDE_CHUNK_BYTES = 8192
+
+
+def twoshot_plan(num_tokens: int, hidden: int, itemsize: int, programs: int, world_size: int) -> Plan:
+    """Two-shot's plan: `make_plan`'s, except where chunk owners (not `twoshot_owns_rows`) would
+    give a program more than one item (an owner's items, 1/W of the call's, over `programs`): then
+    wide chunks (TWOSHOT_WIDE_CHUNK_BYTES; the measurements are in its note). make_plan's model
+    counts one program's items in sequence; for an owner that polls W - 1 sources an item, fewer
+    and larger items keep more loads in flight per poll. Rows a wide chunk would hold whole keep
+    make_plan's chunks (whole-row items were slower: the results README). A pure function of the
+    shape and agreed group facts, as make_plan, so every rank makes the same plan."""
+    plan = make_plan(num_tokens, hidden, itemsize, programs)
+    wide = TWOSHOT_WIDE_CHUNK_BYTES // itemsize
+    if (hidden <= wide or plan.chunk >= wide or -(-plan.items // world_size) <= programs
+            or twoshot_owns_rows(num_tokens, world_size, programs)):
+        return plan
+    num_chunks = -(-hidden // wide)
+    return Plan(wide, num_chunks, num_tokens * num_chunks, TWOSHOT_WIDE_CHUNK_BYTES // MIN_CHUNK_BYTES, programs)
+
+
 def region_elems_for(num_tokens: int, hidden: int, world_size: int, plan: Plan, *, twoshot: bool) -> int:
     """Elements one region must hold for this call (one-shot: the input; two-shot: also one owner's chunks)."""
     need = num_tokens * hidden

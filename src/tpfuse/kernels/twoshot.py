@@ -5,7 +5,7 @@ reduce and push the sums to every rank. Two ways of cutting the work (`C.rows_ow
 `tpfuse.kernels.protocol.twoshot_owns_rows`, identically on every rank):
 
 Chunk owners (up to a few rows a rank): the call's items (row, chunk;
-`tpfuse.kernels.protocol.make_plan`) are dealt to owners in contiguous runs: owner o reduces
+`tpfuse.kernels.protocol.twoshot_plan`) are dealt to owners in contiguous runs: owner o reduces
 items [o*K, (o+1)*K), K = ceil(items / W), so even one token is spread over W ranks and many
 programs. Program p handles items p, p + G, ... in every phase:
   1. scatter: push each chunk (and its tag) into region `rank` of its owner's scatter area (own

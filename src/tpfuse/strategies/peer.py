@@ -60,6 +60,7 @@ from tpfuse.kernels.protocol import (
     region_elems_for,
     tag_words_for,
     twoshot_owns_rows,
+    twoshot_plan,
 )
 from tpfuse.quant import KINDS, admission_reason
 from tpfuse.spec import Needs, Op, Problem, Verdict
@@ -144,6 +145,8 @@ class PeerStrategy(Strategy):
         raise NotImplementedError
 
     def _plan(self, num_tokens: int, hidden: int, dtype: torch.dtype):
+        if self.twoshot:
+            return twoshot_plan(num_tokens, hidden, dtype.itemsize, self.plan_programs, self.ctx.world_size)
         return make_plan(num_tokens, hidden, dtype.itemsize, self.plan_programs)
 
     def _need(self, num_tokens: int, hidden: int, dtype: torch.dtype) -> tuple[int, int]:
@@ -267,8 +270,8 @@ class PeerStrategy(Strategy):
         otherwise the epilogue quantizes after the peer allreduce. Measured with 8 ranks emulated
         on one H200 (benchmarks/results/peer_kernels_v3_emulated.jsonl, `quant` rows): at one token
         the kernel's own FP8 quantization beats two kernels, NVFP4's software e2m1 loses to them,
-        and a program that quantizes item after item (per-token FP8 at 16 tokens: a second pass
-        for the row's absmax) is no faster than two kernels. A pure function of the shape and
+        and a program that quantizes item after item (per-token FP8 at 16 tokens, measured when
+        its row absmax took a second pass) was no faster than two kernels. A pure function of the shape and
         agreed group facts, so every rank takes the same path."""
         from tpfuse.kernels.device import hardware_fp4
 
