@@ -242,7 +242,8 @@ def quantize_ref(y: torch.Tensor, quant, *, row_amax: torch.Tensor | None = None
     `row_amax` (M, 1), per-token FP8 only: each row's absmax given (the fused op's), not max |y|."""
     m, h = y.shape
     if row_amax is not None and quant.kind != "fp8_per_token":
-        raise ValueError(f"quantize_ref: row_amax is per-token FP8's; {quant.kind} computes its own absmax")
+        raise ValueError(f"quantize_ref: row_amax is per-token FP8's; {quant.kind} computes its own absmax "
+                         "(pass row_amax=None)")
     y64 = y.to(torch.float32).to(torch.float64)
     if quant.kind == "fp8_static":
         scale = _scalar(quant.scale, y.device)
