@@ -78,6 +78,36 @@ def test_decode_kernel_lowers_and_assembles_for_sm90(world, spin):
     assemble(ptx)
 
 
+@pytest.mark.parametrize("spin", [2, 4])
+def test_per_token_split_rows_wait_for_both_partial_sets_in_one_loop(spin):
+    """Per-token FP8 with rows of 6 chunks, a GPU build for sm_90: the sums of squares and the
+    absmax partials are waited for in one per-thread loop (12 tagged words reloaded a retry), not
+    in two waits one after the other; ptxas takes the kernel."""
+    import re
+
+    from support.ptx import PEER_ALIGNED, assemble, lower_to_ptx, peer_kernel_signature
+    from tpfuse.kernels.oneshot import oneshot_kernel
+    from tpfuse.kernels.peer_stages import PeerConfig, QuantOpts
+    from tpfuse.kernels.quant import KIND_FP8_TOKEN
+
+    C = PeerConfig.of(world=8, world_p2=8, chunk=1024, num_chunks=6, num_chunks_p2=8, sentinel=-(1 << 15),
+                      elem_bits=16, has_res=True, has_norm=True, split=True, use_asm=True, soft_bf16=False, pdl=2,
+                      spin=spin, single=True, rows_owned=False, per_poll=1, per_push=1)
+    sig, constexprs = peer_kernel_signature(8), {"C": C, "Q": QuantOpts.of(kind=KIND_FP8_TOKEN)}
+    ptx = lower_to_ptx(oneshot_kernel, sig, constexprs, PEER_ALIGNED, cc=90)
+    blocks = re.findall(r"// begin inline asm(.*?)// end inline asm", ptx, flags=re.S)
+    partial_loads = [len(re.findall(r"ld\.volatile\.global\.b64", b)) for b in blocks]
+    assert [n for n in partial_loads if n] == [12], partial_loads
+    assemble(ptx)
+
+
+def test_partials_asm_names_a_kind_it_does_not_know():
+    from tpfuse.kernels.sync import partials_asm
+
+    with pytest.raises(ValueError, match="'x' is not 's'"):
+        partials_asm.fn(2, "sx")
+
+
 # ---- GPU: W streams on one GPU -----------------------------------------------------------------
 
 GPU_CALLS = [(1, "int", "res"), (1, "rand", "res"), (16, "int", "res"), (3, "int", "none"), (5, "int", "ar"),

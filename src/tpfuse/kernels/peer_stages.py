@@ -58,6 +58,7 @@ from tpfuse.kernels.sync import (
     poll_sources,
     publish_partial,
     row_partials,
+    row_sum_and_max,
     sentinel_like,
     source_status,
     sources_failed,
@@ -148,10 +149,12 @@ def finish_split_chunk(h, w, row, start, M, H, eps, out_ptr, offs, cmask, like, 
     """A chunk of a split row, once this program has published all its partials: wait for the
     row's partials (`publish_row_partials`; a stall is recorded and poisons the row with NaN),
     then store the chunk's normed values or quantize them (`store_normed`). Returns `dead`."""
-    ss, ok = row_partials(part_ptr + row * C.num_chunks, calls, tm[2], tm[3], dead, C, 0)
-    if Q.kind == KIND_FP8_TOKEN_C:  # published with the sums: this wait is normally already over
-        hw_amax, ok_amax = row_partials(part_ptr + items + row * C.num_chunks, calls, tm[2], tm[3], dead, C, 1)
-        ok = ok & ok_amax
+    hw_amax = 0
+    if Q.kind == KIND_FP8_TOKEN_C:  # published with the sums: one wait takes both
+        ss, hw_amax, ok = row_sum_and_max(part_ptr + row * C.num_chunks, part_ptr + items + row * C.num_chunks,
+                                          calls, tm[2], tm[3], dead, C)
+    else:
+        ss, ok = row_partials(part_ptr + row * C.num_chunks, calls, tm[2], tm[3], dead, C, 0)
     if (ok == 0) & (dead == 0):
         stall(fx[0], fx[1], fx[2], fx[4], fx[3], row, calls, C)
     dead = dead | (ok == 0)

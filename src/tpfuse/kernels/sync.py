@@ -591,29 +591,42 @@ MAX_ASM_PARTIALS = tl.constexpr(16)
 
 
 @triton.constexpr_function
-def partials_asm(n, kind):
-    """Per-thread wait for a row's `n` epoch-tagged partials at $2 (8 bytes apart): every word's
-    high half equals $3, or the deadline $4 passes, or $5 (dead) is set; then their low halves
-    combined in order 0..n-1: kind 0 the fp32 sum (each add rounded, no contraction), kind 1 the
-    signed maximum. Outputs: $0 the combined bits, $1 ok."""
-    n, kind = int(n), int(kind)
-    regs = ", ".join(f"w{k}" for k in range(n))
+def partials_asm(n, kinds):
+    """Per-thread wait for a row's `n` epoch-tagged partials in each of len(kinds) sets (set j's
+    words 8 bytes apart from its own base address): every word's high half equals the call's epoch,
+    or the deadline passes, or `dead` is set; then each set's low halves combined in order
+    0..n-1, by its kind: "s" the fp32 sum (each add rounded, no contraction), "m" the signed
+    maximum. One loop polls every set, so a second set costs no second wait.
+    Operands: outputs the combined bits of each set, then ok; inputs each set's base address,
+    then the epoch, the deadline (ns) and dead."""
+    n, kinds = int(n), str(kinds)
+    sets = len(kinds)
+    ok = f"${sets}"
+    base = [f"${sets + 1 + j}" for j in range(sets)]
+    want, deadline, dead = (f"${2 * sets + 1 + k}" for k in range(3))
+    words = [[f"w{j}_{k}" for k in range(n)] for j in range(sets)]
+    regs = ", ".join(w for ws in words for w in ws)
     body = [f"{{ .reg .pred p, q; .reg .b64 {regs}, now; .reg .b32 lo, hi, acc; .reg .f32 s, v;"]
-    body += [f"mov.b64 w{k}, 0;" for k in range(n)]
-    body += ["mov.b32 $1, 0;", "setp.ne.b32 p, $5, 0;", "@p bra DONE;", "LOOP:"]
-    body += [f"ld.volatile.global.b64 w{k}, [$2+{8 * k}];" for k in range(n)]
+    body += [f"mov.b64 {w}, 0;" for ws in words for w in ws]
+    body += [f"mov.b32 {ok}, 0;", f"setp.ne.b32 p, {dead}, 0;", "@p bra DONE;", "LOOP:"]
+    body += [f"ld.volatile.global.b64 {words[j][k]}, [{base[j]}+{8 * k}];" for j in range(sets) for k in range(n)]
     body += ["mov.pred p, 0;"]
-    body += [f"mov.b64 {{lo, hi}}, w{k}; setp.ne.or.b32 p, hi, $3, p;" for k in range(n)]
-    body += ["@!p bra OK;", "mov.u64 now, %globaltimer;", "setp.gt.s64 q, now, $4;", "@!q bra LOOP;", "bra DONE;",
-             "OK:", "mov.b32 $1, 1;", "DONE:", "mov.b64 {lo, hi}, w0;"]
-    if kind == 0:
-        body += ["mov.b32 s, lo;"]
-        body += [f"mov.b64 {{lo, hi}}, w{k}; mov.b32 v, lo; add.rn.f32 s, s, v;" for k in range(1, n)]
-        body += ["mov.b32 $0, s; }"]
-    else:
-        body += ["mov.b32 acc, lo;"]
-        body += [f"mov.b64 {{lo, hi}}, w{k}; max.s32 acc, acc, lo;" for k in range(1, n)]
-        body += ["mov.b32 $0, acc; }"]
+    body += [f"mov.b64 {{lo, hi}}, {w}; setp.ne.or.b32 p, hi, {want}, p;" for ws in words for w in ws]
+    body += ["@!p bra OK;", "mov.u64 now, %globaltimer;", f"setp.gt.s64 q, now, {deadline};", "@!q bra LOOP;",
+             "bra DONE;", "OK:", f"mov.b32 {ok}, 1;", "DONE:"]
+    for j, kind in enumerate(kinds):
+        ws = words[j]
+        if kind == "s":
+            body += [f"mov.b64 {{lo, hi}}, {ws[0]}; mov.b32 s, lo;"]
+            body += [f"mov.b64 {{lo, hi}}, {w}; mov.b32 v, lo; add.rn.f32 s, s, v;" for w in ws[1:]]
+            body += [f"mov.b32 ${j}, s;"]
+        elif kind == "m":
+            body += [f"mov.b64 {{lo, hi}}, {ws[0]}; mov.b32 acc, lo;"]
+            body += [f"mov.b64 {{lo, hi}}, {w}; max.s32 acc, acc, lo;" for w in ws[1:]]
+            body += [f"mov.b32 ${j}, acc;"]
+        else:
+            raise ValueError(f"partials_asm: kind {kind!r} is not 's' (sum) or 'm' (max)")
+    body += ["}"]
     return "\n".join(body)
 
 
@@ -625,7 +638,7 @@ def row_partials(ptr, calls, deadline_ns, max_spins, dead, C: tl.constexpr, KIND
     retry, and sums in chunk order; otherwise one block reduction per retry decides (`wait_tagged`)
     and the combination is a tree. Every rank takes the same path, so the bits agree."""
     if C.use_asm and (C.spin >= 2) and (C.num_chunks <= MAX_ASM_PARTIALS):
-        bits, ok = tl.inline_asm_elementwise(partials_asm(C.num_chunks, KIND), "=r,=r,l,r,l,r",
+        bits, ok = tl.inline_asm_elementwise(partials_asm(C.num_chunks, "s" if KIND == 0 else "m"), "=r,=r,l,r,l,r",
                                              [ptr.to(tl.int64), calls.to(tl.int32), deadline_ns.to(tl.int64),
                                               dead.to(tl.int32)], dtype=(tl.int32, tl.int32), is_pure=False, pack=1)
         if KIND == 0:
@@ -641,6 +654,24 @@ def row_partials(ptr, calls, deadline_ns, max_spins, dead, C: tl.constexpr, KIND
         else:
             value = tl.max(p.to(tl.int32, bitcast=True), axis=0)
     return value, ok
+
+
+@triton.jit
+def row_sum_and_max(sum_ptr, max_ptr, calls, deadline_ns, max_spins, dead, C: tl.constexpr):
+    """(the fp32 sum of the row's partials at `sum_ptr`, the int32 maximum of those at `max_ptr`,
+    ok): `row_partials` of both sets, with one wait for the two on GPU builds (C.spin >= 2), since
+    they are published together and a second wait would only add a round trip."""
+    if C.use_asm and (C.spin >= 2) and (C.num_chunks <= MAX_ASM_PARTIALS):
+        sum_bits, mx, ok = tl.inline_asm_elementwise(
+            partials_asm(C.num_chunks, "sm"), "=r,=r,=r,l,l,r,l,r",
+            [sum_ptr.to(tl.int64), max_ptr.to(tl.int64), calls.to(tl.int32), deadline_ns.to(tl.int64),
+             dead.to(tl.int32)], dtype=(tl.int32, tl.int32, tl.int32), is_pure=False, pack=1)
+        total, ok = sum_bits.to(tl.float32, bitcast=True), ok != 0
+    else:
+        total, ok_sum = row_partials(sum_ptr, calls, deadline_ns, max_spins, dead, C, 0)
+        mx, ok_max = row_partials(max_ptr, calls, deadline_ns, max_spins, dead, C, 1)
+        ok = ok_sum & ok_max
+    return total, mx, ok
 
 
 @triton.jit
