@@ -79,16 +79,17 @@ def test_decode_kernel_lowers_and_assembles_for_sm90(world, spin):
 
 
 @pytest.mark.parametrize("spin", [2, 4])
-def test_per_token_split_rows_wait_for_both_partial_sets_in_one_loop(spin):
-    """Per-token FP8 with rows of 6 chunks, a GPU build for sm_90: the sums of squares and the
-    absmax partials are waited for in one per-thread loop (12 tagged words reloaded a retry), not
-    in two waits one after the other; ptxas takes the kernel."""
+def test_per_token_split_rows_reduce_and_wait_for_both_partial_sets_at_once(spin):
+    """Per-token FP8 with rows of 6 chunks, a GPU build for sm_90: each chunk's sum of squares and
+    max |h * w| come from one block reduction (one barrier more than static FP8, not two), and
+    the two sets of partials are waited for in one per-thread loop (12 tagged words reloaded a
+    retry), not in two waits one after the other; ptxas takes the kernel."""
     import re
 
     from support.ptx import PEER_ALIGNED, assemble, lower_to_ptx, peer_kernel_signature
     from tpfuse.kernels.oneshot import oneshot_kernel
     from tpfuse.kernels.peer_stages import PeerConfig, QuantOpts
-    from tpfuse.kernels.quant import KIND_FP8_TOKEN
+    from tpfuse.kernels.quant import KIND_FP8_STATIC, KIND_FP8_TOKEN
 
     C = PeerConfig.of(world=8, world_p2=8, chunk=1024, num_chunks=6, num_chunks_p2=8, sentinel=-(1 << 15),
                       elem_bits=16, has_res=True, has_norm=True, split=True, use_asm=True, soft_bf16=False, pdl=2,
@@ -98,6 +99,9 @@ def test_per_token_split_rows_wait_for_both_partial_sets_in_one_loop(spin):
     blocks = re.findall(r"// begin inline asm(.*?)// end inline asm", ptx, flags=re.S)
     partial_loads = [len(re.findall(r"ld\.volatile\.global\.b64", b)) for b in blocks]
     assert [n for n in partial_loads if n] == [12], partial_loads
+    static = lower_to_ptx(oneshot_kernel, sig, {"C": C, "Q": QuantOpts.of(kind=KIND_FP8_STATIC)}, PEER_ALIGNED, cc=90)
+    barriers = [len(re.findall(r"bar\.sync", p)) for p in (static, ptx)]
+    assert barriers[1] == barriers[0] + 1, barriers
     assemble(ptx)
 
 

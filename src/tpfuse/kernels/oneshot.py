@@ -137,7 +137,7 @@ def oneshot_kernel(
                     nr = round_like(s.to(tl.float32) + r.to(tl.float32), s, C.soft_bf16)
                 tl.store(newres_ptr + offs, nr, mask=cmask)
                 h = nr.to(tl.float32)
-                publish_row_partials(part_ptr, items, pid, h, w, cmask, calls, Q)
+                publish_row_partials(part_ptr, items, pid, h, w, cmask, calls, C, Q)
                 dead = finish_split_chunk(h, w, row, (pid % C.num_chunks) * C.chunk, M, H, eps, out_ptr, offs, cmask,
                                           s, part_ptr, items, calls, tm, dead, fx, qargs, C, Q)
             else:

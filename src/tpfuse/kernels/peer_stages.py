@@ -134,13 +134,27 @@ def store_normed(y, row, start, M, H, out_ptr, offs, cmask, like, qargs, row_ama
 
 
 @triton.jit
-def publish_row_partials(part_ptr, items, i, h, w, cmask, calls, Q: tl.constexpr):
+def _sum_and_max(a_sum, a_max, b_sum, b_max):
+    return a_sum + b_sum, tl.maximum(a_max, b_max)
+
+
+@triton.jit
+def publish_row_partials(part_ptr, items, i, h, w, cmask, calls, C: tl.constexpr, Q: tl.constexpr):
     """Publish item i's partials of its split row: the sum of squares of `h` (fp32 new residual),
     and for per-token FP8 the max |h * w| (as `abs_bits`) after all `items` sums, in the same
-    exchange: the row's absmax is then known with its norm (`token_amax`)."""
-    publish_partial(part_ptr, i, tl.sum(tl.where(cmask, h * h, 0.0)), calls)
+    exchange: the row's absmax is then known with its norm (`token_amax`). GPU builds reduce the
+    two in one block reduction (the sum in tl.sum's order, so its bits are tl.sum's); the
+    interpreter, whose reductions of tuples run element by element, takes two."""
+    sq = tl.where(cmask, h * h, 0.0)
     if Q.kind == KIND_FP8_TOKEN_C:
-        publish_partial(part_ptr + items, i, tl.max(abs_bits(h * w, cmask)).to(tl.float32, bitcast=True), calls)
+        if C.use_asm:
+            ss, hw_max = tl.reduce((sq, abs_bits(h * w, cmask)), None, _sum_and_max)
+        else:
+            ss, hw_max = tl.sum(sq), tl.max(abs_bits(h * w, cmask))
+        publish_partial(part_ptr, i, ss, calls)
+        publish_partial(part_ptr + items, i, hw_max.to(tl.float32, bitcast=True), calls)
+    else:
+        publish_partial(part_ptr, i, tl.sum(sq), calls)
 
 
 @triton.jit
@@ -226,7 +240,7 @@ def residual_step(s, row, col, cmask, offs, r, w, newres_ptr, out_ptr, part_ptr,
         tl.store(newres_ptr + offs, nr, mask=cmask)
         h = nr.to(tl.float32)
         if C.split:
-            publish_row_partials(part_ptr, M * C.num_chunks, i, h, w, cmask, calls, Q)
+            publish_row_partials(part_ptr, M * C.num_chunks, i, h, w, cmask, calls, C, Q)
         else:  # the chunk is the whole row
             ss = tl.sum(tl.where(cmask, h * h, 0.0))
             store_normed(normed_fp32(h, w, ss, H, eps), row, 0, M, H, out_ptr, offs, cmask, s, qargs, 0, C, Q, False)
