@@ -143,8 +143,8 @@ def publish_row_partials(part_ptr, items, i, h, w, cmask, calls, C: tl.constexpr
     """Publish item i's partials of its split row: the sum of squares of `h` (fp32 new residual),
     and for per-token FP8 the max |h * w| (as `abs_bits`) after all `items` sums, in the same
     exchange: the row's absmax is then known with its norm (`token_amax`). GPU builds reduce the
-    two in one block reduction (the sum in tl.sum's order, so its bits are tl.sum's); the
-    interpreter, whose reductions of tuples run element by element, takes two."""
+    two in one block reduction (tl.sum is itself a tl.reduce with an add, so the sum keeps its
+    tree); the interpreter, whose reductions of tuples run element by element, takes two."""
     sq = tl.where(cmask, h * h, 0.0)
     if Q.kind == KIND_FP8_TOKEN_C:
         if C.use_asm:
