@@ -503,13 +503,22 @@ def suites(args) -> dict[str, list[tuple]]:
             for q in (Q.fp8_per_token(), Q.fp8_static(scale), Q.nvfp4(global_scale)):
                 if strategy == "oneshot" or q.kind == "fp8_per_token":
                     quant.append(("quant", spec(strategy, world, (t,), quant=q, path="in_kernel"), "steady"))
+    quant_route = []  # each format in the kernel against two kernels (peer allreduce, then the epilogue)
+    formats = (Q.fp8_per_token(), Q.fp8_static(scale), Q.fp8_per_group(128, layout="col"), Q.nvfp4(global_scale),
+               Q.nvfp4(global_scale, swizzled=False))
+    for world, tokens in ((8, (1, 4, 16)), (4, (1, 16))):
+        for t in tokens:
+            quant_route.append(("grid", spec("oneshot", world, (t,)), "steady"))
+            for q in formats:
+                for path in ("in_kernel", "two_kernels"):
+                    quant_route.append(("quant", spec("oneshot", world, (t,), quant=q, path=path), "steady"))
     twoshot_plans = []  # two-shot with the strategy's plan (twoshot_plan) where its chunks are wide or just not
     for world in (8, 4, 2):
         for t in (32, 48, 64, 96):
             twoshot_plans.append(("grid", spec("twoshot", world, (t,)), "steady"))
     return {"variants": variants, "final": final, "report": report, "chunks": chunks, "spin": spins,
             "twoshot_poll": twoshot_poll, "scatter": scatter, "whole_rows": whole_rows, "wide_chunks": wide_chunks,
-            "quant": quant, "twoshot_plan": twoshot_plans}
+            "quant": quant, "quant_route": quant_route, "twoshot_plan": twoshot_plans}
 
 
 def main(argv=None) -> int:
@@ -517,7 +526,7 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="JSON-lines file for the result rows")
     parser.add_argument("--suite", choices=("variants", "final", "report", "chunks", "spin", "twoshot_poll", "scatter",
-                                            "whole_rows", "wide_chunks", "quant", "twoshot_plan", "all"),
+                                            "whole_rows", "wide_chunks", "quant", "quant_route", "twoshot_plan", "all"),
                         default="report",
                         help="variants: launch options and two-shot cuts compared; final: the whole grid; report: "
                              "what benchmarks/results/README.md reports, in one run; chunks: the plan's chunk size "
@@ -528,7 +537,9 @@ def main(argv=None) -> int:
                              "16-64 tokens; wide_chunks: chunks of 2048 against 4096 for two-shot's chunk owners "
                              "at 32-128 tokens and one-shot at W = 4; quant: each quantized format in the kernel "
                              "beside the unquantized call (one-shot W = 8 at 1 and 16 tokens, W = 4 at 1; "
-                             "two-shot per-token FP8 at 16 and 64); twoshot_plan: two-shot with the strategy's plan "
+                             "two-shot per-token FP8 at 16 and 64); quant_route: each format (NVFP4 in both scale "
+                             "layouts) in the kernel against two kernels, one-shot W = 8 at 1, 4, 16 tokens and W = 4 "
+                             "at 1, 16; twoshot_plan: two-shot with the strategy's plan "
                              "at 32-96 tokens, W = 2, 4, 8")
     parser.add_argument("--plot", help="PNG of per-call latency against tokens (steady, bf16, hidden 6144)")
     parser.add_argument("--budget-s", type=float, default=420.0, help="stop starting new cases after this long")

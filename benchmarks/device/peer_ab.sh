@@ -54,14 +54,15 @@ for r in rows:
     if not r["op"].startswith("all_reduce"):
         continue
     e = r["extra"]
-    key = (r["strategy"], r["world_size"], r["shape"]["tokens"], e.get("quant", "-"), e.get("suite_case", ""))
+    quant = e.get("quant", "-") + ("/2k" if e.get("path") == "two_kernels" else "")
+    key = (r["strategy"], r["world_size"], r["shape"]["tokens"], quant, e.get("suite_case", ""))
     table.setdefault(key, {})[e["run_order"]] = r["median"]
     bad += not e.get("valid")
 print("runs: " + ", ".join(f"{k}={t}" for k, t in runs) + f"; rows not valid: {bad}")
-print(f"{'strategy':18} {'W':>2} {'tok':>4} {'quant':22} " + " ".join(f"{k:>7}" for k, _ in runs))
+print(f"{'strategy':18} {'W':>2} {'tok':>4} {'quant (/2k: two kernels)':25} " + " ".join(f"{k:>7}" for k, _ in runs))
 for key, med in table.items():
     cells = " ".join(f"{med[k]:7.2f}" if med.get(k) is not None else f"{'-':>7}" for k, _ in runs)
-    print(f"{key[0]:18} {key[1]:>2} {key[2]:>4} {key[3]:22} {cells}")
+    print(f"{key[0]:18} {key[1]:>2} {key[2]:>4} {key[3]:25} {cells}")
 EOF
 if [ -n "${TESTS:-}" ] && [ "${TEST_LIMIT:-240}" != "0" ]; then
   nvidia-cuda-mps-control -d && echo "MPS on"
