@@ -607,23 +607,15 @@ def test_hardware_e2m1_path_assembles_for_blackwell(cc):
 
 def _column_major_padding_rank(rank, world_size):
     import tpfuse.kernels.custom_ops  # noqa: F401  (registers the ops)
+    from support.quant_output import poisoned_empty
 
-    empty = torch.empty
-
-    def poisoned(*args, **kwargs):  # every fresh fp32 buffer starts as NaN: an unwritten byte shows
-        t = empty(*args, **kwargs)
-        return t.fill_(float("nan")) if t.dtype == torch.float32 else t
-
-    torch.empty = poisoned
     out = {}
-    try:
+    with poisoned_empty():
         for m in (1, 2, 3, 4, 5, 7):
             s, r, w = (small_integer_inputs(i, m, 64, torch.bfloat16) for i in range(3))
             codes, scales, _, _ = torch.ops.tpfuse.residual_rmsnorm_quant(s, r, w[0], 1e-6, "fp8_per_group", 16, "col",
                                                                           None, False, None)
             out[m] = scales.clone()
-    finally:
-        torch.empty = empty
     return out
 
 
@@ -639,6 +631,41 @@ def test_column_major_group_scales_leave_no_padding_byte_unwritten():
         s, r, w = (small_integer_inputs(i, m, 64, torch.bfloat16) for i in range(3))
         want = residual_rmsnorm_quant_ref(s, r, w[0], 1e-6, Q.fp8_per_group(16, layout="col"))
         assert torch.equal(scales[:, :m], want.scale.t()), m
+
+
+def _swizzled_padding_rank(rank, world_size):
+    import tpfuse.kernels.custom_ops  # noqa: F401  (registers the ops)
+    from support.quant_output import poisoned_empty
+    from tpfuse.kernels.quant import quantize
+
+    out = {}
+    with poisoned_empty():
+        for m, h in ((1, 48), (3, 96), (127, 96), (128, 48), (129, 256), (130, 1040)):
+            s, r, w = (small_integer_inputs(i, m, h, torch.bfloat16) for i in range(3))
+            _, epilogue_scales, _, _ = torch.ops.tpfuse.residual_rmsnorm_quant(s, r, w[0], 1e-6, "nvfp4", 16,
+                                                                                "swizzled", None, False,
+                                                                                torch.tensor([30.0]))
+            _, quantizer_scales = quantize(s.float(), Q.nvfp4(30.0, swizzled=True))
+            out[m, h] = [t.view(torch.uint8).clone() for t in (epilogue_scales, quantizer_scales)]
+    return out
+
+
+@pytest.mark.interpreter
+def test_swizzled_nvfp4_padding_is_zeroed_whatever_the_allocator_held():
+    """The 128x4-swizzled NVFP4 scales of the padding rows (M .. align128(M) - 1, a tile's words
+    zeroed a chunk at a time) are zeros in buffers that held 0xAB, with one, several and no
+    padding rows, one and several scale-word columns and several chunks of words (h = 1040: 17
+    words a row over 130 rows); the real rows are the reference's, in the epilogue and in the
+    standalone quantizer."""
+    (out,) = run_ranks(_swizzled_padding_rank, 1, env=INTERP, timeout_s=300)
+    for (m, h), (epilogue_scales, quantizer_scales) in out.items():
+        s, r, w = (small_integer_inputs(i, m, h, torch.bfloat16) for i in range(3))
+        want = residual_rmsnorm_quant_ref(s, r, w[0], 1e-6, Q.nvfp4(30.0, swizzled=True)).scale.view(torch.uint8)
+        assert want.shape == (-(-m // 128) * 128, -(-h // 64) * 4), (m, h, want.shape)
+        assert torch.equal(epilogue_scales, want), (m, h)
+        _, want_q = quantize_ref(s.float(), Q.nvfp4(30.0, swizzled=True))
+        assert torch.equal(quantizer_scales, want_q.view(torch.uint8)), (m, h)
+        assert (m % 128 == 0) or not torch.equal(want, torch.zeros_like(want)), "no real scale to tell apart"
 
 
 # ---- launch configurations (plain tier) ----------------------------------------------------------

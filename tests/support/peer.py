@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from support.quant_output import pack
+from support.quant_output import pack, poisoned_empty
 from tpfuse.reference import (
     TOLERANCE,
     all_reduce_ref,
@@ -251,7 +251,8 @@ def split_quant_rank(rank, world_size, name, h, chunk):
     for spec in split_quant_specs():
         normed = torch.full_like(x, float("nan"))  # poisoned: the kernel must write every element it returns
         launch = launch_of(strategy, ws, 3, h, torch.bfloat16, True, True, quant=spec, plan=plan)
-        outs.append(pack(launch(x, res, w, 1e-6, quant=spec, out=(normed, None))))
+        with poisoned_empty():  # and every byte of the codes and scales it allocates (swizzled padding too)
+            outs.append(pack(launch(x, res, w, 1e-6, quant=spec, out=(normed, None))))
         assert all(torch.equal(a, b) for a, b in zip(inputs, (x, res, w))), f"{spec.key} wrote into its inputs"
     try:  # a plan whose chunks cut NVFP4's scale blocks is refused before any launch, with the fix
         nc = -(-h // 32)

@@ -32,7 +32,7 @@ from tpfuse.kernels.device import hardware_fp4, hardware_fp8, interpreting
 from tpfuse.kernels.launcher import PreboundLaunch, bind
 from tpfuse.kernels.protocol import MAX_HIDDEN  # one row in registers: 16384 fp32 over 16 warps = 32 a thread
 from tpfuse.kernels.quant import (
-    PAD_CHUNK,
+    PAD_WORDS,
     QuantBuffers,
     abs_bits,
     block_for,
@@ -262,8 +262,8 @@ def residual_rmsnorm_quant_kernel(
                     tl.store(out_ptr + row.to(tl.int64) * H + cols, round_like(y, s, SOFT_BF16), mask=mask)
                 quantize_chunk(y, row, 0, M, H, q_ptr, q_row_stride, sc_ptr, s_row_stride, s_col_stride, param,
                                scale_ub, amax, KIND, GROUP, BLOCK_H, SWIZZLED, HAS_UB, HW_CVT, KIND == 2)
-    elif SWIZZLED:  # (a row in parts spans 2 * BLOCK_H: a power of two >= H)
-        zero_scale_padding(sc_ptr, M, H, pid - row_programs, (BLOCK_H * 2 if P1 > 0 else BLOCK_H) // 16, PAD_CHUNK)
+    elif SWIZZLED:
+        zero_scale_padding(sc_ptr, M, H, pid - row_programs, PAD_WORDS)
 
 
 def launch_config(hidden: int, itemsize: int, num_tokens: int, quantized: bool = False) -> tuple[int, int, int]:
@@ -521,7 +521,8 @@ def _launch_quant(s, residual, weight, eps, quant, config):
         return QuantOutput(buf.out, buf.scale, new_res, normed)
     block, warps, rows, cut, regs = config or quant_launch_config(h, s.element_size(), m, quant.kind,
                                                                   group=quant.group)
-    grid = (m * triton.cdiv(h, cut) if cut < block else triton.cdiv(m, rows)) + (pad_programs(m) if buf.swizzled else 0)
+    grid = m * triton.cdiv(h, cut) if cut < block else triton.cdiv(m, rows)
+    grid += pad_programs(m, h) if buf.swizzled else 0
     meta = dict(BLOCK_H=block, ROWS=rows, SLICE=cut, HAS_RES=residual is not None, SOFT_BF16=interpreting(),
                 WITH_NORMED=normed is not None, num_warps=warps, P1=row_parts(h, block) if block < h else 0,
                 **_quant_constexprs(buf, block))

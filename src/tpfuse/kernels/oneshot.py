@@ -4,6 +4,7 @@ Rows are cut into items (row, chunk) by `tpfuse.kernels.protocol.make_plan`; pro
 items p, p + G, ... in every phase:
   1. push: load the chunk, canonicalise -0.0, store it into region `rank` of the current slot of
      every *other* rank's buffer (strong 16-byte stores), then the item's tag (this call's count);
+     with 128x4-swizzled NVFP4 output, the padding rows' scales are zeroed next, while peers push;
   2. reduce: issue the loads of all W - 1 sources and their tags at once, poll until none holds
      the sentinel and every tag is this call's (`sync.poll_block`), re-arm exactly what was read,
      sum in fp32 in rank order 0..W-1 with this rank's own chunk taken from its input (so every
@@ -43,6 +44,7 @@ from tpfuse.kernels.peer_stages import (
     residual_step,
     start_quantized,
     sum_in_rank_order,
+    zero_padding_scales,
 )
 from tpfuse.kernels.protocol import NUM_SLOTS
 from tpfuse.kernels.sync import (
@@ -103,7 +105,7 @@ def oneshot_kernel(
         x = canonicalize(tl.load(x_ptr + offs, mask=first, other=0.0), C.sentinel, C.elem_bits)
         r = tl.load(res_ptr + offs, mask=first & C.has_res, other=0.0)
         w = tl.load(w_ptr + col, mask=first & C.has_norm, other=0.0).to(tl.float32)
-        qargs = start_quantized(qargs, pid, nprog, M, H, Q)
+        qargs = start_quantized(qargs, Q)
         dead = entry_state(err_ptr, errmap_ptr, abort_ptr, rank, calls, C)
         deadline = start_deadline(timeout_ns, C.use_asm)
         pdeadline, pspins = partials_deadline(deadline, timeout_ns, max_spins, C.use_asm)
@@ -115,6 +117,8 @@ def oneshot_kernel(
             for p in tl.static_range(C.world):
                 if (p != rank) & (dead == 0):
                     push_word(tags_at(bufs[p], header, region, tag_words, slot, rank, C) + pid, calls, C)
+        zero_padding_scales(qargs, pid, nprog, M, H, Q)  # pushes out, nothing waited for yet
+        if pid < items:
             if C.use_asm and (C.spin >= 4) and (C.world > 1):
                 # every source's vector, every tag and the abort word reloaded together, per thread
                 acc, dead = reduce_sources(x, local_ptr + slot_base, offs, region, my_tags + pid, tag_words, calls,
@@ -147,7 +151,7 @@ def oneshot_kernel(
         kernel_tail(newres_ptr, w_ptr, out_ptr, part_ptr, state_ptr, pid, nprog, items, M, H, eps, calls, tm, dead,
                     fx, qargs, C, Q, False)
     else:
-        qargs = start_quantized(qargs, pid, nprog, M, H, Q)
+        qargs = start_quantized(qargs, Q)
         dead = entry_state(err_ptr, errmap_ptr, abort_ptr, rank, calls, C)
         deadline = start_deadline(timeout_ns, C.use_asm)
         pdeadline, pspins = partials_deadline(deadline, timeout_ns, max_spins, C.use_asm)
@@ -171,6 +175,7 @@ def oneshot_kernel(
                     if p != rank:
                         push_word(tags_at(bufs[p], header, region, tag_words, slot, rank, C) + i, calls, C)
                 i = j
+        zero_padding_scales(qargs, pid, nprog, M, H, Q)  # pushes out, nothing waited for yet
 
         # 2. reduce in rank order; new_residual; normed or its partial. The next item's sources
         # and tags are loaded before this item is finished, so their latency overlaps its work.

@@ -112,13 +112,12 @@ def check_fits(where: str, m: int, h: int, ws, plan: Plan, *, twoshot: bool, qua
                          "(tpfuse.kernels.epilogue.residual_rmsnorm)")
 
 
-def quant_opts(device, quant, hidden: int) -> QuantOpts:
+def quant_opts(device, quant) -> QuantOpts:
     if quant is None:
         return QuantOpts.of()
     hw = hw_bits(hardware_fp8(device), hardware_fp4(device))
     return QuantOpts.of(kind=KIND_BY_NAME[quant.kind], group=quant.group or 16, swizzled=quant.layout == "swizzled",
-                     has_ub=quant.scale_ub is not None, hw=hw, with_normed=quant.with_normed,
-                     ng=triton.next_power_of_2(max(4, -(-(hidden // 16) // 4) * 4)))
+                     has_ub=quant.scale_ub is not None, hw=hw, with_normed=quant.with_normed)
 
 
 def peer_config(m: int, ws, plan: Plan, grid: int, *, itemsize: int, has_res: bool, has_norm: bool, twoshot: bool,
@@ -173,7 +172,7 @@ class PeerLaunch:
         self.grid = (grid_for(plan, max_programs),)
         device = ws.peers.local.device
         self.device = device
-        self.Q = quant_opts(device, quant, hidden)
+        self.Q = quant_opts(device, quant)
         self.options = options
         self.C = peer_config(num_tokens, ws, plan, self.grid[0], itemsize=dtype.itemsize, has_res=has_res,
                              has_norm=has_norm, twoshot=twoshot, rows=rows, options=options,

@@ -43,7 +43,7 @@ from tpfuse.kernels.epilogue import inverse_rms_of, round_like
 from tpfuse.kernels.protocol import MAX_GRID
 from tpfuse.kernels.quant import (
     KIND_FP8_TOKEN,
-    PAD_CHUNK,
+    PAD_WORDS,
     abs_bits,
     load_param,
     quantize_chunk,
@@ -106,7 +106,6 @@ class QuantOpts(NamedTuple):
     has_ub: bool = False
     hw: int = 0  # HW_CVT bits
     with_normed: bool = False
-    ng: int = 4  # a power of two >= align4(H / 16): the swizzled padding's scale columns
 
     @classmethod
     def of(cls, **fields) -> QuantOpts:
@@ -182,18 +181,23 @@ def finish_split_chunk(h, w, row, start, M, H, eps, out_ptr, offs, cmask, like, 
 
 
 @triton.jit
-def start_quantized(qargs, pid, nprog, M, H, Q: tl.constexpr):
-    """At a peer kernel's start, before it waits for any peer: zero the 128x4-swizzled NVFP4
-    scales of the padding rows (M .. align128(M); they depend on no data), spread over the
-    programs, and load the static / global scale. Returns qargs with that scale in place of its
-    pointer, so no load of it sits at the end of a row's dependency chain."""
+def start_quantized(qargs, Q: tl.constexpr):
+    """At a peer kernel's start: load the static / global scale. Returns qargs with that scale in
+    place of its pointer, so no load of it sits at the end of a row's dependency chain."""
+    return qargs[0], qargs[1], qargs[2], qargs[3], qargs[4], load_param(qargs[5], Q.kind), qargs[6]
+
+
+@triton.jit
+def zero_padding_scales(qargs, pid, nprog, M, H, Q: tl.constexpr):
+    """Zero the 128x4-swizzled NVFP4 scales of the padding rows (M .. align128(M); they depend on
+    no data), spread over the programs. A kernel calls it once its pushes are out, before it waits
+    for any peer: the stores then take none of the time its peers wait for its data."""
     if Q.swizzled:
-        num_pad = ((M + 127) // 128 * 128 - M + PAD_CHUNK - 1) // PAD_CHUNK
+        num_pad = tl.where(M % 128 == 0, 0, ((H // 16 + 3) // 4 * 128 + PAD_WORDS - 1) // PAD_WORDS)
         c = pid
         while c < num_pad:
-            zero_scale_padding(qargs[2], M, H, c, Q.ng, PAD_CHUNK)
+            zero_scale_padding(qargs[2], M, H, c, PAD_WORDS)
             c += nprog
-    return qargs[0], qargs[1], qargs[2], qargs[3], qargs[4], load_param(qargs[5], Q.kind), qargs[6]
 
 
 @triton.jit

@@ -14,9 +14,9 @@ A fused kernel calls it where it would store the normed row, e.g.
     hw, inv = normed_factors(s, row, cols, mask, res_ptr, w, newres_ptr, H, eps, HAS_RES, SOFT_BF16)
     quantize_row(hw * inv, row, cols, cols < H, M, H, q_ptr, q_row_stride, s_ptr, s_row_stride,
                  s_col_stride, param_ptr, scale_ub, KIND, GROUP, BLOCK_H, SWIZZLED, HAS_UB, HW_CVT)
-    # with SWIZZLED, pad_programs(M) extra programs (pid >= the row programs) each call
-    zero_scale_padding(s_ptr, M, H, pid - row_programs, BLOCK_H // 16, PAD_CHUNK)
-    # (a persistent, grid-strided kernel can instead spread chunk = 0 .. pad_programs(M) - 1
+    # with SWIZZLED, pad_programs(M, H) extra programs (pid >= the row programs) each call
+    zero_scale_padding(s_ptr, M, H, pid - row_programs, PAD_WORDS)
+    # (a persistent, grid-strided kernel can instead spread chunk = 0 .. pad_programs(M, H) - 1
     # over its programs; M must then be known to every program, as it is)
 
 with the buffers, strides and constexprs of a `QuantBuffers` (`constexprs(BLOCK_H)`), as
@@ -62,7 +62,7 @@ KIND_BY_NAME = {"fp8_static": KIND_FP8_STATIC, "fp8_per_token": KIND_FP8_TOKEN, 
 # Globals read inside @triton.jit functions must be tl.constexpr instances.
 E4M3_MAX_BITS = tl.constexpr(0x43E00000)  # 448.0
 E2M1_MAX_BITS = tl.constexpr(0x40C00000)  # 6.0
-PAD_CHUNK = tl.constexpr(16)  # padding rows zeroed per store by zero_scale_padding
+PAD_WORDS = tl.constexpr(1024)  # 32-bit scale words zeroed per call of zero_scale_padding
 # A predicated plain store of one 32-bit word / of its low byte (PTX lets a wider register feed st.b8).
 STORE_B32_IF = tl.constexpr("{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.b32 [$1], $2; mov.b32 $0, 0; }")
 STORE_B8_IF = tl.constexpr("{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.b8 [$1], $2; mov.b32 $0, 0; }")
@@ -180,7 +180,7 @@ def quantize_row(
     y: fp32 [BLOCK], the normalised row (any values in masked lanes); cols = tl.arange(0, BLOCK);
     cmask = cols < H; row: the row index (scalar); M: rows that exist (row >= M stores nothing).
     H: columns, a multiple of GROUP (16 for nvfp4). With SWIZZLED the launch must also zero the
-    padding rows' scales (`zero_scale_padding` from `pad_programs(M)` extra programs).
+    padding rows' scales (`zero_scale_padding` from `pad_programs(M, H)` extra programs).
     q_ptr: uint8 codes, row r at q_ptr + r * q_row_stride (H bytes, or H/2 for nvfp4).
     s_ptr: scales: fp32 at s_ptr + r * s_row_stride + g * s_col_stride (token: g = 0; group: g =
     column // GROUP; any strides, e.g. DeepGEMM's column-major (1, align4(M))); nvfp4: uint8
@@ -345,26 +345,33 @@ def dynamic_scale(amax, scale_ub, HAS_UB: tl.constexpr):
     return tl.where(amax != amax, nan, scale)
 
 
-def pad_programs(m: int) -> int:
-    """Extra programs a launch with 128x4-swizzled NVFP4 scales needs for `zero_scale_padding`."""
-    return -(-(-(-m // 128) * 128 - m) // PAD_CHUNK.value)
+def pad_programs(m: int, h: int) -> int:
+    """Calls of `zero_scale_padding` (extra programs of a launch) that 128x4-swizzled NVFP4 scales of
+    m rows x h columns need: the last 128-row tile's words, PAD_WORDS a call, where it has padding
+    rows (m not a multiple of 128), else none."""
+    if m % 128 == 0:
+        return 0
+    return -(-(-(-(h // 16) // 4) * 128) // PAD_WORDS.value)
 
 
 @triton.jit
-def zero_scale_padding(s_ptr, M, H, chunk, NG: tl.constexpr, CHUNK: tl.constexpr):
-    """Zero the 128x4-swizzled NVFP4 scales of padding rows M + chunk * CHUNK .. + CHUNK - 1
-    (those below align128(M)), all columns up to align4(H / 16); NG: a power of two >=
-    align4(H / 16). The NVFP4 GEMMs read the whole padded tile, so a launch gives
-    `pad_programs(M)` extra programs, chunk = 0, 1, ..., one call each: on idle SMs at decode
-    sizes, they add no latency to the row programs."""
+def zero_scale_padding(s_ptr, M, H, chunk, WORDS: tl.constexpr):
+    """Zero the 128x4-swizzled NVFP4 scales of the padding rows M .. align128(M) - 1, all columns
+    up to align4(H / 16): words chunk * WORDS .. + WORDS - 1 of the last tile (`pad_programs` calls,
+    chunk = 0, 1, ...). The NVFP4 GEMMs read the whole padded tile. In the 128x4 layout a 32-bit
+    word holds one row's scales of four consecutive 16-column blocks; word w of a 512-byte block
+    holds row (w % 4) * 32 + (w % 128) // 4 of its tile, and a tile's blocks lie one after the
+    other, so the tile is align4(H / 16) / 4 * 128 consecutive words: each warp's store is one
+    128-byte line, and no word of a row below M (which its row's program stores) is written. The
+    buffer must be 4-byte aligned (`QuantBuffers` allocates it). A launch gives these calls to extra
+    programs, or a kernel spreads them over its programs where they wait anyway: at decode sizes
+    they add no latency to the rows."""
     k4 = (H // 16 + 3) // 4
-    gidx = tl.arange(0, NG)
-    sf_m = (M + 127) // 128 * 128
-    rows = M + chunk * CHUNK + tl.arange(0, CHUNK)
-    offs = ((rows // 128).to(tl.int64) * (k4 * 512) + (rows % 32) * 16 + ((rows % 128) // 32) * 4)[:, None] \
-        + ((gidx // 4) * 512 + gidx % 4)[None, :]
-    mask = (rows < sf_m)[:, None] & (gidx < 4 * k4)[None, :]
-    tl.store(s_ptr + offs, tl.zeros([CHUNK, NG], tl.uint8), mask=mask)
+    tile = M // 128
+    w = chunk * WORDS + tl.arange(0, WORDS)
+    row = tile * 128 + (w % 4) * 32 + (w % 128) // 4
+    words = s_ptr.to(tl.pointer_type(tl.int32)) + tile.to(tl.int64) * (k4 * 128)
+    tl.store(words + w, tl.zeros([WORDS], tl.int32), mask=(w < k4 * 128) & (row >= M) & (row < (M + 127) // 128 * 128))
 
 
 @triton.jit
@@ -385,7 +392,7 @@ def quantize_rows_kernel(
         quantize_chunk(y, row, 0, M, H, q_ptr, q_stride, s_ptr, s_row_stride, s_col_stride, param, scale_ub, 0,
                        KIND, GROUP, BLOCK, SWIZZLED, HAS_UB, HW_CVT, False)
     elif SWIZZLED:
-        zero_scale_padding(s_ptr, M, H, row - M, BLOCK // 16, PAD_CHUNK)
+        zero_scale_padding(s_ptr, M, H, row - M, PAD_WORDS)
 
 
 def block_for(hidden: int, kind: str) -> int:
@@ -468,7 +475,7 @@ def quantize(y, quant, *, hw_fp8: bool = False, hw_fp4: bool = False):
     m, h = y.shape
     buf = QuantBuffers(quant, m, h, y.device, hw_fp8, hw_fp4)
     if m:
-        quantize_rows_kernel[(m + (pad_programs(m) if buf.swizzled else 0),)](
+        quantize_rows_kernel[(m + (pad_programs(m, h) if buf.swizzled else 0),)](
             y, m, h, buf.codes, buf.scales, *buf.s_strides, buf.param, buf.scale_ub,
             **buf.constexprs(block_for(h, quant.kind)),
         )

@@ -54,6 +54,7 @@ from tpfuse.kernels.peer_stages import (
     residual_step,
     start_quantized,
     sum_in_rank_order,
+    zero_padding_scales,
 )
 from tpfuse.kernels.protocol import NUM_SLOTS
 from tpfuse.kernels.sync import (
@@ -111,7 +112,7 @@ def twoshot_kernel(
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     calls = tl.load(state_ptr + pid)
-    qargs = start_quantized(qargs, pid, nprog, M, H, Q)
+    qargs = start_quantized(qargs, Q)
     abort_ptr = int32_ptr(local_ptr)
     fx = (err_ptr, errmap_ptr, abort_ptr, rank, bufs)
     dead = entry_state(err_ptr, errmap_ptr, abort_ptr, rank, calls, C)
@@ -155,6 +156,8 @@ def twoshot_kernel(
                             push_word(tag_words_of(bufs[o], header, region, tag_words, slot, rank, C) + ik
                                       - owner_k * per_owner * C.num_chunks, calls, C)
                 i += nprog * C.per_push
+
+        zero_padding_scales(qargs, pid, nprog, M, H, Q)  # pushes out, nothing waited for yet
 
         # 2. reduce each owned row in one program; push its chunks' sums, then its sum of squares
         own_end = tl.minimum((rank + 1) * per_owner, M)
@@ -298,6 +301,8 @@ def twoshot_kernel(
                         tags_o = tag_words_of(bufs[o], header, region, tag_words, slot, rank, C)
                         push_word(tags_o + i - owner * per_owner, calls, C)
                 i += nprog
+
+        zero_padding_scales(qargs, pid, nprog, M, H, Q)  # pushes out, nothing waited for yet
 
         # 2. reduce the owned chunks in rank order and publish the sums (and tags) to every rank
         own_end = tl.minimum((rank + 1) * per_owner, items)
