@@ -230,6 +230,8 @@ def _quant_rank(rank, world_size, name):
     x = small_integer_inputs(rank, 3, 64, torch.bfloat16, seed=4)
     res, w = (small_integer_inputs(100, 3, 64, torch.bfloat16, seed=4),
               small_integer_inputs(101, 1, 64, torch.bfloat16, seed=4)[0])
+    # at this decode size every format, NVFP4's software e2m1 included, quantizes in the kernel
+    assert all(strategy._quantizes_in_kernel(strategy._plan(3, 64, x.dtype), spec, 3) for spec in _quant_specs())
     outs = [_pack(strategy.all_reduce_residual_rmsnorm(x, res, w, 1e-6, quant=spec)) for spec in _quant_specs()]
     # a plan of more items than programs quantizes after the peer allreduce, in the epilogue
     strategy.plan_programs = 1

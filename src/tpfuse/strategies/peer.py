@@ -265,19 +265,17 @@ class PeerStrategy(Strategy):
         return route(x, residual, weight, eps, quant)
 
     def _quantizes_in_kernel(self, plan, quant, num_tokens: int) -> bool:
-        """Quantize inside the peer kernel when its programs hold one item each (decode sizes), for
-        two-shot only with chunk owners, and NVFP4 only where the e2m1 conversion is hardware;
-        otherwise the epilogue quantizes after the peer allreduce. Measured with 8 ranks emulated
-        on one H200 (benchmarks/results/peer_kernels_v3_emulated.jsonl, `quant` rows): at one token
-        the kernel's own FP8 quantization beats two kernels, NVFP4's software e2m1 loses to them,
-        and a program that quantizes item after item (per-token FP8 at 16 tokens, measured when
-        its row absmax took a second pass) was no faster than two kernels. A pure function of the shape and
-        agreed group facts, so every rank takes the same path."""
-        from tpfuse.kernels.device import hardware_fp4
-
+        """Quantize inside the peer kernel when its programs hold one item each (decode sizes), and
+        for two-shot only with chunk owners; otherwise the epilogue quantizes after the peer
+        allreduce. Measured with 8 ranks emulated on one H200: two kernels cost +3.1 us over the
+        unquantized call at one token even for static FP8, the cheapest format
+        (benchmarks/results/peer_kernels_v3_emulated.jsonl, `quant` rows), while the kernel's own
+        quantization costs +0.15-0.41 us for every format, NVFP4's software e2m1 included
+        (peer_kernels_v3_nvfp4_padding_h200_emulated.jsonl); a program that quantizes item after
+        item (per-token FP8 at 16 tokens, measured when its row absmax took a second pass) was no
+        faster than two kernels. A pure function of the shape and agreed group facts, so every rank
+        takes the same path."""
         if self.twoshot and twoshot_owns_rows(num_tokens, self.ctx.world_size, plan.programs):
-            return False
-        if quant.kind == "nvfp4" and not hardware_fp4(self.ctx.device):
             return False
         return quantizes_in_kernel(plan, quant) and plan.items <= self.plan_programs
 
