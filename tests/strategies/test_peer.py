@@ -230,14 +230,15 @@ def _quant_rank(rank, world_size, name):
     x = small_integer_inputs(rank, 3, 64, torch.bfloat16, seed=4)
     res, w = (small_integer_inputs(100, 3, 64, torch.bfloat16, seed=4),
               small_integer_inputs(101, 1, 64, torch.bfloat16, seed=4)[0])
-    # at this decode size every format, NVFP4's software e2m1 included, quantizes in the kernel
-    assert all(strategy._quantizes_in_kernel(strategy._plan(3, 64, x.dtype), spec, 3) for spec in _quant_specs())
     outs = [_pack(strategy.all_reduce_residual_rmsnorm(x, res, w, 1e-6, quant=spec)) for spec in _quant_specs()]
+    # at this decode size every format, NVFP4's software e2m1 included, was served by the peer kernel
+    assert {type(strategy._routes[k]).__name__ for k in strategy._routes if k[-1] is not None} == {"_Fused"}
     # a plan of more items than programs quantizes after the peer allreduce, in the epilogue
     strategy.plan_programs = 1
     strategy._routes.clear()  # routes are per shape: decided again with the new plan_programs
-    assert not strategy._quantizes_in_kernel(strategy._plan(3, 64, x.dtype), _quant_specs()[0], 3)
     outs += [_pack(strategy.all_reduce_residual_rmsnorm(x, res, w, 1e-6, quant=spec)) for spec in _quant_specs()]
+    assert {type(strategy._routes[k]).__name__ for k in strategy._routes if k[-1] is not None} == {"_QuantizeAfter"}
+    assert len([k for k in strategy._routes if k[-1] is not None]) == len(_quant_specs())
     strategy.check()
     strategy.close()
     return outs
