@@ -140,7 +140,7 @@ def providers(kind: str, spec: Q.QuantSpec, eps: float, configs=()):
     that configuration instead of `quant_launch_config`'s."""
     from tpfuse.kernels.device import hardware_fp4, hardware_fp8
     from tpfuse.kernels.epilogue import residual_rmsnorm
-    from tpfuse.kernels.quant import block_for, quantize
+    from tpfuse.kernels.quant import quantize
 
     hw = dict(hw_fp8=hardware_fp8("cuda"), hw_fp4=hardware_fp4("cuda"))  # the fused kernel's conversions
     compiled = torch.compile(reference_fused(kind, spec, eps), dynamic=True)
@@ -167,15 +167,9 @@ def providers(kind: str, spec: Q.QuantSpec, eps: float, configs=()):
             box["out"] = compiled(x, r, w)
         return call, lambda: box["out"][:2]
 
-    def fused_with(warps, rows, *rest):
-        *cut, regs = rest
+    def fused_with(*parsed):
         def factory(x, r, w):
-            block = max(triton.next_power_of_2(x.shape[1]), block_for(x.shape[1], kind))
-            if cut == ["p"]:  # the row whole in two parts: BLOCK_H half the masked block
-                block, slice_ = block // 2, block // 2
-            else:
-                slice_ = cut[0] if cut else block
-            box, config = {}, (block, warps, rows, slice_, regs)
+            box, config = {}, launch_tuple(parsed, x.shape[1], kind)
             def call():
                 box["out"] = residual_rmsnorm(x, r, w, eps, quant=spec, config=config)
             return call, lambda: (box["out"].out, box["out"].scale)
@@ -205,6 +199,18 @@ def parse_config(text: str) -> tuple:
     if len(config) == 3:
         assert config[2] == "p" or (config[2] > 0 and config[2] & (config[2] - 1) == 0 and config[1] == 1)
     return (*config, regs)
+
+
+def launch_tuple(config: tuple, hidden: int, kind: str) -> tuple[int, int, int, int, int]:
+    """`residual_rmsnorm`'s `config` (BLOCK_H, num_warps, rows, SLICE, REGS) for one `parse_config`
+    tuple at `hidden` columns of format `kind`."""
+    from tpfuse.kernels.quant import block_for
+
+    warps, rows, *cut, regs = config
+    block = max(triton.next_power_of_2(hidden), block_for(hidden, kind))
+    if cut == ["p"]:  # the row whole in two parts: BLOCK_H half the masked block
+        return block // 2, warps, rows, block // 2, regs
+    return block, warps, rows, cut[0] if cut else block, regs
 
 
 def config_name(config: tuple) -> str:

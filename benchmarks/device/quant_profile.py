@@ -10,11 +10,13 @@ warps' stall reasons), summarised as result rows.
     python benchmarks/device/quant_profile.py summarize ncu.csv labels.json --out rows.jsonl
 
 (`benchmarks/device/quant_profile.sh` runs the last two on the device.) Variants, each format
-(fp8_static, fp8_per_token, fp8_per_group 128 column-major, nvfp4 swizzled) at one prefill
-shape (`--tokens`, `--hidden`), bf16, with residual: `before` (the kernels of `--commit`, loaded
-from the prepared copy), `after` (this tree's launcher), `after[maxnreg=40]` (the same kernel
-capped at 40 registers a thread: 3 programs of 16 warps per SM), `after[w=8]` (8 warps a row);
-and `epilogue`, the unquantized kernel, for the bound a quantized call should approach.
+(`--formats`; default fp8_static, fp8_per_token, fp8_per_group 128 column-major, nvfp4 swizzled)
+at one shape (`--tokens`, `--hidden`), bf16, with residual: `before` (the kernels of `--commit`,
+loaded from the prepared copy, launched whole rows a program as kernels before slices were), `after`
+(this tree's launcher, its own launch configuration), `after` + a `bench_quant.py --configs` name
+for each `--configs` value (e.g. `8:1:2048`: 8 warps, slices of 2048 columns; `16:1:r40`: 16 warps
+capped at 40 registers a thread); and `epilogue`, the unquantized kernel, for the bound a quantized
+call should approach.
 """
 
 from __future__ import annotations
@@ -60,8 +62,9 @@ def prepare(commit: str, out: Path) -> None:
 
 
 def quant_launch(module, s, r, w, eps, spec, *, warps=None, maxnreg=None):
-    """`module`'s quantized epilogue kernel on (s, r, w), launched as its launcher does, with the
-    warps and register cap overridable."""
+    """`module`'s quantized epilogue kernel on (s, r, w), launched as its launcher did before rows
+    were cut into slices (whole rows a program), with the warps and register cap overridable: the
+    `before` variant, for trees whose launcher took no launch configuration."""
     import torch
     import triton
 
@@ -93,14 +96,10 @@ def launch(args) -> int:
     """One launch of every variant (the first call of each compiles it; ncu sees launches only)."""
     import torch
 
-    from bench_quant import spec_for
+    from bench_quant import config_name, launch_tuple, parse_config, spec_for
     from tpfuse.kernels import epilogue
 
-    variants = {"after": dict(module=epilogue), "after[maxnreg=40]": dict(module=epilogue, maxnreg=40),
-                "after[w=8]": dict(module=epilogue, warps=8)}
-    if args.before:
-        sys.path.insert(0, str(Path(args.before).resolve()))
-        variants = {"before": dict(module=importlib.import_module("epilogue_before")), **variants}
+    configs = [parse_config(c) for c in args.configs]
     t, h = args.tokens, args.hidden
     dev = args.device
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -108,18 +107,29 @@ def launch(args) -> int:
     w = (1 + 0.1 * torch.randn(h, device=dev, generator=gen)).to(torch.bfloat16)
     labels = [{"variant": "epilogue", "format": None}]
     epilogue.residual_rmsnorm(s, r, w, 1e-6)
-    for kind in FORMATS:
+    before = None
+    if args.before:
+        sys.path.insert(0, str(Path(args.before).resolve()))
+        before = importlib.import_module("epilogue_before")
+    for kind in args.formats:
         spec = spec_for(kind, dev)
+        variants = [("after", None)] + [("after" + config_name(c)[len("fused"):], launch_tuple(c, h, kind))
+                                        for c in configs]
+        if before is not None:
+            variants.insert(0, ("before", None))
         ref = None
-        for name, v in variants.items():
-            codes, scales = quant_launch(v["module"], s, r, w, 1e-6, spec, warps=v.get("warps"),
-                                         maxnreg=v.get("maxnreg"))
+        for name, config in variants:
+            if name == "before":
+                got = quant_launch(before, s, r, w, 1e-6, spec)
+            else:
+                q = epilogue.residual_rmsnorm(s, r, w, 1e-6, quant=spec, config=config)
+                got = (q.out, q.scale)
             labels.append({"variant": name, "format": kind})
-            got = (codes.clone(), scales.clone())
+            got = (got[0].clone(), got[1].clone())
             if ref is None:
-                ref = got
-            elif not (torch.equal(got[0], ref[0]) and torch.equal(_bytes(got[1]), _bytes(ref[1]))):
-                labels[-1]["bits_differ_from"] = next(iter(variants))
+                ref = (name, got)
+            elif not (torch.equal(got[0], ref[1][0]) and torch.equal(_bytes(got[1]), _bytes(ref[1][1]))):
+                labels[-1]["bits_differ_from"] = ref[0]
     from tpfuse.results import environment
 
     gpu, versions = environment()
@@ -203,6 +213,9 @@ def main(argv=None) -> int:
     pl.add_argument("--labels", required=True)
     pl.add_argument("--tokens", type=int, default=4096)
     pl.add_argument("--hidden", type=int, default=6144)
+    pl.add_argument("--formats", nargs="+", choices=FORMATS, default=list(FORMATS))
+    pl.add_argument("--configs", nargs="*", default=[], metavar="WARPS:ROWS[:SLICE|:p][:rREGS]",
+                    help="launch configurations profiled beside the launcher's own, as bench_quant.py --configs")
     pl.add_argument("--device", default="cuda", help="cpu: a dry run in the Triton interpreter (TRITON_INTERPRET=1)")
     ps = sub.add_parser("summarize")
     ps.add_argument("csv")
