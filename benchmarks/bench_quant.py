@@ -360,6 +360,14 @@ def main(argv=None) -> int:
     return 0
 
 
+def _cell(value: float, width: int, spec: str) -> str:
+    """`value` formatted to `width`, or "-" there for a figure that was not measured (NaN)."""
+    if value != value:
+        return f"{'-':>{width}}"
+    sign = spec[0] if spec[0] in "+- " else ""
+    return f"{value:>{sign}{width}{spec[len(sign):]}}"
+
+
 def _print_summary(summary, copy_gbps, notes) -> None:
     nan = float("nan")
     print(f"\ndevice copy bandwidth: {copy_gbps:,.0f} GB/s (read + write)")
@@ -378,9 +386,10 @@ def _print_summary(summary, copy_gbps, notes) -> None:
         fu, ff = pct("flashinfer")
         differ = agree.get("flashinfer", {}).get("codes_differ", nan)
         target = f"{TARGETS[kind]:.0%}" if tokens >= 4096 else f"+{DECODE_TARGET_US[kind]}"
-        print(f"{kind:>13} {tokens:>6} {hidden:>6} | {fused:>8.2f} {frac:>6.1%} {target:>4} | {epi:>7.2f} "
-              f"{fused - epi:>+6.2f} | {cu:>8.2f} {cf:>6.1%} | {fu:>8.2f} {ff:>6.1%} {differ:>7.1e} | "
-              f"{med.get('epilogue+tpfuse_quant', nan):>7.2f}")
+        print(f"{kind:>13} {tokens:>6} {hidden:>6} | {_cell(fused, 8, '.2f')} {_cell(frac, 6, '.1%')} {target:>4} | "
+              f"{_cell(epi, 7, '.2f')} {_cell(fused - epi, 6, '+.2f')} | {_cell(cu, 8, '.2f')} {_cell(cf, 6, '.1%')} | "
+              f"{_cell(fu, 8, '.2f')} {_cell(ff, 6, '.1%')} {_cell(differ, 7, '.1e')} | "
+              f"{_cell(med.get('epilogue+tpfuse_quant', nan), 7, '.2f')}")
     variants = [(kind, tokens, hidden, name, us, nbytes, med.get("epilogue_only", nan))
                 for kind, tokens, hidden, med, nbytes, _, _ in summary for name, us in med.items()
                 if name.startswith("fused[")]

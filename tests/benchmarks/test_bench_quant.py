@@ -38,3 +38,12 @@ def test_without_gpu_exits_2():
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_quant.py"), "--tokens", "1"],
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr
+
+
+def test_summary_marks_unmeasured_figures_instead_of_printing_nan(capsys):
+    summary = [("nvfp4", 1, 6144, {"fused": 2.30, "epilogue_only": 2.05}, 12_000, {}, {})]
+    bench_quant._print_summary(summary, 3000.0, {"flashinfer": "not carried"})
+    out = capsys.readouterr().out
+    assert "nan" not in out.lower()
+    line = next(x for x in out.splitlines() if x.strip().startswith("nvfp4"))
+    assert "2.30" in line and "+0.25" in line and line.rstrip().endswith("-")
