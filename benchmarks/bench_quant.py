@@ -201,6 +201,16 @@ def parse_config(text: str) -> tuple:
     return (*config, regs)
 
 
+def parse_configs(texts) -> list[tuple]:
+    """`parse_config` of each `--configs` value; ValueError naming the accepted form otherwise."""
+    try:
+        return [parse_config(c) for c in texts]
+    except (ValueError, AssertionError):
+        raise ValueError(f"--configs takes WARPS:ROWS, WARPS:1:SLICE or WARPS:ROWS:p, each optionally followed by "
+                         f":rREGS (warps a power of two up to 32, rows >= 1, slice a power of two; p: each row whole "
+                         f"in two power-of-two parts; REGS 24-255), got {list(texts)}") from None
+
+
 def launch_tuple(config: tuple, hidden: int, kind: str) -> tuple[int, int, int, int, int]:
     """`residual_rmsnorm`'s `config` (BLOCK_H, num_warps, rows, SLICE, REGS) for one `parse_config`
     tuple at `hidden` columns of format `kind`."""
@@ -309,11 +319,9 @@ def main(argv=None) -> int:
                         "then optionally rREGS, the registers a thread may use, e.g. 4:1:p:r128)")
     args = p.parse_args(argv)
     try:
-        configs = [parse_config(c) for c in args.configs]
-    except (ValueError, AssertionError):
-        p.error(f"--configs takes WARPS:ROWS, WARPS:1:SLICE or WARPS:ROWS:p, each optionally followed by :rREGS "
-                f"(warps a power of two up to 32, rows >= 1, slice a power of two; p: each row whole in two "
-                f"power-of-two parts; REGS 24-255), got {args.configs}")
+        configs = parse_configs(args.configs)
+    except ValueError as exc:
+        p.error(str(exc))
     if not torch.cuda.is_available():
         print("bench_quant: needs a CUDA GPU; torch sees none", file=sys.stderr)
         return 2

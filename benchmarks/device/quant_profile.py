@@ -61,10 +61,10 @@ def prepare(commit: str, out: Path) -> None:
     (out / "COMMIT").write_text(commit + "\n")
 
 
-def quant_launch(module, s, r, w, eps, spec, *, warps=None, maxnreg=None):
+def quant_launch(module, s, r, w, eps, spec):
     """`module`'s quantized epilogue kernel on (s, r, w), launched as its launcher did before rows
-    were cut into slices (whole rows a program), with the warps and register cap overridable: the
-    `before` variant, for trees whose launcher took no launch configuration."""
+    were cut into slices (whole rows a program): the `before` variant, for trees whose launcher
+    took no launch configuration."""
     import torch
     import triton
 
@@ -83,11 +83,10 @@ def quant_launch(module, s, r, w, eps, spec, *, warps=None, maxnreg=None):
     grid = triton.cdiv(m, rows) + pad
     kw = buf.constexprs(block)
     del kw["BLOCK"]
-    opts = {"maxnreg": maxnreg} if maxnreg else {}
     module.residual_rmsnorm_quant_kernel[(grid,)](
         s, r, w, s, new_res, m, h, float(eps), buf.codes, buf.codes.stride(0), buf.scales, *buf.s_strides, buf.param,
         buf.scale_ub, BLOCK_H=block, ROWS=rows, HAS_RES=True, SOFT_BF16=False, WITH_NORMED=False,
-        num_warps=warps or num_warps, **kw, **opts,
+        num_warps=num_warps, **kw,
     )
     return buf.codes, buf.scales
 
@@ -96,10 +95,10 @@ def launch(args) -> int:
     """One launch of every variant (the first call of each compiles it; ncu sees launches only)."""
     import torch
 
-    from bench_quant import config_name, launch_tuple, parse_config, spec_for
+    from bench_quant import config_name, launch_tuple, spec_for
     from tpfuse.kernels import epilogue
 
-    configs = [parse_config(c) for c in args.configs]
+    configs = args.configs
     t, h = args.tokens, args.hidden
     dev = args.device
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -223,6 +222,13 @@ def main(argv=None) -> int:
     ps.add_argument("--out")
     ps.add_argument("--env-from", help="a rows file of the same device run, for labels without its environment")
     args = p.parse_args(argv)
+    if args.cmd == "launch":
+        from bench_quant import parse_configs
+
+        try:
+            args.configs = parse_configs(args.configs)
+        except ValueError as exc:
+            pl.error(str(exc))
     if args.cmd == "prepare":
         prepare(args.commit, Path(args.dir))
         return 0

@@ -44,3 +44,11 @@ def test_launch_dry_run_labels_every_variant_it_launched(tmp_path):
     assert [(x["variant"], x["format"]) for x in meta["launches"]] == [
         ("epilogue", None), ("after", "fp8_static"), ("after[w=4,r=1,s=128]", "fp8_static"),
         ("after", "fp8_per_group"), ("after[w=4,r=1,s=128]", "fp8_per_group")]
+
+
+def test_a_malformed_config_is_refused_with_the_form_it_takes(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "device" / "quant_profile.py"), "launch",
+                           "--labels", str(tmp_path / "labels.json"), "--configs", "3:1"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--configs takes WARPS:ROWS" in proc.stderr and "['3:1']" in proc.stderr
+    assert not (tmp_path / "labels.json").exists()
