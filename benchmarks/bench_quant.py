@@ -370,10 +370,7 @@ def main(argv=None) -> int:
 
 def _cell(value: float, width: int, spec: str) -> str:
     """`value` formatted to `width`, or "-" there for a figure that was not measured (NaN)."""
-    if value != value:
-        return f"{'-':>{width}}"
-    sign = spec[0] if spec[0] in "+- " else ""
-    return f"{value:>{sign}{width}{spec[len(sign):]}}"
+    return f"{'-' if value != value else format(value, spec):>{width}}"
 
 
 def _print_summary(summary, copy_gbps, notes) -> None:

@@ -233,6 +233,7 @@ def _quant_rank(rank, world_size, name):
     outs = [_pack(strategy.all_reduce_residual_rmsnorm(x, res, w, 1e-6, quant=spec)) for spec in _quant_specs()]
     # at this decode size every format, NVFP4's software e2m1 included, was served by the peer kernel
     assert {type(strategy._routes[k]).__name__ for k in strategy._routes if k[-1] is not None} == {"_Fused"}
+    assert len([k for k in strategy._routes if k[-1] is not None]) == len(_quant_specs())
     # a plan of more items than programs quantizes after the peer allreduce, in the epilogue
     strategy.plan_programs = 1
     strategy._routes.clear()  # routes are per shape: decided again with the new plan_programs
